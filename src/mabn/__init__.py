@@ -1,0 +1,6 @@
+"""MABN: Moving Average Batch Normalization for small-batch training (ICLR 2020), as a Lightning app."""
+
+from .norm import NORM_PRESETS, BatchRenorm2d, CenConv2d, MABN2d, convert_norm, fold_norms
+
+__all__ = ["MABN2d", "CenConv2d", "BatchRenorm2d", "convert_norm", "fold_norms", "NORM_PRESETS"]
+__version__ = "0.1.0"

@@ -1,0 +1,49 @@
+"""Input checks and ghost-batch bookkeeping shared by the batch-statistic norms."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def check_input(layer: str, x: Tensor, num_features: int, norm_batch_size: int | None, training: bool) -> int:
+    """Validate a 4-D NCHW input and return G, the number of normalization groups in it.
+
+    Runs before any state is touched, so a rejected batch leaves every buffer as it was. Only a
+    training forward takes statistics, so only it needs a non-empty batch split into whole groups.
+    """
+    if x.dim() != 4:
+        raise ValueError(f"{layer} expects 4-D input (N, C, H, W), got shape {tuple(x.shape)}")
+    n, c, h, w = x.shape
+    if c != num_features:
+        raise ValueError(f"{layer} was built for {num_features} channels, got input with {c} (shape {tuple(x.shape)})")
+    if not training:
+        return 1
+    if n * h * w == 0:
+        raise ValueError(f"{layer} got an empty batch (shape {tuple(x.shape)}): statistics of nothing are undefined")
+    b = norm_batch_size or n
+    if n % b != 0:
+        raise ValueError(
+            f"{layer}: batch of {n} samples is not divisible by norm_batch_size={b}; "
+            "use a batch size that is a multiple of it (e.g. drop_last=True in the data loader)"
+        )
+    return n // b
+
+
+def check_finite(layer: str, what: str, t: Tensor) -> None:
+    """Refuse to store non-finite statistics: one NaN would poison the buffers for good."""
+    if not bool(torch.isfinite(t).all()):
+        raise FloatingPointError(
+            f"{layer}: non-finite {what} (input or gradient holds NaN/inf or overflows); buffers left unchanged"
+        )
+
+
+def stat_dtype(x: Tensor) -> torch.dtype:
+    """Statistics are kept in float32 or better, whatever the activation dtype."""
+    return torch.promote_types(x.dtype, torch.float32)
+
+
+def per_sample(t: Tensor, group_size: int) -> Tensor:
+    """Expand per-group (G, C) values to per-sample (N, C, 1, 1) for broadcasting over a batch."""
+    g, c = t.shape
+    return t.unsqueeze(1).expand(g, group_size, c).reshape(g * group_size, c, 1, 1)

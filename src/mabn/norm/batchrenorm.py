@@ -1,0 +1,111 @@
+"""Batch Renormalization (Ioffe, NeurIPS 2017) with its clipping ramps and ghost batches."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ._common import check_finite, check_input, stat_dtype
+
+
+def _ramp(t: Tensor, start: float, end: float, low: float, high: float) -> Tensor:
+    """low until step ``start``, linear to high at step ``end``, high afterwards."""
+    frac = ((t.to(torch.float64) - start) / max(end - start, 1)).clamp(0.0, 1.0)
+    return low + (high - low) * frac
+
+
+class BatchRenorm2d(nn.Module):
+    """Batch Renormalization: BN whose training output is corrected towards the moving averages.
+
+    Per normalization batch: xhat = (x - mu_B) / sigma_B with the exact BN gradient, then
+    out = weight * (r * xhat + d) + bias with r = clip(sigma_B / sigma, 1/rmax, rmax) and
+    d = clip((mu_B - mu) / sigma, -dmax, dmax) held constant in backward. rmax ramps 1 -> r_max over
+    training forwards r_ramp, dmax 0 -> d_max over d_ramp (Ioffe's schedule by default).
+    ``momentum`` uses the paper's convention: stat = momentum * stat + (1 - momentum) * batch_stat.
+    With r_max=1 and d_max=0 this is plain BN, which gives ghost-batch BN through norm_batch_size.
+    Inference: weight * (x - running_mean) / running_std + bias.
+    """
+
+    def __init__(
+        self,
+        num_features: int,
+        eps: float = 1e-5,
+        momentum: float = 0.99,
+        r_max: float = 3.0,
+        d_max: float = 5.0,
+        r_ramp: tuple[int, int] = (5000, 40000),
+        d_ramp: tuple[int, int] = (5000, 25000),
+        norm_batch_size: int | None = None,
+    ) -> None:
+        super().__init__()
+        if not 0.0 <= momentum < 1.0:
+            raise ValueError(f"BatchRenorm2d: momentum must be in [0, 1), got {momentum}")
+        if r_max < 1.0 or d_max < 0.0:
+            raise ValueError(f"BatchRenorm2d: need r_max >= 1 and d_max >= 0, got {r_max}, {d_max}")
+        if norm_batch_size is not None and norm_batch_size < 1:
+            raise ValueError(f"BatchRenorm2d: norm_batch_size must be >= 1 or None, got {norm_batch_size}")
+        self.num_features = num_features
+        self.eps = eps
+        self.momentum = momentum
+        self.r_max = r_max
+        self.d_max = d_max
+        self.r_ramp = tuple(r_ramp)
+        self.d_ramp = tuple(d_ramp)
+        self.norm_batch_size = norm_batch_size
+        self.weight = nn.Parameter(torch.ones(num_features))
+        self.bias = nn.Parameter(torch.zeros(num_features))
+        self.register_buffer("running_mean", torch.zeros(num_features))
+        self.register_buffer("running_std", torch.ones(num_features))  # includes eps, as sigma_B does
+        self.register_buffer("num_batches_tracked", torch.zeros((), dtype=torch.long))
+
+    def limits(self, t: Tensor) -> tuple[Tensor, Tensor]:
+        """(rmax, dmax) at training forward number t (1-based)."""
+        rmax = _ramp(t, *self.r_ramp, 1.0, self.r_max)
+        dmax = _ramp(t, *self.d_ramp, 0.0, self.d_max)
+        return rmax, dmax
+
+    def inference_affine(self) -> tuple[Tensor, Tensor]:
+        """(scale, shift) per channel such that the eval output is x * scale + shift."""
+        scale = self.weight / self.running_std
+        return scale, self.bias - self.running_mean * scale
+
+    def forward(self, x: Tensor) -> Tensor:
+        groups = check_input(type(self).__name__, x, self.num_features, self.norm_batch_size, self.training)
+        c = self.num_features
+        if not self.training:
+            scale, shift = self.inference_affine()
+            return torch.addcmul(shift.to(x.dtype).view(1, c, 1, 1), x, scale.to(x.dtype).view(1, c, 1, 1))
+
+        n, _, h, w = x.shape
+        b, sdt = n // groups, stat_dtype(x)
+        with torch.no_grad():
+            # Per-sample sums are single fast passes; r, d and the running averages tolerate the
+            # E[x^2] - mu^2 form, while xhat below gets BN's own exact statistics.
+            count = b * h * w
+            mu = torch.sum(x, dim=(2, 3), dtype=sdt).view(groups, b, c).sum(1) / count
+            ex2 = torch.linalg.vector_norm(x, 2, dim=(2, 3), dtype=sdt).square().view(groups, b, c).sum(1) / count
+            var = (ex2 - mu * mu).clamp_min(0.0)
+            check_finite(type(self).__name__, "batch statistics", var + mu)
+            sigma = (var + self.eps).sqrt()
+            run_mean, run_std = self.running_mean.to(sdt), self.running_std.to(sdt)
+            rmax, dmax = self.limits(self.num_batches_tracked + 1)
+            r = torch.minimum(torch.maximum(sigma / run_std, 1.0 / rmax), rmax).to(sdt)
+            d = torch.minimum(torch.maximum((mu - run_mean) / run_std, -dmax), dmax).to(sdt)
+            self.num_batches_tracked.add_(1)
+            self.running_mean.lerp_(mu.mean(0).to(self.running_mean.dtype), 1.0 - self.momentum)
+            self.running_std.lerp_(sigma.mean(0).to(self.running_std.dtype), 1.0 - self.momentum)
+
+        # BN's own fused kernel does xhat with the exact gradient; r and d enter as its affine.
+        weight, bias = self.weight * r, self.weight * d + self.bias
+        outs = [
+            F.batch_norm(x[k * b : (k + 1) * b], None, None, weight[k], bias[k], True, 0.0, self.eps)
+            for k in range(groups)
+        ]
+        return outs[0] if groups == 1 else torch.cat(outs)
+
+    def extra_repr(self) -> str:
+        return (
+            f"{self.num_features}, eps={self.eps}, momentum={self.momentum}, r_max={self.r_max}, "
+            f"d_max={self.d_max}, r_ramp={self.r_ramp}, d_ramp={self.d_ramp}, norm_batch_size={self.norm_batch_size}"
+        )

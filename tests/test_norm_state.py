@@ -1,0 +1,152 @@
+"""State handling of the norms: exact resume from a state_dict, refusal of bad input, low precision."""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from mabn import BatchRenorm2d, MABN2d
+
+# Short timelines so that 30 steps cross warm-up, SMA and renormalization.
+MABN_KW = dict(buffer_size=4, warmup_iters=5, renorm_warmup_iters=10, renorm_clip=1.5, momentum=0.9)
+BRN_KW = dict(r_ramp=(3, 12), d_ramp=(3, 8), momentum=0.9)
+LAYERS = {
+    "mabn": lambda: MABN2d(3, **MABN_KW),
+    "mabn_ghost": lambda: MABN2d(3, norm_batch_size=2, **MABN_KW),
+    "mabn_ema": lambda: MABN2d(3, stats="ema", norm_batch_size=2, **MABN_KW),
+    "brn_ghost": lambda: BatchRenorm2d(3, norm_batch_size=2, **BRN_KW),
+}
+
+
+def _stream(steps, seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        scale = 0.5 + 2.5 * torch.rand((), generator=gen)
+        yield scale * torch.randn(6, 3, 4, 5, generator=gen) + 0.3, torch.randn(6, 3, 4, 5, generator=gen)
+
+
+def _train_step(layer, x, g):
+    x = x.clone().requires_grad_()
+    out = layer(x)
+    out.backward(g)
+    return out.detach(), x.grad, layer.weight.grad.clone(), layer.bias.grad.clone()
+
+
+def _zero_grads(layer):
+    layer.weight.grad = None
+    layer.bias.grad = None
+
+
+@pytest.mark.parametrize("name", sorted(LAYERS))
+def test_state_dict_resume_is_bit_identical(name):
+    steps, cut = 30, 12
+    data = list(_stream(steps))
+    layer = LAYERS[name]()
+    with torch.no_grad():
+        layer.weight.uniform_(0.5, 1.5)
+        layer.bias.uniform_(-0.5, 0.5)
+    saved, reference = None, []
+    for t, (x, g) in enumerate(data):
+        if t == cut:
+            saved = copy.deepcopy(layer.state_dict())
+        _zero_grads(layer)
+        reference.append(_train_step(layer, x, g))
+
+    resumed = LAYERS[name]()
+    resumed.load_state_dict(saved)
+    for t in range(cut, steps):
+        _zero_grads(resumed)
+        got = _train_step(resumed, *data[t])
+        for a, b in zip(got, reference[t]):
+            assert torch.equal(a, b), f"step {t} diverged after resuming"
+    for key, value in layer.state_dict().items():
+        assert torch.equal(resumed.state_dict()[key], value), key
+
+
+def _bad_inputs():
+    return {
+        "3-D": (torch.randn(2, 3, 5), "4-D input"),
+        "5-D": (torch.randn(2, 3, 2, 2, 2), "4-D input"),
+        "channels": (torch.randn(2, 4, 3, 3), "built for 3 channels"),
+        "empty batch": (torch.randn(0, 3, 3, 3), "empty batch"),
+        "empty map": (torch.randn(2, 3, 0, 3), "empty batch"),
+        "indivisible": (torch.randn(3, 3, 2, 2), "not divisible by norm_batch_size=2"),
+        "nan": (torch.full((2, 3, 2, 2), float("nan")), "non-finite"),
+        "inf": (torch.full((2, 3, 2, 2), float("inf")), "non-finite"),
+        "overflow": (torch.full((2, 3, 2, 2), 3e38), "non-finite"),
+    }
+
+
+# Divisibility by norm_batch_size only applies to layers with ghost batches.
+BAD_CASES = [(n, c) for n in sorted(LAYERS) for c in sorted(_bad_inputs()) if not (n == "mabn" and c == "indivisible")]
+
+
+@pytest.mark.parametrize(("name", "case"), BAD_CASES)
+def test_bad_input_raises_and_leaves_state(name, case):
+    layer = LAYERS[name]()
+    for x, g in _stream(7):  # some history in the buffers
+        _train_step(layer, x, g)
+    before = copy.deepcopy(layer.state_dict())
+    x, message = _bad_inputs()[case]
+    with pytest.raises((ValueError, FloatingPointError), match=message):
+        layer(x)
+    for key, value in layer.state_dict().items():
+        assert torch.equal(value, before[key]), f"{key} changed after a rejected batch ({case})"
+
+
+@pytest.mark.parametrize("name", ["mabn", "mabn_ghost", "mabn_ema"])
+def test_non_finite_gradient_raises_and_leaves_state(name):
+    layer = LAYERS[name]()
+    for x, g in _stream(7):
+        _train_step(layer, x, g)
+    before = copy.deepcopy(layer.state_dict())
+    x = torch.randn(6, 3, 4, 5, requires_grad=True)
+    out = layer(x)
+    after_forward = copy.deepcopy(layer.state_dict())
+    with pytest.raises(FloatingPointError, match="psi"):
+        out.backward(torch.full_like(out, float("nan")))
+    for key in ("buffer_gz", "running_psi", "count_gz"):
+        assert torch.equal(layer.state_dict()[key], after_forward[key]), key
+        assert torch.equal(layer.state_dict()[key], before[key]), key
+
+
+def test_eval_accepts_any_batch_and_changes_nothing():
+    layer = LAYERS["mabn_ghost"]()
+    for x, g in _stream(7):
+        _train_step(layer, x, g)
+    before = copy.deepcopy(layer.state_dict())
+    layer.eval()
+    out = layer(torch.randn(1, 3, 7, 7))  # one sample: not a whole ghost batch, fine at inference
+    assert out.shape == (1, 3, 7, 7)
+    for key, value in layer.state_dict().items():
+        assert torch.equal(value, before[key]), key
+
+
+@pytest.mark.parametrize("name", sorted(LAYERS))
+def test_bfloat16_autocast_keeps_float32_finite_statistics(name):
+    conv = nn.Conv2d(2, 3, 3, padding=1)
+    layer = LAYERS[name]()
+    for t in range(25):
+        x = torch.randn(6, 2, 6, 6) * (50.0 if t % 2 else 1.0)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = layer(conv(x))
+        assert out.dtype == torch.bfloat16
+        out.float().square().mean().backward()
+    for key, value in layer.state_dict().items():
+        if value.is_floating_point():
+            assert value.dtype == torch.float32, key
+            assert torch.isfinite(value).all(), key
+    assert torch.isfinite(conv.weight.grad).all() and torch.isfinite(layer.weight.grad).all()
+
+
+def test_float16_input_squares_do_not_overflow():
+    """x^2 of |x| = 1000 overflows float16 (max 65504); statistics are taken in float32."""
+    layer = MABN2d(3, **MABN_KW)
+    x = (1000 * torch.randn(4, 3, 5, 5)).half().requires_grad_()
+    out = layer(x)
+    out.backward(torch.randn_like(out))
+    assert out.dtype == torch.float16 and torch.isfinite(out).all()
+    assert torch.isfinite(layer.buffer_x2).all() and torch.isfinite(layer.buffer_gz).all()
+    chi2 = x.detach().double().square().mean(dim=(0, 2, 3))
+    torch.testing.assert_close(layer.buffer_x2[-1].double(), chi2, rtol=1e-3, atol=0)
