@@ -1,0 +1,58 @@
+"""``python -m mabn fit|validate|test --config ...``: the LightningCLI that drives both stages."""
+
+from __future__ import annotations
+
+import sys
+
+import pytorch_lightning as pl
+from pytorch_lightning.cli import LightningCLI
+
+from .data.errors import DatasetError
+from .models import BackboneError
+
+
+class MabnCLI(LightningCLI):
+    def add_arguments_to_parser(self, parser) -> None:
+        # The number of classes is a property of the data, never set twice by hand.
+        parser.link_arguments("data.num_classes", "model.init_args.num_classes", apply_on="instantiate")
+
+
+def run_cli(args: list[str] | None = None, run: bool = True) -> MabnCLI:
+    return MabnCLI(
+        pl.LightningModule,
+        pl.LightningDataModule,
+        subclass_mode_model=True,
+        subclass_mode_data=True,
+        save_config_kwargs={"overwrite": True},
+        args=args,
+        run=run,
+    )
+
+
+def user_error(err: BaseException) -> str | None:
+    """The message of the dataset or backbone error behind ``err``, if there is one.
+
+    jsonargparse wraps errors raised while it instantiates the data module, and a DataLoader worker
+    re-raises with its traceback in the message: dig out the original, one-line message.
+    """
+    seen = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        if isinstance(err, DatasetError | BackboneError):
+            lines = str(err).strip().splitlines()
+            if len(lines) > 1 and lines[0].startswith("Caught "):
+                return lines[-1].split(": ", 1)[-1]
+            return str(err)
+        err = err.__cause__ or err.__context__
+    return None
+
+
+def main(args: list[str] | None = None) -> None:
+    try:
+        run_cli(args)
+    except Exception as err:
+        message = user_error(err)
+        if message is None:
+            raise
+        print(f"error: {message}", file=sys.stderr)
+        sys.exit(2)

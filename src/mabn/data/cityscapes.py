@@ -1,0 +1,304 @@
+"""Cityscapes fine annotations (19 training classes) with the hszhao/semseg PSPNet augmentation.
+
+Reads the official layout directly: ``*_gtFine_labelIds.png`` files are mapped to trainIds on the fly, so no
+``csCreateTrainIdLabelImgs`` preprocessing step is needed.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import NamedTuple
+
+import albumentations as A
+import cv2
+import numpy as np
+import pytorch_lightning as pl
+import torch
+from PIL import Image
+from torch.utils.data import DataLoader, Dataset
+from torchvision.datasets import Cityscapes
+
+from .errors import DatasetError
+from .loading import augmentation_seed, make_loader, process_rank
+
+__all__ = [
+    "CLASS_NAMES",
+    "IGNORE_INDEX",
+    "NUM_CLASSES",
+    "CityscapesDataModule",
+    "CityscapesDataset",
+    "CityscapesSample",
+    "DatasetError",
+    "label_ids_to_train_ids",
+    "train_transform",
+]
+
+IGNORE_INDEX = 255
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+# Padding the uint8 image with the mean pixel makes padded areas exactly 0 after normalization (as hszhao pads).
+MEAN_PIXEL = tuple(255.0 * m for m in IMAGENET_MEAN)
+IMAGE_SUFFIX = "_leftImg8bit.png"
+LABEL_SUFFIX = "_gtFine_labelIds.png"
+LAYOUT = (
+    "<root>/leftImg8bit/<split>/<city>/<city>_<seq>_<frame>_leftImg8bit.png with labels in "
+    "<root>/gtFine/<split>/<city>/<city>_<seq>_<frame>_gtFine_labelIds.png"
+)
+
+
+def _train_id_table() -> tuple[np.ndarray, tuple[str, ...]]:
+    """The labelId -> trainId lookup table and the trainId-ordered class names, from torchvision's class list."""
+    lut = np.full(256, IGNORE_INDEX, dtype=np.uint8)
+    names: dict[int, str] = {}
+    for cls in Cityscapes.classes:
+        # train_id 255 marks classes ignored in evaluation, -1 the license plate (id -1): both stay ignore.
+        if 0 <= cls.train_id < IGNORE_INDEX:
+            lut[cls.id] = cls.train_id
+            names[cls.train_id] = cls.name
+    return lut, tuple(names[i] for i in range(len(names)))
+
+
+TRAIN_ID_LUT, CLASS_NAMES = _train_id_table()
+NUM_CLASSES = len(CLASS_NAMES)
+
+
+def label_ids_to_train_ids(label: np.ndarray) -> np.ndarray:
+    """Map Cityscapes labelIds to trainIds 0..18 as uint8, via a 256-entry lookup table.
+
+    Every id that is not one of the 19 evaluated classes maps to ``IGNORE_INDEX`` (255): the void and
+    ignored-in-eval classes, the license plate, and any value not in the Cityscapes table at all
+    (including negative or >255 values of wider integer arrays).
+    """
+    label = np.asarray(label)
+    if label.dtype == np.uint8:
+        return TRAIN_ID_LUT[label]
+    if not np.issubdtype(label.dtype, np.integer):
+        raise TypeError(f"labelIds must be an integer array, got dtype {label.dtype}")
+    train = np.full(label.shape, IGNORE_INDEX, dtype=np.uint8)
+    known = (label >= 0) & (label < TRAIN_ID_LUT.size)
+    train[known] = TRAIN_ID_LUT[label[known]]
+    return train
+
+
+class CityscapesSample(NamedTuple):
+    """One image/label pair; ``name`` is ``<city>_<seq>_<frame>``, the official frame id."""
+
+    name: str
+    image: Path
+    label: Path
+
+
+def find_samples(root: str | Path, split: str) -> list[CityscapesSample]:
+    """All image/label pairs of a split, sorted by city and frame, paired by file name.
+
+    Raises ``DatasetError`` naming the folder or file for a missing split folder, an empty split, or an
+    image without its label file (or the reverse).
+    """
+    root = Path(root)
+    image_dir, label_dir = root / "leftImg8bit" / split, root / "gtFine" / split
+    for folder in (image_dir, label_dir):
+        if not folder.is_dir():
+            raise DatasetError(f"missing Cityscapes folder {folder}; expected the official layout {LAYOUT}")
+    images = {
+        p.relative_to(image_dir).as_posix()[: -len(IMAGE_SUFFIX)]: p for p in image_dir.glob(f"*/*{IMAGE_SUFFIX}")
+    }
+    labels = {
+        p.relative_to(label_dir).as_posix()[: -len(LABEL_SUFFIX)]: p for p in label_dir.glob(f"*/*{LABEL_SUFFIX}")
+    }
+    if not images:
+        raise DatasetError(f"no images matching <city>/*{IMAGE_SUFFIX} in {image_dir}; expected {LAYOUT}")
+    unlabeled, orphans = sorted(images.keys() - labels.keys()), sorted(labels.keys() - images.keys())
+    if unlabeled:
+        key = unlabeled[0]
+        raise DatasetError(
+            f"image {images[key]} has no label file {label_dir / (key + LABEL_SUFFIX)} "
+            f"({len(unlabeled)} image(s) without labels in {image_dir})"
+        )
+    if orphans:
+        key = orphans[0]
+        raise DatasetError(
+            f"label {labels[key]} has no image file {image_dir / (key + IMAGE_SUFFIX)} "
+            f"({len(orphans)} label(s) without images in {label_dir})"
+        )
+    return [CityscapesSample(Path(key).name, images[key], labels[key]) for key in sorted(images)]
+
+
+def _read_png(path: Path, kind: str, mode: str | None = None) -> np.ndarray:
+    """The pixels of the image file at ``path`` (converted to ``mode`` if given), or a ``DatasetError`` naming it."""
+    try:
+        with Image.open(path) as img:
+            return np.asarray(img if mode is None else img.convert(mode))
+    # PIL reports undecodable files as OSError (UnidentifiedImageError, truncated data) or, for corrupt
+    # PNG chunks, as SyntaxError.
+    except (OSError, SyntaxError, ValueError) as err:
+        raise DatasetError(f"cannot read {kind} file {path}: {err}") from err
+
+
+class CityscapesDataset(Dataset):
+    """Cityscapes ``split`` under ``root`` in the official layout, yielding normalized images and trainIds.
+
+    Items are ``(image, label)``: a float32 tensor 3xHxW normalized with the ImageNet mean/std and an int64
+    tensor HxW of trainIds 0..18 with ``IGNORE_INDEX`` (255) for unlabeled pixels. ``transform`` is an
+    albumentations-style callable applied to ``image=`` (uint8 HxWx3 RGB) and ``mask=`` (uint8 trainIds)
+    before normalization, e.g. :func:`train_transform`; ``None`` keeps the full image. ``samples[i]`` names
+    the files of item ``i``.
+    """
+
+    def __init__(self, root: str | Path, split: str, transform: A.BasicTransform | A.Compose | None = None) -> None:
+        self.root = Path(root)
+        self.split = split
+        self.transform = transform
+        self.samples = find_samples(self.root, split)
+        self._normalize = A.Normalize(mean=IMAGENET_MEAN, std=IMAGENET_STD, max_pixel_value=255.0)
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def read_pair(self, index: int) -> tuple[np.ndarray, np.ndarray]:
+        """The raw item: uint8 RGB image HxWx3 and uint8 trainId label HxW, checked to have the same size."""
+        sample = self.samples[index]
+        image = _read_png(sample.image, "image", mode="RGB")
+        label = _read_png(sample.label, "label")
+        if label.ndim != 2:
+            raise DatasetError(
+                f"label file {sample.label} has shape {label.shape}; expected a single-channel labelIds PNG"
+            )
+        if image.shape[:2] != label.shape:
+            (ih, iw), (lh, lw) = image.shape[:2], label.shape
+            raise DatasetError(
+                f"size mismatch: image {sample.image} is {iw}x{ih} but label {sample.label} is {lw}x{lh} (WxH)"
+            )
+        return image, label_ids_to_train_ids(label)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        image, label = self.read_pair(index)
+        if self.transform is not None:
+            out = self.transform(image=image, mask=label)
+            image, label = out["image"], out["mask"]
+        image = self._normalize(image=image)["image"]
+        return torch.from_numpy(np.ascontiguousarray(image.transpose(2, 0, 1))), torch.from_numpy(
+            label.astype(np.int64)
+        )
+
+
+def train_transform(
+    crop_size: int = 712,
+    scale_range: tuple[float, float] = (0.5, 2.0),
+    rotate_limit: float = 10.0,
+    blur_p: float = 0.5,
+    seed: int | None = None,
+) -> A.Compose:
+    """The hszhao/semseg PSPNet training augmentation (before normalization), in its order.
+
+    Random scale in ``scale_range`` (image bilinear, mask nearest) -> rotation within +-``rotate_limit``
+    degrees with p 0.5 (image padded with the mean pixel, mask with 255) -> 5x5 Gaussian blur with p
+    ``blur_p`` -> horizontal flip -> centred pad to ``crop_size`` (mean / 255) -> random ``crop_size`` crop.
+
+    The default crop is 712: the paper's 713 is not divisible by the network's output stride 8 (smp
+    rejects it), and 712 is the nearest accepted size.
+    """
+    low, high = scale_range
+    return A.Compose(
+        [
+            # RandomScale samples from 1 + scale_limit.
+            A.RandomScale(
+                scale_limit=(low - 1.0, high - 1.0),
+                interpolation=cv2.INTER_LINEAR,
+                mask_interpolation=cv2.INTER_NEAREST,
+                p=1.0,
+            ),
+            A.Rotate(
+                limit=(-rotate_limit, rotate_limit),
+                interpolation=cv2.INTER_LINEAR,
+                mask_interpolation=cv2.INTER_NEAREST,
+                border_mode=cv2.BORDER_CONSTANT,
+                fill=MEAN_PIXEL,
+                fill_mask=IGNORE_INDEX,
+                p=0.5,
+            ),
+            # hszhao calls cv2.GaussianBlur(img, (5, 5), 0); OpenCV derives sigma 1.1 for a 5-tap kernel.
+            A.GaussianBlur(blur_limit=(5, 5), sigma_limit=(1.1, 1.1), p=blur_p),
+            A.HorizontalFlip(p=0.5),
+            A.PadIfNeeded(
+                min_height=crop_size,
+                min_width=crop_size,
+                position="center",
+                border_mode=cv2.BORDER_CONSTANT,
+                fill=MEAN_PIXEL,
+                fill_mask=IGNORE_INDEX,
+            ),
+            A.RandomCrop(height=crop_size, width=crop_size),
+        ],
+        seed=seed,
+    )
+
+
+class CityscapesDataModule(pl.LightningDataModule):
+    """Cityscapes fine train/val in the official layout under ``data_dir``, with the hszhao/semseg recipe.
+
+    Training batches are ``batch_size`` (per device) random ``crop_size`` crops; the train loader shuffles
+    and drops the last partial batch so every batch splits into whole ghost batches. Validation yields
+    full, untransformed images (``val_batch_size`` 1 by default) for sliding-window evaluation.
+    """
+
+    num_classes: int = NUM_CLASSES
+    class_names: tuple[str, ...] = CLASS_NAMES
+
+    def __init__(
+        self,
+        data_dir: str,
+        crop_size: int = 712,
+        batch_size: int = 2,
+        val_batch_size: int = 1,
+        num_workers: int = 4,
+        scale_range: tuple[float, float] = (0.5, 2.0),
+        rotate_limit: float = 10.0,
+        blur_p: float = 0.5,
+        train_split: str = "train",
+        val_split: str = "val",
+        global_batch_size: int | None = None,
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.data_dir = data_dir
+        self.crop_size = crop_size
+        self.batch_size = batch_size
+        self.val_batch_size = val_batch_size
+        self.num_workers = num_workers
+        self.scale_range = scale_range
+        self.rotate_limit = rotate_limit
+        self.blur_p = blur_p
+        self.train_split = train_split
+        self.val_split = val_split
+        self.global_batch_size = global_batch_size
+        self.train_set: CityscapesDataset | None = None
+        self.val_set: CityscapesDataset | None = None
+
+    def setup(self, stage: str | None = None) -> None:
+        """Index the splits the stage needs; raises ``DatasetError`` if the layout is missing or broken."""
+        if self.global_batch_size:
+            # The recipe fixes the gradient batch (16); with fewer devices each one takes a larger share,
+            # which the model's ghost batches still normalize in groups of norm_batch_size.
+            world = self.trainer.world_size if self.trainer is not None else 1
+            if self.global_batch_size % world:
+                raise ValueError(f"global_batch_size {self.global_batch_size} does not divide over {world} devices")
+            self.batch_size = self.global_batch_size // world
+        if stage in (None, "fit"):
+            # Seeded from torch so that seed_everything also fixes the augmentations with num_workers=0.
+            transform = train_transform(
+                self.crop_size, self.scale_range, self.rotate_limit, self.blur_p, seed=augmentation_seed(process_rank())
+            )
+            self.train_set = CityscapesDataset(self.data_dir, self.train_split, transform)
+        if stage in (None, "fit", "validate"):
+            self.val_set = CityscapesDataset(self.data_dir, self.val_split)
+
+    def _loader(self, dataset: CityscapesDataset | None, batch_size: int, train: bool) -> DataLoader:
+        if dataset is None:
+            raise RuntimeError("call setup() before asking for a dataloader")
+        return make_loader(dataset, batch_size, train, self.num_workers)
+
+    def train_dataloader(self) -> DataLoader:
+        return self._loader(self.train_set, self.batch_size, train=True)
+
+    def val_dataloader(self) -> DataLoader:
+        return self._loader(self.val_set, self.val_batch_size, train=False)

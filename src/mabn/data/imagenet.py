@@ -1,0 +1,118 @@
+"""ImageNet-style classification data: ``train/<class>/*`` and ``val/<class>/*`` image folders."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import albumentations as A
+import numpy as np
+import pytorch_lightning as pl
+import torch
+from albumentations.pytorch import ToTensorV2
+from PIL import Image
+from torch.utils.data import DataLoader, Dataset
+
+from .errors import DatasetError
+from .loading import augmentation_seed, make_loader, process_rank
+
+IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".webp")
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+LAYOUT = "<data_dir>/train/<class>/<image> and <data_dir>/val/<class>/<image>"
+
+
+def read_rgb(path: str | Path) -> np.ndarray:
+    """An image file as an HxWx3 uint8 array, or a DatasetError naming the file."""
+    try:
+        with Image.open(path) as img:
+            return np.asarray(img.convert("RGB"))
+    except (OSError, ValueError) as err:
+        raise DatasetError(f"cannot read image {path}: {err}") from err
+
+
+def class_names(split_dir: Path) -> list[str]:
+    """Sorted class folder names of one split, checked to exist and be non-empty."""
+    if not split_dir.is_dir():
+        raise DatasetError(f"missing split folder {split_dir} (expected {LAYOUT})")
+    names = sorted(e.name for e in os.scandir(split_dir) if e.is_dir())
+    if not names:
+        raise DatasetError(f"split folder {split_dir} holds no class folders (expected {LAYOUT})")
+    return names
+
+
+class ImageFolder(Dataset):
+    """Images of ``split_dir/<class>/*`` labelled by the index of their class in ``classes``."""
+
+    def __init__(self, split_dir: Path, classes: list[str], transform: A.Compose) -> None:
+        self.samples: list[tuple[str, int]] = []
+        for label, name in enumerate(classes):
+            folder = split_dir / name
+            files = sorted(e.path for e in os.scandir(folder) if e.name.lower().endswith(IMAGE_EXTENSIONS))
+            if not files:
+                raise DatasetError(f"class folder {folder} holds no images ({', '.join(IMAGE_EXTENSIONS)})")
+            self.samples += [(f, label) for f in files]
+        self.transform = transform
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        path, label = self.samples[index]
+        return self.transform(image=read_rgb(path))["image"], label
+
+
+class ImageFolderDataModule(pl.LightningDataModule):
+    """ImageNet folder layout with the standard augmentation.
+
+    Training: random resized crop to ``image_size`` and horizontal flip; validation: resize the shorter
+    side to ``val_resize`` and centre-crop ``image_size``. The train loader drops the last partial batch
+    so every batch splits into whole ghost batches.
+    """
+
+    def __init__(
+        self,
+        data_dir: str,
+        batch_size: int = 32,
+        num_workers: int = 8,
+        image_size: int = 224,
+        val_resize: int = 256,
+        crop_scale: tuple[float, float] = (0.08, 1.0),
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.root = Path(data_dir)
+        self.batch_size = batch_size
+        self.num_workers = num_workers
+        self.classes = class_names(self.root / "train")
+        val_classes = class_names(self.root / "val")
+        if val_classes != self.classes:
+            only_train = sorted(set(self.classes) - set(val_classes))[:5]
+            only_val = sorted(set(val_classes) - set(self.classes))[:5]
+            raise DatasetError(
+                f"class folders differ between {self.root / 'train'} and {self.root / 'val'}: "
+                f"only in train {only_train}, only in val {only_val}"
+            )
+        normalize = [A.Normalize(IMAGENET_MEAN, IMAGENET_STD), ToTensorV2()]
+        self.train_transform = A.Compose(
+            [A.RandomResizedCrop((image_size, image_size), scale=crop_scale), A.HorizontalFlip(), *normalize]
+        )
+        self.val_transform = A.Compose(
+            [A.SmallestMaxSize(max_size=val_resize), A.CenterCrop(image_size, image_size), *normalize]
+        )
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.classes)
+
+    def setup(self, stage: str | None = None) -> None:
+        # Seeded from torch so that seed_everything also fixes the augmentations with num_workers=0.
+        self.train_transform.set_random_seed(augmentation_seed(process_rank()))
+        self.train_set = ImageFolder(self.root / "train", self.classes, self.train_transform)
+        self.val_set = ImageFolder(self.root / "val", self.classes, self.val_transform)
+
+    def train_dataloader(self) -> DataLoader:
+        return make_loader(self.train_set, self.batch_size, True, self.num_workers)
+
+    def val_dataloader(self) -> DataLoader:
+        return make_loader(self.val_set, self.batch_size, False, self.num_workers)

@@ -1,0 +1,56 @@
+"""DataLoaders shared by the data modules, with per-worker and per-rank augmentation streams."""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any
+
+import albumentations as A
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset, get_worker_info
+
+
+def process_rank() -> int:
+    """This process's rank in the default process group, 0 without one."""
+    dist = torch.distributed
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def augmentation_seed(rank: int) -> int:
+    """A seed for an albumentations stream that follows torch's seed and differs per DDP ``rank``.
+
+    Under ``seed_everything`` every rank has the same torch seed; without the rank all ranks would draw
+    the same scale/crop/flip sequence, making the crops of one global batch alike.
+    """
+    return int(np.random.SeedSequence([torch.initial_seed(), rank]).generate_state(1)[0])
+
+
+def seed_transform_worker(worker_id: int, rank: int = 0) -> None:
+    """DataLoader ``worker_init_fn`` giving each worker its own albumentations random stream.
+
+    An albumentations ``Compose`` keeps its own generator, which every worker would otherwise copy, so all
+    workers would draw the same augmentations. ``torch.initial_seed()`` differs per worker and follows the
+    main process seed, so runs stay reproducible under ``seed_everything``. Bind ``rank`` with
+    ``functools.partial`` in the main process: a worker need not see the process group.
+    """
+    transform = getattr(get_worker_info().dataset, "transform", None)
+    if isinstance(transform, A.Compose):
+        transform.set_random_seed(augmentation_seed(rank))
+
+
+def make_loader(dataset: Dataset, batch_size: int, train: bool, num_workers: int) -> DataLoader:
+    """Training loaders shuffle and drop the last partial batch, so every batch splits into whole ghost
+    batches; every worker gets its own augmentation stream."""
+    kwargs: dict[str, Any] = {}
+    if num_workers > 0:
+        kwargs = {"persistent_workers": True, "worker_init_fn": partial(seed_transform_worker, rank=process_rank())}
+    return DataLoader(
+        dataset,
+        batch_size=batch_size,
+        shuffle=train,
+        drop_last=train,
+        num_workers=num_workers,
+        pin_memory=torch.cuda.is_available(),
+        **kwargs,
+    )

@@ -1,0 +1,15 @@
+"""Networks built with a chosen norm: ResNet-101 (stage 1) and PSPNet-101 (stage 2)."""
+
+from .backbone import BackboneError, load_backbone, load_backbone_into, save_backbone
+from .pspnet import PSPNet
+from .resnet import norm_kwargs_for, resnet101
+
+__all__ = [
+    "PSPNet",
+    "resnet101",
+    "norm_kwargs_for",
+    "save_backbone",
+    "load_backbone",
+    "load_backbone_into",
+    "BackboneError",
+]

@@ -1,0 +1,90 @@
+"""PSPNet-101 as in the paper: dilated ResNet-101 (output stride 8), pyramid pooling, auxiliary head.
+
+smp's own ``PSPNet`` is a different network (encoder depth 3, no auxiliary segmentation head), so this
+composes smp's ResNet-101 encoder with the heads of Zhao et al. (2017) / hszhao/semseg.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import segmentation_models_pytorch as smp
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ..norm import convert_norm
+from .resnet import norm_kwargs_for
+
+
+def conv_norm_relu(cin: int, cout: int, kernel: int) -> nn.Sequential:
+    """conv (no bias) -> norm -> ReLU; the norm becomes the requested one through ``convert_norm``."""
+    return nn.Sequential(
+        nn.Conv2d(cin, cout, kernel, padding=kernel // 2, bias=False), nn.BatchNorm2d(cout), nn.ReLU(inplace=True)
+    )
+
+
+class PyramidPooling(nn.Module):
+    """Average-pool to each bin size, reduce channels, upsample back and concatenate with the input."""
+
+    def __init__(self, channels: int, bins: Sequence[int]) -> None:
+        super().__init__()
+        reduced = channels // len(bins)
+        self.stages = nn.ModuleList(
+            nn.Sequential(nn.AdaptiveAvgPool2d(b), conv_norm_relu(channels, reduced, 1)) for b in bins
+        )
+
+    def forward(self, x: Tensor) -> Tensor:
+        size = x.shape[-2:]
+        pooled = [F.interpolate(stage(x), size, mode="bilinear", align_corners=True) for stage in self.stages]
+        return torch.cat([x, *pooled], dim=1)
+
+
+def seg_head(cin: int, mid: int, num_classes: int, dropout: float) -> nn.Sequential:
+    """3x3 conv-norm-ReLU, dropout, 1x1 classifier."""
+    return nn.Sequential(conv_norm_relu(cin, mid, 3), nn.Dropout2d(dropout), nn.Conv2d(mid, num_classes, 1))
+
+
+class PSPNet(nn.Module):
+    """PSPNet on a dilated ResNet-101 with every norm (encoder and heads) set to ``norm``.
+
+    Training returns (main logits, auxiliary logits from layer3), both at input resolution; eval
+    returns the main logits only, so the auxiliary head costs nothing at inference.
+    """
+
+    def __init__(
+        self,
+        num_classes: int = 19,
+        norm: str = "mabn",
+        norm_batch_size: int | None = None,
+        norm_options: dict[str, dict[str, Any]] | None = None,
+        bins: Sequence[int] = (1, 2, 3, 6),
+        dropout: float = 0.1,
+    ) -> None:
+        super().__init__()
+        # weights=None: never download; the stage-1 backbone is loaded separately.
+        self.encoder = smp.encoders.get_encoder("resnet101", weights=None, output_stride=8)
+        channels = self.encoder.out_channels
+        self.ppm = PyramidPooling(channels[-1], bins)
+        self.classifier = seg_head(channels[-1] * 2, 512, num_classes, dropout)
+        self.aux = seg_head(channels[-2], 256, num_classes, dropout)
+        for m in self.heads().modules():
+            if isinstance(m, nn.Conv2d):
+                nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
+                if m.bias is not None:
+                    nn.init.zeros_(m.bias)
+        convert_norm(self, norm, **norm_kwargs_for(norm, norm_batch_size, norm_options))
+
+    def heads(self) -> nn.ModuleList:
+        """The newly initialized parts, trained at the higher learning rate."""
+        return nn.ModuleList([self.ppm, self.classifier, self.aux])
+
+    def forward(self, x: Tensor) -> Tensor | tuple[Tensor, Tensor]:
+        size = x.shape[-2:]
+        features = self.encoder(x)
+        out = F.interpolate(self.classifier(self.ppm(features[-1])), size, mode="bilinear", align_corners=False)
+        if not self.training:
+            return out
+        aux = F.interpolate(self.aux(features[-2]), size, mode="bilinear", align_corners=False)
+        return out, aux

@@ -1,0 +1,42 @@
+"""ResNet-101 with any norm, keeping torchvision's state-dict keys."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torchvision
+from torch import nn
+
+from ..norm import NORM_PRESETS, convert_norm
+
+# Norm kinds that normalize over a batch and so accept ghost batches.
+_BATCH_KINDS = ("bn", "brn", "mabn")
+
+
+def norm_kwargs_for(
+    norm: str, norm_batch_size: int | None = None, norm_options: dict[str, dict[str, Any]] | None = None
+) -> dict[str, Any]:
+    """Layer arguments for ``convert_norm``: the options given for the norm's kind (e.g. "mabn" also
+    covers the ablation presets built from MABN2d) plus the ghost-batch size where it applies."""
+    if norm not in NORM_PRESETS:
+        raise ValueError(f"unknown norm {norm!r}; choose one of {sorted(NORM_PRESETS)}")
+    kind = NORM_PRESETS[norm].kind
+    kwargs = dict((norm_options or {}).get(kind, {}))
+    if norm_batch_size and kind in _BATCH_KINDS:
+        kwargs["norm_batch_size"] = norm_batch_size
+    return kwargs
+
+
+def resnet101(
+    norm: str = "mabn",
+    num_classes: int = 1000,
+    norm_batch_size: int | None = None,
+    norm_options: dict[str, dict[str, Any]] | None = None,
+) -> nn.Module:
+    """torchvision's ResNet-101 (random init, never downloaded) with every norm replaced by ``norm``.
+
+    torchvision initializes convs with Kaiming normal (fan_out) and norms with gamma 1 / beta 0; the
+    conversion keeps those weights, and MABN presets centre the convs that feed a norm.
+    """
+    model = torchvision.models.resnet101(weights=None, num_classes=num_classes)
+    return convert_norm(model, norm, **norm_kwargs_for(norm, norm_batch_size, norm_options))

@@ -1,0 +1,109 @@
+"""Stage 1: ImageNet classification that re-pretrains a ResNet-101 with the chosen norm."""
+
+from __future__ import annotations
+
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import pytorch_lightning as pl
+import torch
+import torch.nn.functional as F
+from pytorch_lightning.utilities import rank_zero_info
+from torchmetrics.classification import MulticlassAccuracy
+
+from ..models import resnet101, save_backbone
+from . import schedules
+
+
+def global_batch_size(trainer: pl.Trainer, per_device: int) -> int:
+    """Samples per optimizer step across every device and accumulated micro-batch."""
+    return per_device * trainer.world_size * trainer.accumulate_grad_batches
+
+
+class ClassificationTask(pl.LightningModule):
+    """ResNet-101 classification with the paper's recipe (appendix B.2).
+
+    SGD with momentum; weight decay on every parameter, norm gamma and beta included; lr =
+    ``base_lr`` x global batch / ``base_batch_size``, divided by 10 at each milestone (iterations).
+    At the end of fitting the best checkpoint's backbone is exported to ``export_dir``.
+    """
+
+    def __init__(
+        self,
+        norm: str = "mabn",
+        num_classes: int = 1000,
+        norm_batch_size: int | None = 2,
+        norm_options: dict[str, dict[str, Any]] | None = None,
+        base_lr: float = 0.1,
+        base_batch_size: int = 256,
+        momentum: float = 0.9,
+        weight_decay: float = 1e-4,
+        milestones: tuple[int, ...] = (150_000, 300_000, 450_000),
+        lr_gamma: float = 0.1,
+        label_smoothing: float = 0.0,
+        export_dir: str | None = "pretrain",
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.model = resnet101(norm, num_classes, norm_batch_size, norm_options)
+        self.train_top1 = MulticlassAccuracy(num_classes, top_k=1)
+        self.val_top1 = MulticlassAccuracy(num_classes, top_k=1)
+        self.val_top5 = MulticlassAccuracy(num_classes, top_k=min(5, num_classes))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model(x)
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        images, labels = batch
+        logits = self(images)
+        loss = F.cross_entropy(logits, labels, label_smoothing=self.hparams.label_smoothing)
+        self.train_top1(logits, labels)
+        self.log("train/loss", loss, prog_bar=True)
+        self.log("train/top1", self.train_top1, prog_bar=True)
+        return loss
+
+    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        images, labels = batch
+        logits = self(images)
+        self.val_top1(logits, labels)
+        self.val_top5(logits, labels)
+        self.log("val/loss", F.cross_entropy(logits, labels), sync_dist=True)
+        self.log("val/top1", self.val_top1, prog_bar=True)
+        self.log("val/top5", self.val_top5)
+
+    def configure_optimizers(self) -> dict[str, Any]:
+        hp = self.hparams
+        batch = global_batch_size(self.trainer, self.trainer.datamodule.batch_size)
+        lr = hp.base_lr * batch / hp.base_batch_size
+        rank_zero_info(f"lr = {hp.base_lr} x {batch} / {hp.base_batch_size} = {lr:g} (global batch {batch})")
+        optimizer = torch.optim.SGD(self.parameters(), lr=lr, momentum=hp.momentum, weight_decay=hp.weight_decay)
+        factor = partial(schedules.multistep, milestones=list(hp.milestones), gamma=hp.lr_gamma)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def on_fit_end(self) -> None:
+        if self.hparams.export_dir and self.trainer.is_global_zero:
+            self.export_backbone(Path(self.hparams.export_dir))
+
+    def export_backbone(self, export_dir: Path) -> Path:
+        """Write the best checkpoint's backbone (or the current one without a checkpoint) to ``export_dir``."""
+        ckpt = self.trainer.checkpoint_callback
+        model, top1 = self.model, self.trainer.callback_metrics.get("val/top1")
+        if ckpt is not None and ckpt.best_model_path:
+            state = torch.load(ckpt.best_model_path, map_location="cpu", weights_only=True)["state_dict"]
+            model = resnet101(
+                self.hparams.norm, self.hparams.num_classes, self.hparams.norm_batch_size, self.hparams.norm_options
+            )
+            model.load_state_dict({k.removeprefix("model."): v for k, v in state.items() if k.startswith("model.")})
+            top1 = ckpt.best_model_score
+        config = {
+            "model": dict(self.hparams),
+            "data": dict(self.trainer.datamodule.hparams),
+            "global_batch_size": global_batch_size(self.trainer, self.trainer.datamodule.batch_size),
+            "steps": self.trainer.global_step,
+        }
+        top1 = None if top1 is None else float(top1)
+        path = save_backbone(export_dir / f"resnet101-{self.hparams.norm}.pt", model, self.hparams.norm, config, top1)
+        rank_zero_info(f"Exported backbone to {path} (norm {self.hparams.norm}, val top-1 {top1})")
+        return path

@@ -1,0 +1,121 @@
+"""Stage 2: PSPNet-101 fine-tuning on Cityscapes with warm-up + poly lr, evaluated by sliding window."""
+
+from __future__ import annotations
+
+import math
+from functools import partial
+from typing import Any
+
+import pytorch_lightning as pl
+import torch
+import torch.nn.functional as F
+from pytorch_lightning.utilities import rank_zero_info, rank_zero_warn
+
+from ..data.cityscapes import CLASS_NAMES, IGNORE_INDEX
+from ..inference import sliding_window_logits
+from ..metrics import SegmentationMetric, format_iou_table
+from ..models import PSPNet, load_backbone_into
+from . import schedules
+
+
+class SegmentationTask(pl.LightningModule):
+    """PSPNet with the recipe of Zhao et al. and the MABN paper's Cityscapes appendix.
+
+    SGD with momentum and weight decay; the encoder at ``base_lr``, the new heads at ``head_lr_mult`` x;
+    lr rises linearly over ``warmup_epochs`` and then follows poly(``poly_power``), stepped per iteration.
+    Loss: cross-entropy (ignore 255) of the main head plus ``aux_weight`` x that of the auxiliary head.
+    Validation runs the full images through sliding windows of ``eval_crop`` (default: the training
+    crop) with stride 2/3 of it, optional flip and scales, and reports the Cityscapes mIoU.
+    """
+
+    def __init__(
+        self,
+        norm: str = "mabn",
+        num_classes: int = 19,
+        norm_batch_size: int | None = 2,
+        norm_options: dict[str, dict[str, Any]] | None = None,
+        backbone: str | None = None,
+        base_lr: float = 0.01,
+        head_lr_mult: float = 10.0,
+        momentum: float = 0.9,
+        weight_decay: float = 1e-4,
+        warmup_epochs: float = 3.0,
+        poly_power: float = 0.9,
+        aux_weight: float = 0.4,
+        dropout: float = 0.1,
+        eval_crop: int | None = None,
+        eval_flip: bool = False,
+        eval_scales: tuple[float, ...] = (1.0,),
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.model = PSPNet(num_classes, norm, norm_batch_size, norm_options, dropout=dropout)
+        if backbone:
+            info = load_backbone_into(self.model.encoder, backbone, norm)
+            rank_zero_info(f"Encoder loaded from {backbone} (norm {info['norm']}, val top-1 {info['val_top1']})")
+        else:
+            rank_zero_warn("No backbone given (BACKBONE=...): the encoder starts from random weights.")
+        self.val_metric = SegmentationMetric(num_classes, IGNORE_INDEX)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model(x)
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        images, labels = batch
+        out, aux = self.model(images)
+        main_loss = F.cross_entropy(out, labels, ignore_index=IGNORE_INDEX)
+        aux_loss = F.cross_entropy(aux, labels, ignore_index=IGNORE_INDEX)
+        loss = main_loss + self.hparams.aux_weight * aux_loss
+        self.log_dict({"train/loss": loss, "train/main_loss": main_loss, "train/aux_loss": aux_loss}, prog_bar=True)
+        return loss
+
+    def eval_crop(self) -> int:
+        return self.hparams.eval_crop or self.trainer.datamodule.crop_size
+
+    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        images, labels = batch
+        probs = sliding_window_logits(
+            self.model,
+            images,
+            self.hparams.num_classes,
+            self.eval_crop(),
+            flip=self.hparams.eval_flip,
+            scales=self.hparams.eval_scales,
+        )
+        self.val_metric.update(probs.argmax(1), labels)
+
+    def on_validation_epoch_end(self) -> None:
+        result = self.val_metric.compute()
+        self.val_metric.reset()
+        self.log("val/miou", result["miou"].float(), prog_bar=True)
+        self.log("val/pixel_acc", result["pixel_accuracy"].float())
+        per_class = result["per_class_iou"]
+        for name, iou in zip(CLASS_NAMES, per_class.tolist()):
+            if not math.isnan(iou):
+                self.log(f"val/iou/{name}", iou)
+        if not self.trainer.sanity_checking:
+            rank_zero_info(f"\nValidation at step {self.global_step}:\n{format_iou_table(per_class, CLASS_NAMES)}")
+
+    def configure_optimizers(self) -> dict[str, Any]:
+        hp = self.hparams
+        heads = list(self.model.heads().parameters())
+        head_ids = {id(p) for p in heads}
+        encoder = [p for p in self.model.parameters() if id(p) not in head_ids]
+        optimizer = torch.optim.SGD(
+            [{"params": encoder, "lr": hp.base_lr}, {"params": heads, "lr": hp.base_lr * hp.head_lr_mult}],
+            lr=hp.base_lr,
+            momentum=hp.momentum,
+            weight_decay=hp.weight_decay,
+        )
+        total = self.trainer.estimated_stepping_batches
+        warmup = round(hp.warmup_epochs * self.steps_per_epoch())
+        rank_zero_info(f"lr: linear warm-up over {warmup} iterations, then poly {hp.poly_power} to {total}")
+        factor = partial(schedules.warmup_poly, max_steps=total, warmup_steps=warmup, power=hp.poly_power)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def steps_per_epoch(self) -> int:
+        """Optimizer steps in one epoch on every device (the train loader drops the last partial batch)."""
+        dm, trainer = self.trainer.datamodule, self.trainer
+        batches = len(dm.train_set) // (dm.batch_size * trainer.world_size)
+        return max(1, batches // trainer.accumulate_grad_batches)

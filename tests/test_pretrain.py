@@ -1,0 +1,157 @@
+"""Stage 1: short fits through the real CLI, the backbone hand-off, the recipe's schedule, bad data."""
+
+from pathlib import Path
+
+import pytest
+import pytorch_lightning as pl
+import segmentation_models_pytorch as smp
+import torch
+
+from mabn import MABN2d, cli, convert_norm, launch
+from mabn.data import demo_imagenet
+from mabn.models import BackboneError, load_backbone, load_backbone_into, norm_kwargs_for
+from mabn.tasks import ClassificationTask
+
+
+@pytest.fixture(scope="module")
+def tiny_data(tmp_path_factory) -> Path:
+    return demo_imagenet.generate(tmp_path_factory.mktemp("data") / "cls", n_train=4, n_val=2, size=40)
+
+
+def _fit_args(data: Path, norm: str, *extra: str) -> list[str]:
+    args = launch.build_args("pretrain", data, norm, gpus=0, nodes=1, extra=list(extra))
+    return args + [
+        "--trainer.max_steps", "2", "--trainer.val_check_interval", "2", "--trainer.limit_val_batches", "1",
+        "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false",
+        "--data.init_args.batch_size", "8", "--data.init_args.num_workers", "0",
+        "--data.init_args.image_size", "32", "--data.init_args.val_resize", "36",
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize("norm", ["bn", "gn", "brn", "mabn"])
+def test_short_fit_exports_a_backbone_that_loads_into_the_stage2_encoder(tiny_data, tmp_path, monkeypatch, norm):
+    monkeypatch.chdir(tmp_path)
+    cli.run_cli(_fit_args(tiny_data, norm))
+    path = tmp_path / "pretrain" / f"resnet101-{norm}.pt"
+    payload = load_backbone(path, norm)
+    assert payload["norm"] == norm and payload["arch"] == "resnet101"
+    assert payload["centralized"] == (norm == "mabn")
+    assert 0.0 <= payload["val_top1"] <= 1.0
+    assert payload["config"]["model"]["norm"] == norm and payload["config"]["global_batch_size"] == 8
+    assert not any(k.startswith("fc.") for k in payload["state_dict"])
+
+    encoder = smp.encoders.get_encoder("resnet101", weights=None, output_stride=8)
+    convert_norm(encoder, norm, **norm_kwargs_for(norm, 2, {"mabn": {"buffer_size": 16}}))
+    info = load_backbone_into(encoder, path, norm)
+    for key, value in encoder.state_dict().items():
+        assert torch.equal(value, payload["state_dict"][key]), key
+    assert info["norm"] == norm
+
+
+def test_norm_mismatch_names_both_norms(tiny_data, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    cli.run_cli(_fit_args(tiny_data, "bn"))
+    encoder = convert_norm(smp.encoders.get_encoder("resnet101", weights=None, output_stride=8), "mabn")
+    with pytest.raises(BackboneError, match="pre-trained with norm 'bn'.*asks for norm 'mabn'"):
+        load_backbone_into(encoder, tmp_path / "pretrain" / "resnet101-bn.pt", "mabn")
+    with pytest.raises(BackboneError, match="not found"):
+        load_backbone(tmp_path / "pretrain" / "resnet101-gn.pt", "gn")
+
+
+class _RecordLR(pl.Callback):
+    def __init__(self):
+        self.lrs = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.lrs.append(trainer.optimizers[0].param_groups[0]["lr"])
+
+
+def test_lr_schedule_follows_the_recipe_formula(tiny_data, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    args = _fit_args(tiny_data, "bn", "--model.init_args.milestones", "[2, 4]", "--model.init_args.base_lr", "0.4")
+    args += ["--data.init_args.batch_size", "4"]  # 40 images: 10 micro-batches, 5 whole optimizer steps an epoch
+    parsed = cli.run_cli(args[1:], run=False)  # without the "fit" subcommand: build, don't run
+    record = _RecordLR()
+    trainer = pl.Trainer(max_steps=6, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         callbacks=[record], limit_val_batches=0, accumulate_grad_batches=2)  # fmt: skip
+    parsed.model.hparams.export_dir = None
+    trainer.fit(parsed.model, parsed.datamodule)
+    base = 0.4 * (4 * 2) / 256  # lr x global batch (4 per micro-batch x 2 accumulated) / 256
+    # one entry per micro-batch; optimizer step i covers micro-batches 2i and 2i+1
+    expected = [base * 0.1 ** sum(i // 2 >= m for m in (2, 4)) for i in range(12)]
+    assert record.lrs == pytest.approx(expected, rel=1e-12)
+
+
+def test_weight_decay_reaches_norm_gamma_and_beta(tiny_data, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    parsed = cli.run_cli(_fit_args(tiny_data, "mabn")[1:], run=False)
+    task: ClassificationTask = parsed.model
+    trainer = pl.Trainer(max_steps=1, logger=False, enable_checkpointing=False)
+    trainer.strategy.connect(task)
+    task.trainer = trainer
+    trainer.datamodule = parsed.datamodule
+    optimizer = task.configure_optimizers()["optimizer"]
+    lr, wd = optimizer.param_groups[0]["lr"], optimizer.param_groups[0]["weight_decay"]
+    assert wd == 1e-4
+    norms = [m for m in task.modules() if isinstance(m, MABN2d)]
+    with torch.no_grad():
+        for m in norms:
+            m.weight.fill_(2.0)
+            m.bias.fill_(-1.0)
+    for p in task.parameters():
+        p.grad = torch.zeros_like(p)
+    optimizer.step()  # zero loss gradient: only weight decay moves the parameters
+    for m in norms:
+        torch.testing.assert_close(m.weight, torch.full_like(m.weight, 2.0 * (1 - lr * wd)))
+        torch.testing.assert_close(m.bias, torch.full_like(m.bias, -1.0 * (1 - lr * wd)))
+
+
+def _copy_tree(src: Path, dst: Path) -> Path:
+    import shutil
+
+    shutil.copytree(src, dst)
+    return dst
+
+
+def _expect_error(capsys, args, *fragments):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(args)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: "), err
+    for fragment in fragments:
+        assert fragment in err[0], err[0]
+
+
+def test_bad_datasets_give_one_clear_error_naming_the_path(tiny_data, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    missing = tmp_path / "missing"
+    _expect_error(capsys, _fit_args(tiny_data, "bn", "--data.init_args.data_dir", str(missing)), str(missing / "train"))
+
+    empty = tmp_path / "empty"
+    (empty / "train").mkdir(parents=True)
+    (empty / "val").mkdir()
+    _expect_error(capsys, _fit_args(tiny_data, "bn", "--data.init_args.data_dir", str(empty)), str(empty / "train"))
+
+    differ = _copy_tree(tiny_data, tmp_path / "differ")
+    (differ / "val" / demo_imagenet.CLASSES[3]).rename(differ / "val" / "zz_unknown")
+    _expect_error(capsys, _fit_args(tiny_data, "bn", "--data.init_args.data_dir", str(differ)),
+                  "class folders differ", demo_imagenet.CLASSES[3], "zz_unknown")  # fmt: skip
+
+    no_images = _copy_tree(tiny_data, tmp_path / "no_images")
+    for f in (no_images / "val" / demo_imagenet.CLASSES[0]).iterdir():
+        f.unlink()
+    _expect_error(capsys, _fit_args(tiny_data, "bn", "--data.init_args.data_dir", str(no_images)),
+                  str(no_images / "val" / demo_imagenet.CLASSES[0]))  # fmt: skip
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_unreadable_image_is_named_also_from_a_worker(tiny_data, tmp_path, monkeypatch, capsys, workers):
+    monkeypatch.chdir(tmp_path)
+    broken = _copy_tree(tiny_data, tmp_path / "broken")
+    for f in (broken / "train").rglob("*.png"):
+        f.write_bytes(b"not a png")
+    victim = sorted((broken / "train").rglob("*.png"))[0]
+    args = _fit_args(tiny_data, "bn", "--data.init_args.data_dir", str(broken))
+    _expect_error(capsys, args + ["--data.init_args.num_workers", str(workers)], "cannot read image", "broken/train")
+    assert victim.read_bytes() == b"not a png"  # nothing rewritten
