@@ -4,7 +4,19 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: venv test lint bench-norm clean
+# The two stages. DATA: dataset root (absent: the demo profile on generated data); NORM: bn, syncbn, gn,
+# brn, mabn or an ablation preset; GPUS per node (0: CPU) and NODES; BACKBONE: stage-1 file for stage 2;
+# ARGS: further LightningCLI arguments, e.g. ARGS="--trainer.max_epochs 10".
+NORM     ?= mabn
+DATA     ?=
+GPUS     ?= 0
+NODES    ?= 1
+BACKBONE ?=
+ARGS     ?=
+STAGE_ARGS = --norm $(NORM) --gpus $(GPUS) --nodes $(NODES) $(if $(DATA),--data "$(DATA)") \
+	$(if $(BACKBONE),--backbone "$(BACKBONE)") -- $(ARGS)
+
+.PHONY: venv test lint pretrain cityscapes bench-norm clean
 
 venv: $(STAMP)
 
@@ -22,6 +34,12 @@ test: lint
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests
 	$(VENV)/bin/ruff format --check src tests
+
+pretrain: $(STAMP)
+	$(PY) -m mabn pretrain $(STAGE_ARGS)
+
+cityscapes: $(STAMP)
+	$(PY) -m mabn cityscapes $(STAGE_ARGS)
 
 bench-norm: $(STAMP)
 	$(PY) -m mabn.bench norm --out docs/bench-norm-$$($(PY) -c "import torch; print('cuda' if torch.cuda.is_available() else 'cpu')").md

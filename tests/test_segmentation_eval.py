@@ -35,6 +35,19 @@ def test_metric_on_a_hand_computed_example() -> None:
     assert out["pixel_accuracy"].item() == pytest.approx(4 / 7)
 
 
+def test_majority_baseline_equals_the_miou_of_predicting_the_majority_class() -> None:
+    gen = torch.Generator().manual_seed(2)
+    target = torch.randint(0, 5, (3, 16, 16), generator=gen)
+    target[0, :8] = 3  # class 3 is the most frequent
+    target[1, 0] = 255
+    metric = SegmentationMetric(num_classes=19)
+    metric.update(torch.randint(0, 19, target.shape, generator=gen), target)
+    baseline = metric.compute()["majority_miou"]
+    constant = SegmentationMetric(num_classes=19)
+    constant.update(torch.full_like(target, 3), target)
+    assert baseline.item() == pytest.approx(constant.compute()["miou"].item(), rel=1e-12)
+
+
 def test_metric_states_add_up_across_processes() -> None:
     # merge_state applies each state's dist_reduce_fx, as the DDP sync does.
     gen = torch.Generator().manual_seed(1)

@@ -68,10 +68,14 @@ class SegmentationMetric(Metric):
         gt_pixels = confmat.sum(dim=1) + self.missed
         union = gt_pixels + confmat.sum(dim=0) - true_pos
         per_class_iou = torch.where(union > 0, true_pos / union.clamp(min=1), torch.full_like(true_pos, math.nan))
+        # The floor a model must beat: predicting the most frequent class everywhere scores IoU =
+        # its pixel share on that class and 0 on every other class present in the ground truth.
+        majority_miou = (gt_pixels.max() / gt_pixels.sum()) / (gt_pixels > 0).sum()
         return {
             "miou": per_class_iou.nanmean(),
             "per_class_iou": per_class_iou,
             "pixel_accuracy": true_pos.sum() / gt_pixels.sum(),
+            "majority_miou": majority_miou,
         }
 
 

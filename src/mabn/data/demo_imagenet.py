@@ -2,8 +2,9 @@
 
 Ten classes, one per shape: disk, ring, square, diamond, triangle, cross, horizontal bar, vertical bar,
 L and T. Position, size (overlapping ranges across classes), a small rotation and every colour are
-random and independent of the class, and the background carries stripes of random orientation, so no
-pixel statistic (mean colour, contrast, area) gives the class away: a network has to see the outline.
+random and independent of the class (light-on-dark or dark-on-light), and the background carries faint
+stripes of random orientation, so no pixel statistic (mean colour, contrast, area) gives the class away: a
+network has to see the outline.
 """
 
 from __future__ import annotations
@@ -54,17 +55,18 @@ def render(label: int, size: int, rng: np.random.Generator) -> np.ndarray:
     v = -(x - cx) * np.sin(rot) + (y - cy) * np.cos(rot)
     mask = _shape_mask(SHAPES[label], u, v, radius)[..., None]
 
-    angle, period = rng.uniform(0, np.pi), rng.uniform(6.0, 12.0)
+    # Light shape on dark ground or the reverse, in random hues: the outline is always clear, while
+    # colour and brightness say nothing about the class.
+    light, dark = rng.uniform(0.65, 1.0, 3), rng.uniform(0.0, 0.35, 3)
+    fg, bg = (light, dark) if rng.random() < 0.5 else (dark, light)
+    angle, period = rng.uniform(0, np.pi), rng.uniform(5.0, 9.0)
     stripes = (np.sin(2 * np.pi * (x * np.cos(angle) + y * np.sin(angle)) / period) > 0)[..., None]
-    fg, b1, b2 = rng.uniform(0, 1, (3, 3)).astype(np.float32)
-    while np.linalg.norm(fg - b1) < 0.6:  # the outline must be visible; colours stay class-independent
-        fg, b1 = rng.uniform(0, 1, (2, 3)).astype(np.float32)
-    background = b1 + rng.uniform(0.1, 0.4) * (b2 - b1) * stripes
-    image = np.where(mask, fg, background) + rng.normal(0, 0.05, (size, size, 3))
+    background = bg + rng.uniform(0.0, 0.15) * (stripes - 0.5)
+    image = np.where(mask, fg, background) + rng.normal(0, 0.04, (size, size, 3))
     return (np.clip(image, 0, 1) * 255).astype(np.uint8)
 
 
-def generate(root: str | Path, n_train: int = 80, n_val: int = 20, size: int = 72, seed: int = 0) -> Path:
+def generate(root: str | Path, n_train: int = 200, n_val: int = 30, size: int = 36, seed: int = 0) -> Path:
     """Write ``root/{train,val}/<class>/*.png`` once; later calls with the same parameters return at once."""
     root = Path(root)
     params = {"n_train": n_train, "n_val": n_val, "size": size, "seed": seed, "classes": CLASSES}

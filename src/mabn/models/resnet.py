@@ -32,11 +32,14 @@ def resnet101(
     num_classes: int = 1000,
     norm_batch_size: int | None = None,
     norm_options: dict[str, dict[str, Any]] | None = None,
+    zero_init_residual: bool = False,
 ) -> nn.Module:
     """torchvision's ResNet-101 (random init, never downloaded) with every norm replaced by ``norm``.
 
-    torchvision initializes convs with Kaiming normal (fan_out) and norms with gamma 1 / beta 0; the
-    conversion keeps those weights, and MABN presets centre the convs that feed a norm.
+    torchvision initializes convs with Kaiming normal (fan_out) and norms with gamma 1 / beta 0 (the
+    paper's choice); ``zero_init_residual`` zeroes the last gamma of each block instead (Goyal et al.),
+    so each block starts as the identity. The conversion keeps those weights, and MABN presets centre
+    the convs that feed a norm.
     """
-    model = torchvision.models.resnet101(weights=None, num_classes=num_classes)
+    model = torchvision.models.resnet101(weights=None, num_classes=num_classes, zero_init_residual=zero_init_residual)
     return convert_norm(model, norm, **norm_kwargs_for(norm, norm_batch_size, norm_options))

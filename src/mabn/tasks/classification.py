@@ -26,6 +26,7 @@ class ClassificationTask(pl.LightningModule):
 
     SGD with momentum; weight decay on every parameter, norm gamma and beta included; lr =
     ``base_lr`` x global batch / ``base_batch_size``, divided by 10 at each milestone (iterations).
+    An optional linear warm-up over ``warmup_steps`` (0 in the paper) precedes the steps.
     At the end of fitting the best checkpoint's backbone is exported to ``export_dir``.
     """
 
@@ -41,15 +42,21 @@ class ClassificationTask(pl.LightningModule):
         weight_decay: float = 1e-4,
         milestones: tuple[int, ...] = (150_000, 300_000, 450_000),
         lr_gamma: float = 0.1,
+        warmup_steps: int = 0,
+        zero_init_residual: bool = False,
         label_smoothing: float = 0.0,
         export_dir: str | None = "pretrain",
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
-        self.model = resnet101(norm, num_classes, norm_batch_size, norm_options)
+        self.model = self.build_model()
         self.train_top1 = MulticlassAccuracy(num_classes, top_k=1)
         self.val_top1 = MulticlassAccuracy(num_classes, top_k=1)
         self.val_top5 = MulticlassAccuracy(num_classes, top_k=min(5, num_classes))
+
+    def build_model(self) -> torch.nn.Module:
+        hp = self.hparams
+        return resnet101(hp.norm, hp.num_classes, hp.norm_batch_size, hp.norm_options, hp.zero_init_residual)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.model(x)
@@ -78,7 +85,9 @@ class ClassificationTask(pl.LightningModule):
         lr = hp.base_lr * batch / hp.base_batch_size
         rank_zero_info(f"lr = {hp.base_lr} x {batch} / {hp.base_batch_size} = {lr:g} (global batch {batch})")
         optimizer = torch.optim.SGD(self.parameters(), lr=lr, momentum=hp.momentum, weight_decay=hp.weight_decay)
-        factor = partial(schedules.multistep, milestones=list(hp.milestones), gamma=hp.lr_gamma)
+        factor = partial(
+            schedules.warmup_multistep, warmup_steps=hp.warmup_steps, milestones=list(hp.milestones), gamma=hp.lr_gamma
+        )
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
@@ -92,9 +101,7 @@ class ClassificationTask(pl.LightningModule):
         model, top1 = self.model, self.trainer.callback_metrics.get("val/top1")
         if ckpt is not None and ckpt.best_model_path:
             state = torch.load(ckpt.best_model_path, map_location="cpu", weights_only=True)["state_dict"]
-            model = resnet101(
-                self.hparams.norm, self.hparams.num_classes, self.hparams.norm_batch_size, self.hparams.norm_options
-            )
+            model = self.build_model()
             model.load_state_dict({k.removeprefix("model."): v for k, v in state.items() if k.startswith("model.")})
             top1 = ckpt.best_model_score
         config = {
@@ -105,5 +112,6 @@ class ClassificationTask(pl.LightningModule):
         }
         top1 = None if top1 is None else float(top1)
         path = save_backbone(export_dir / f"resnet101-{self.hparams.norm}.pt", model, self.hparams.norm, config, top1)
-        rank_zero_info(f"Exported backbone to {path} (norm {self.hparams.norm}, val top-1 {top1})")
+        shown = "n/a" if top1 is None else f"{top1:.3f}"
+        rank_zero_info(f"Exported backbone to {path} (norm {self.hparams.norm}, val top-1 {shown})")
         return path

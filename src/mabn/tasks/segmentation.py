@@ -89,12 +89,16 @@ class SegmentationTask(pl.LightningModule):
         self.val_metric.reset()
         self.log("val/miou", result["miou"].float(), prog_bar=True)
         self.log("val/pixel_acc", result["pixel_accuracy"].float())
+        self.log("val/majority_miou", result["majority_miou"].float())
         per_class = result["per_class_iou"]
         for name, iou in zip(CLASS_NAMES, per_class.tolist()):
             if not math.isnan(iou):
                 self.log(f"val/iou/{name}", iou)
         if not self.trainer.sanity_checking:
-            rank_zero_info(f"\nValidation at step {self.global_step}:\n{format_iou_table(per_class, CLASS_NAMES)}")
+            rank_zero_info(
+                f"\nValidation at step {self.global_step}:\n{format_iou_table(per_class, CLASS_NAMES)}\n"
+                f"(predicting the majority class everywhere: mIoU {100 * result['majority_miou'].item():.2f})"
+            )
 
     def configure_optimizers(self) -> dict[str, Any]:
         hp = self.hparams
@@ -107,7 +111,7 @@ class SegmentationTask(pl.LightningModule):
             momentum=hp.momentum,
             weight_decay=hp.weight_decay,
         )
-        total = self.trainer.estimated_stepping_batches
+        total = self.trainer.estimated_stepping_batches  # also loads the train loader for steps_per_epoch
         warmup = round(hp.warmup_epochs * self.steps_per_epoch())
         rank_zero_info(f"lr: linear warm-up over {warmup} iterations, then poly {hp.poly_power} to {total}")
         factor = partial(schedules.warmup_poly, max_steps=total, warmup_steps=warmup, power=hp.poly_power)
@@ -115,7 +119,8 @@ class SegmentationTask(pl.LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     def steps_per_epoch(self) -> int:
-        """Optimizer steps in one epoch on every device (the train loader drops the last partial batch)."""
-        dm, trainer = self.trainer.datamodule, self.trainer
-        batches = len(dm.train_set) // (dm.batch_size * trainer.world_size)
-        return max(1, batches // trainer.accumulate_grad_batches)
+        """Optimizer steps per epoch as the fit loop runs them: the batches this device sees (after any
+        distributed sampler and limit), with a step also on the last, partial accumulation window.
+        Valid once ``estimated_stepping_batches`` has loaded the train loader."""
+        trainer = self.trainer
+        return max(1, math.ceil(trainer.num_training_batches / trainer.accumulate_grad_batches))

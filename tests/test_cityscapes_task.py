@@ -1,0 +1,299 @@
+"""Stage 2: PSPNet structure, the warm-up + poly schedule, short fits per norm, the backbone hand-off, bad data."""
+
+from __future__ import annotations
+
+import math
+import re
+import types
+import warnings
+from pathlib import Path
+
+import pytest
+import pytorch_lightning as pl
+import torch
+from torch import nn
+
+from mabn import cli, launch
+from mabn.data import demo_cityscapes
+from mabn.models import BackboneError, PSPNet, resnet101, save_backbone
+from mabn.norm import BatchRenorm2d, CenConv2d, MABN2d
+from mabn.tasks import SegmentationTask
+
+NORM_TYPES = (nn.BatchNorm2d, nn.SyncBatchNorm, nn.GroupNorm, nn.LayerNorm, nn.InstanceNorm2d, BatchRenorm2d, MABN2d)
+EXPECTED_NORM = {"bn": nn.BatchNorm2d, "gn": nn.GroupNorm, "brn": BatchRenorm2d, "mabn": MABN2d}
+# ResNet-101: stem 1 + 33 bottlenecks x 3 + 4 downsample = 104; PPM one per bin; one each in the two heads.
+NORM_COUNTS = {"encoder": 104, "ppm": 4, "classifier": 1, "aux": 1}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    """On 2 shared cores, two OpenMP threads spin against the other load and run ~10x slower than one."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def tiny_data(tmp_path_factory) -> Path:
+    return demo_cityscapes.generate(tmp_path_factory.mktemp("data") / "cs", n_train=4, n_val=2, size=(32, 64))
+
+
+def _fit_extra(*extra: str) -> list[str]:
+    """Overrides for a 2-step fit (1 step per epoch) with one validation at its end; ``extra`` goes last."""
+    return [
+        "--trainer.max_steps", "2", "--trainer.check_val_every_n_epoch", "2", "--trainer.limit_val_batches", "1",
+        "--trainer.num_sanity_val_steps", "0",
+        "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false",
+        "--data.init_args.global_batch_size", "4", "--data.init_args.num_workers", "0",
+        "--data.init_args.crop_size", "32",
+        *extra,
+    ]  # fmt: skip
+
+
+def _fit_args(data: Path, norm: str, *extra: str) -> list[str]:
+    return launch.build_args("cityscapes", data, norm, gpus=0, nodes=1, extra=_fit_extra(*extra))
+
+
+def _cli_error_lines(args: list[str], capsys) -> tuple[int | str | None, list[str]]:
+    """Exit code and stderr lines of ``cli.main(args)``, which must exit."""
+    capsys.readouterr()  # drop what earlier calls in the test wrote
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # Python warnings are not the CLI's report (pytest usually captures them)
+        with pytest.raises(SystemExit) as exit_info:
+            cli.main(args)
+    return exit_info.value.code, capsys.readouterr().err.strip().splitlines()
+
+
+def _norms(module: nn.Module) -> list[nn.Module]:
+    return [m for m in module.modules() if isinstance(m, NORM_TYPES)]
+
+
+# 1. PSPNet structure
+
+
+@pytest.mark.parametrize("norm", ["bn", "gn", "brn", "mabn"])
+def test_every_norm_of_pspnet_is_the_requested_one(norm):
+    model = PSPNet(norm=norm)
+    for part, count in NORM_COUNTS.items():
+        norms = _norms(getattr(model, part))
+        assert len(norms) == count, part
+        assert all(type(m) is EXPECTED_NORM[norm] for m in norms), (part, {type(m).__name__ for m in norms})
+        if norm == "gn":
+            assert all(m.num_groups == 32 for m in norms), part
+    centred = [m for m in model.modules() if isinstance(m, CenConv2d)]
+    assert bool(centred) == (norm == "mabn")  # only MABN centres conv weights
+    assert [stage[0].output_size for stage in model.ppm.stages] == [1, 2, 3, 6]
+
+
+def test_pspnet_forward_shapes_aux_head_and_centred_convs():
+    model = PSPNet(num_classes=19, norm="mabn")
+    n, h, w = 2, 32, 48  # not square, so swapped height/width would show
+    x = torch.randn(n, 3, h, w)
+    calls: list[nn.Module] = []  # leaf modules in execution order
+    shapes: dict[str, list[tuple]] = {}  # (input shape, output shape) per call of a watched module
+
+    def trace(module, args, out):
+        calls.append(module)
+
+    def watch(name: str, module: nn.Module):
+        def hook(mod, args, out):
+            shapes.setdefault(name, []).append((tuple(args[0].shape), tuple(out.shape)))
+
+        return module.register_forward_hook(hook)
+
+    hooks = [m.register_forward_hook(trace) for m in model.modules() if not list(m.children())]
+    hooks += [watch("ppm", model.ppm), watch("aux", model.aux)]
+    hooks += [watch(f"pool{i}", stage[0]) for i, stage in enumerate(model.ppm.stages)]
+    aux_leaves = {m for m in model.aux.modules() if not list(m.children())}
+
+    model.train()
+    with torch.no_grad():
+        out = model(x)
+    assert isinstance(out, tuple) and len(out) == 2
+    assert out[0].shape == (n, 19, h, w) and out[1].shape == (n, 19, h, w)
+    assert aux_leaves <= set(calls)
+    assert len(shapes["aux"]) == 1
+    # Output stride 8: layer4 (into the PPM) and layer3 (into the aux head) are at H/8 x W/8.
+    assert shapes["ppm"] == [((n, 2048, h // 8, w // 8), (n, 2048 + 4 * 512, h // 8, w // 8))]
+    assert shapes["aux"][0][0] == (n, 1024, h // 8, w // 8)
+    assert [shapes[f"pool{i}"][0][1] for i in range(4)] == [(n, 2048, b, b) for b in (1, 2, 3, 6)]
+
+    # In execution order, every norm runs once and right after a centred conv.
+    norm_positions = [i for i, m in enumerate(calls) if isinstance(m, NORM_TYPES)]
+    assert len(norm_positions) == sum(NORM_COUNTS.values())
+    for i in norm_positions:
+        assert i > 0 and isinstance(calls[i - 1], CenConv2d), (i, calls[i - 1])
+
+    calls.clear()
+    shapes.clear()
+    model.eval()
+    with torch.no_grad():
+        out = model(x)
+    assert isinstance(out, torch.Tensor) and out.shape == (n, 19, h, w)
+    assert "aux" not in shapes and not aux_leaves & set(calls)
+    assert "ppm" in shapes  # the hooks still work in eval
+    for hook in hooks:
+        hook.remove()
+
+
+# 2. Learning-rate schedule
+
+
+class _RecordLR(pl.Callback):
+    def __init__(self):
+        self.lrs: list[list[float]] = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.lrs.append([group["lr"] for group in trainer.optimizers[0].param_groups])
+
+
+def _expected_lrs(base: float, batches: int, accumulate: int, epochs: int, warmup_epochs: float) -> list[list[float]]:
+    """[encoder lr, head lr] at every micro-batch: Lightning steps every ``accumulate`` batches and on the last one."""
+    steps_per_epoch = math.ceil(batches / accumulate)
+    total = epochs * steps_per_epoch
+    warmup = round(warmup_epochs * steps_per_epoch)
+    expected = []
+    for epoch in range(epochs):
+        for batch in range(batches):
+            i = epoch * steps_per_epoch + batch // accumulate  # the optimizer step this micro-batch feeds
+            factor = (i + 1) / warmup if i < warmup else (1 - i / total) ** 0.9
+            expected.append([base * factor, 10 * base * factor])
+    return expected
+
+
+@pytest.mark.parametrize(
+    ("norm", "batch", "accumulate", "epochs"),
+    [
+        ("bn", 2, 1, 3),  # 2 steps an epoch: warm-up over steps 0-1, poly over 2-5
+        ("gn", 1, 3, 2),  # 4 batches an epoch, accumulated 3 + 1: still 2 optimizer steps an epoch
+    ],
+)
+def test_lr_follows_warmup_then_poly_with_10x_heads(tiny_data, tmp_path, monkeypatch, norm, batch, accumulate, epochs):
+    monkeypatch.chdir(tmp_path)
+    base = 0.02
+    args = _fit_args(tiny_data, norm, "--data.init_args.global_batch_size", str(batch),
+                     "--model.init_args.base_lr", str(base), "--model.init_args.warmup_epochs", "1")  # fmt: skip
+    parsed = cli.run_cli(args[1:], run=False)  # without "fit": build, then fit with this trainer
+    task: SegmentationTask = parsed.model
+    record = _RecordLR()
+    trainer = pl.Trainer(max_epochs=epochs, accumulate_grad_batches=accumulate, limit_val_batches=0, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         callbacks=[record])  # fmt: skip
+    trainer.fit(task, parsed.datamodule)
+    assert trainer.global_step == epochs * math.ceil(4 / batch / accumulate)  # the step count assumed below
+    assert record.lrs == [pytest.approx(e, rel=1e-12) for e in _expected_lrs(base, 4 // batch, accumulate, epochs, 1)]
+
+    # The 10x group holds exactly the new heads; the encoder is the other group.
+    encoder_group, head_group = trainer.optimizers[0].param_groups
+    head_ids = {id(p) for p in task.model.heads().parameters()}
+    assert {id(p) for p in head_group["params"]} == head_ids
+    assert {id(p) for p in encoder_group["params"]} == {id(p) for p in task.model.encoder.parameters()}
+
+
+# 3. Short fits
+
+
+@pytest.mark.parametrize("norm", ["bn", "gn", "brn", "mabn"])
+def test_short_fit_logs_miou_and_saves_checkpoints(tiny_data, tmp_path, monkeypatch, norm):
+    monkeypatch.chdir(tmp_path)
+    cli_obj = cli.run_cli(launch.build_args("cityscapes", tiny_data, norm, 0, 1, _fit_extra()))
+    trainer = cli_obj.trainer
+    assert trainer.state.finished and trainer.global_step == 2
+    miou = trainer.callback_metrics["val/miou"].item()
+    assert math.isfinite(miou) and 0.0 <= miou <= 1.0
+    ckpt_cb = trainer.checkpoint_callback
+    best, last = Path(ckpt_cb.best_model_path), Path(ckpt_cb.last_model_path)
+    assert best.is_file() and last.is_file()
+    assert best.resolve().is_relative_to(tmp_path.resolve() / "runs" / "cityscapes")
+    assert best.name == f"step2-miou{miou:.4f}.ckpt"
+    ckpt = torch.load(last, map_location="cpu", weights_only=False)
+    assert ckpt["global_step"] == 2 and ckpt["hyper_parameters"]["norm"] == norm
+    assert ckpt["state_dict"].keys() == cli_obj.model.state_dict().keys()
+
+
+# 4. Backbone hand-off
+
+
+def _task_args(data: Path, norm: str, *extra: str) -> list[str]:
+    return _fit_args(data, norm, *extra)[1:]  # without "fit": build, don't run
+
+
+@pytest.fixture(scope="module")
+def mabn_backbone(tmp_path_factory) -> Path:
+    model = resnet101("mabn", num_classes=10, norm_batch_size=2, norm_options={"mabn": {"buffer_size": 16}})
+    path = tmp_path_factory.mktemp("pretrain") / "resnet101-mabn.pt"
+    return save_backbone(path, model, "mabn", config={}, val_top1=0.5)
+
+
+def test_backbone_weights_reach_the_encoder(tiny_data, mabn_backbone, tmp_path, monkeypatch, recwarn):
+    monkeypatch.chdir(tmp_path)
+    parsed = cli.run_cli(_task_args(tiny_data, "mabn", "--model.init_args.backbone", str(mabn_backbone)), run=False)
+    assert not [w for w in recwarn if "random weights" in str(w.message)]
+    saved = torch.load(mabn_backbone, map_location="cpu", weights_only=True)["state_dict"]
+    encoder = parsed.model.model.encoder.state_dict()
+    assert encoder.keys() == saved.keys()
+    for key, value in saved.items():
+        assert torch.equal(encoder[key], value), key
+
+
+def test_backbone_of_another_norm_names_both(tiny_data, mabn_backbone, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    both = "pre-trained with norm 'mabn'.*asks for norm 'gn'"
+    with pytest.raises(Exception) as info:
+        cli.run_cli(_task_args(tiny_data, "gn", "--model.init_args.backbone", str(mabn_backbone)), run=False)
+    err = info.value
+    while err is not None and not isinstance(err, BackboneError):  # jsonargparse may wrap it
+        err = err.__cause__ or err.__context__
+    assert isinstance(err, BackboneError), repr(info.value)
+    assert re.search(both, str(err)), str(err)
+
+    # The command line reports it as one line and exit code 2.
+    code, lines = _cli_error_lines(_fit_args(tiny_data, "gn", "--model.init_args.backbone", str(mabn_backbone)), capsys)
+    assert code == 2
+    assert len(lines) == 1 and lines[0].startswith("error: ") and re.search(both, lines[0]), lines
+
+
+def test_no_backbone_warns_random_encoder(tiny_data, mabn_backbone, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.warns(UserWarning, match="encoder starts from random weights"):
+        parsed = cli.run_cli(_task_args(tiny_data, "mabn"), run=False)
+    saved = torch.load(mabn_backbone, map_location="cpu", weights_only=True)["state_dict"]
+    assert not torch.equal(parsed.model.model.encoder.conv1.weight, saved["conv1.weight"])
+
+
+# 5. Global batch
+
+
+def test_global_batch_splits_over_devices(tiny_data, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    dm = cli.run_cli(_task_args(tiny_data, "bn", "--data.init_args.global_batch_size", "4"), run=False).datamodule
+    dm.trainer = types.SimpleNamespace(world_size=1)
+    dm.setup("fit")
+    batches = list(dm.train_dataloader())
+    assert [tuple(images.shape) for images, _ in batches] == [(4, 3, 32, 32)]
+    assert [tuple(labels.shape) for _, labels in batches] == [(4, 32, 32)]
+
+    dm.trainer = types.SimpleNamespace(world_size=2)
+    dm.setup("fit")
+    assert dm.batch_size == 2
+    dm.trainer = types.SimpleNamespace(world_size=3)
+    with pytest.raises(ValueError, match="global_batch_size 4 does not divide over 3 devices"):
+        dm.setup("fit")
+
+
+# 6. Bad input
+
+
+@pytest.mark.parametrize("present", [(), ("leftImg8bit/train", "leftImg8bit/val")])
+def test_missing_layout_exits_with_one_error_line(tiny_data, tmp_path, monkeypatch, capsys, present):
+    monkeypatch.chdir(tmp_path)
+    root = tmp_path / "not_cityscapes"
+    root.mkdir()
+    for folder in present:
+        (root / folder).mkdir(parents=True)
+    missing = root / ("gtFine" if present else "leftImg8bit") / "train"
+    code, lines = _cli_error_lines(_fit_args(tiny_data, "bn", "--data.init_args.data_dir", str(root)), capsys)
+    assert code == 2
+    assert len(lines) == 1 and lines[0].startswith("error: "), lines
+    assert f"missing Cityscapes folder {missing}" in lines[0]
