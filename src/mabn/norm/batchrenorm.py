@@ -58,6 +58,18 @@ class BatchRenorm2d(nn.Module):
         self.register_buffer("running_mean", torch.zeros(num_features))
         self.register_buffer("running_std", torch.ones(num_features))  # includes eps, as sigma_B does
         self.register_buffer("num_batches_tracked", torch.zeros((), dtype=torch.long))
+        # Set by MABNCallback: (unused, renormalize); without renormalization r = 1 and d = 0 (plain BN).
+        self.policy: tuple[bool, bool] | None = None
+        # When set, each training step leaves its per-channel statistics in last_stats (for logging).
+        self.track_stats = False
+        self.last_stats: dict[str, Tensor] | None = None
+
+    def reset_stream(self, reset_ema: bool = False) -> None:
+        """Restart the rmax/dmax ramps; ``reset_ema`` also returns the running statistics to their start."""
+        self.num_batches_tracked.zero_()
+        if reset_ema:
+            self.running_mean.zero_()
+            self.running_std.fill_(1.0)
 
     def limits(self, t: Tensor) -> tuple[Tensor, Tensor]:
         """(rmax, dmax) at training forward number t (1-based)."""
@@ -90,8 +102,13 @@ class BatchRenorm2d(nn.Module):
             sigma = (var + self.eps).sqrt()
             run_mean, run_std = self.running_mean.to(sdt), self.running_std.to(sdt)
             rmax, dmax = self.limits(self.num_batches_tracked + 1)
+            if self.policy is not None and not self.policy[1]:
+                rmax, dmax = torch.ones_like(rmax), torch.zeros_like(dmax)
             r = torch.minimum(torch.maximum(sigma / run_std, 1.0 / rmax), rmax).to(sdt)
             d = torch.minimum(torch.maximum((mu - run_mean) / run_std, -dmax), dmax).to(sdt)
+            if self.track_stats:
+                self.last_stats = {"mu_batch": mu, "sigma_batch": sigma, "sigma_ema": run_std, "r": r, "d": d,
+                                   "rmax": rmax, "dmax": dmax}  # fmt: skip
             self.num_batches_tracked.add_(1)
             self.running_mean.lerp_(mu.mean(0).to(self.running_mean.dtype), 1.0 - self.momentum)
             self.running_std.lerp_(sigma.mean(0).to(self.running_std.dtype), 1.0 - self.momentum)

@@ -62,8 +62,9 @@ class _MABNFunction(torch.autograd.Function):
         check_finite(layer.__class__.__name__, "batch statistic chi^2", chi2)
 
         t = layer.iters + 1
+        moving_ok, renorm_ok = (torch.as_tensor(v, device=x.device) for v in layer.phase(t))
         ks = torch.arange(groups, device=x.device)
-        active = (layer.count_x2 + ks >= layer.buffer_size) & (t >= layer.warmup_iters)
+        active = (layer.count_x2 + ks >= layer.buffer_size) & moving_ok
         if layer.stats == "batch":
             active = torch.zeros_like(active)
         ema_prev = layer.running_var.to(sdt)
@@ -72,9 +73,8 @@ class _MABNFunction(torch.autograd.Function):
         )
         std = (var + layer.eps).sqrt()
         if layer.renorm:
-            phase = t > max(layer.renorm_warmup_iters, layer.warmup_iters)
             clipped = (std / (ema_prev + layer.eps).sqrt()).clamp(1.0 / layer.renorm_clip, layer.renorm_clip)
-            r = torch.where(phase, clipped, torch.ones_like(clipped))
+            r = torch.where(renorm_ok, clipped, torch.ones_like(clipped))
         else:
             r = torch.ones_like(std)
         if layer.stats == "ema":
@@ -93,6 +93,8 @@ class _MABNFunction(torch.autograd.Function):
 
         ctx.save_for_backward(x, weight)
         ctx.layer, ctx.var, ctx.r, ctx.active = layer, var, r, active
+        if layer.track_stats:
+            layer.last_stats = {"chi2_batch": chi2, "chi2_used": var, "chi2_ema": ema_prev, "r": r, "active": active}
         return out
 
     @staticmethod
@@ -144,6 +146,8 @@ class _MABNFunction(torch.autograd.Function):
         layer.count_gz.add_(groups)
         layer.buffer_gz.copy_(history)
         layer.running_psi.copy_(psi_ema)
+        if layer.track_stats and layer.last_stats is not None:
+            layer.last_stats.update(psi_batch=psi.detach(), psi_used=psi_bar.detach())
 
         grad_x = None
         if need_x:  # dL/dx = g / sqrt(var + eps) - x * psi_bar / (var + eps)
@@ -217,6 +221,27 @@ class MABN2d(nn.Module):
         self.register_buffer("iters", torch.zeros((), dtype=torch.long))  # training forwards t
         self.register_buffer("count_x2", torch.zeros((), dtype=torch.long))  # chi^2 stats recorded
         self.register_buffer("count_gz", torch.zeros((), dtype=torch.long))  # psi stats recorded
+
+        # Set by MABNCallback: (use moving statistics, renormalize) instead of the layer's own timeline.
+        self.policy: tuple[bool, bool] | None = None
+        # When set, each training step leaves its per-channel statistics in last_stats (for logging).
+        self.track_stats = False
+        self.last_stats: dict[str, Tensor] | None = None
+
+    def phase(self, t: Tensor) -> tuple[Tensor | bool, Tensor | bool]:
+        """Whether forward number t may use moving statistics and renormalize (before the buffer check)."""
+        if self.policy is not None:
+            return self.policy
+        return t >= self.warmup_iters, t > max(self.renorm_warmup_iters, self.warmup_iters)
+
+    def reset_stream(self, reset_ema: bool = False) -> None:
+        """Forget the statistic streams (ring buffers, counters) so warm-up starts again, e.g. when
+        fine-tuning from a pre-trained backbone; ``reset_ema`` also returns the EMAs to their start."""
+        for buf in (self.buffer_x2, self.buffer_gz, self.iters, self.count_x2, self.count_gz):
+            buf.zero_()
+        if reset_ema:
+            self.running_var.fill_(1.0)
+            self.running_psi.zero_()
 
     def inference_affine(self) -> tuple[Tensor, Tensor]:
         """(scale, shift) per channel such that the eval output is x * scale + shift."""

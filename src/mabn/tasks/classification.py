@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from pytorch_lightning.utilities import rank_zero_info
 from torchmetrics.classification import MulticlassAccuracy
 
+from ..callbacks import norm_callbacks
 from ..models import resnet101, save_backbone
 from . import schedules
 
@@ -26,7 +27,9 @@ class ClassificationTask(pl.LightningModule):
 
     SGD with momentum; weight decay on every parameter, norm gamma and beta included; lr =
     ``base_lr`` x global batch / ``base_batch_size``, divided by 10 at each milestone (iterations).
-    An optional linear warm-up over ``warmup_steps`` (0 in the paper) precedes the steps.
+    MABN2d/BatchRenorm2d phases and statistics logging follow ``norm_policy`` (the arguments of
+    ``mabn.callbacks.MABNCallback``). An optional linear lr warm-up over ``warmup_steps`` (0 in the paper)
+    precedes the drops.
     At the end of fitting the best checkpoint's backbone is exported to ``export_dir``.
     """
 
@@ -45,6 +48,7 @@ class ClassificationTask(pl.LightningModule):
         warmup_steps: int = 0,
         zero_init_residual: bool = False,
         label_smoothing: float = 0.0,
+        norm_policy: dict[str, Any] | None = None,
         export_dir: str | None = "pretrain",
     ) -> None:
         super().__init__()
@@ -57,6 +61,10 @@ class ClassificationTask(pl.LightningModule):
     def build_model(self) -> torch.nn.Module:
         hp = self.hparams
         return resnet101(hp.norm, hp.num_classes, hp.norm_batch_size, hp.norm_options, hp.zero_init_residual)
+
+    def configure_callbacks(self) -> list[pl.Callback]:
+        # MABN2d / BatchRenorm2d are callback-managed: norm_policy holds the MABNCallback's arguments.
+        return norm_callbacks(self.model, self.hparams.norm_policy)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.model(x)

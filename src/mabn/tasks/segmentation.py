@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from pytorch_lightning.utilities import rank_zero_info, rank_zero_warn
 
+from ..callbacks import norm_callbacks
 from ..data.cityscapes import CLASS_NAMES, IGNORE_INDEX
 from ..inference import sliding_window_logits
 from ..metrics import SegmentationMetric, format_iou_table
@@ -23,7 +24,9 @@ class SegmentationTask(pl.LightningModule):
 
     SGD with momentum and weight decay; the encoder at ``base_lr``, the new heads at ``head_lr_mult`` x;
     lr rises linearly over ``warmup_epochs`` and then follows poly(``poly_power``), stepped per iteration.
-    Loss: cross-entropy (ignore 255) of the main head plus ``aux_weight`` x that of the auxiliary head.
+    MABN2d/BatchRenorm2d phases, resets and statistics logging follow ``norm_policy`` (the arguments of
+    ``mabn.callbacks.MABNCallback``). Loss: cross-entropy (ignore 255) of the main head plus ``aux_weight``
+    x that of the auxiliary head.
     Validation runs the full images through sliding windows of ``eval_crop`` (default: the training
     crop) with stride 2/3 of it, optional flip and scales, and reports the Cityscapes mIoU.
     """
@@ -35,6 +38,7 @@ class SegmentationTask(pl.LightningModule):
         norm_batch_size: int | None = 2,
         norm_options: dict[str, dict[str, Any]] | None = None,
         backbone: str | None = None,
+        norm_policy: dict[str, Any] | None = None,
         base_lr: float = 0.01,
         head_lr_mult: float = 10.0,
         momentum: float = 0.9,
@@ -56,6 +60,10 @@ class SegmentationTask(pl.LightningModule):
         else:
             rank_zero_warn("No backbone given (BACKBONE=...): the encoder starts from random weights.")
         self.val_metric = SegmentationMetric(num_classes, IGNORE_INDEX)
+
+    def configure_callbacks(self) -> list[pl.Callback]:
+        # MABN2d / BatchRenorm2d are callback-managed: norm_policy holds the MABNCallback's arguments.
+        return norm_callbacks(self.model, self.hparams.norm_policy)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.model(x)

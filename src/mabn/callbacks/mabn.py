@@ -1,0 +1,188 @@
+"""MABNCallback: owns the warm-up policy, stream resets and statistics logging of MABN2d/BatchRenorm2d.
+
+The official layer keeps its own forward counter, which breaks in known ways: fine-tuning from a checkpoint
+with a large counter skips warm-up, and the paper keeps the heads on batch statistics for their first
+10,000 iterations while the backbone is already on moving averages. This callback sets each layer's phase
+from the optimizer step (``trainer.global_step``, so gradient accumulation counts once per update), restarts
+the streams when a fit starts from a pre-trained backbone, and logs the batch statistics every k steps.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import pytorch_lightning as pl
+import torch
+from torch import Tensor, nn
+
+from ..norm import BatchRenorm2d, MABN2d
+
+MANAGED = (MABN2d, BatchRenorm2d)
+
+
+@dataclass
+class PhaseRule:
+    """Layers whose qualified name starts with one of ``prefixes``: batch statistics until optimizer step
+    ``moving_stats_from``, moving averages afterwards; renormalization from step ``renorm_from``."""
+
+    prefixes: list[str]
+    moving_stats_from: int = 100
+    renorm_from: int = 1000
+
+
+class MABNCallback(pl.Callback):
+    """Warm-up policy per module group, stream resets and batch-statistics logging.
+
+    Args:
+        groups: rules by group name (e.g. ``encoder``, ``heads``); layers in no group keep their own
+            timeline (the layer arguments warmup_iters / renorm_warmup_iters, counted in forwards).
+        reset_from_pretrained: when a fit starts from a pre-trained backbone (the task's ``backbone``
+            argument) and is not a resume, restart every stream so warm-up runs again on the new data.
+        reset_ema: also return the EMAs to their initial value on a reset. Off by default: the backbone's
+            EMA makes evaluations before renormalization starts meaningful, and by the time r is used
+            (renorm_from steps later, momentum 0.98) its weight in the EMA is 0.98**renorm_from ~ 0.
+        reset_at_step: optionally restart the streams once more at this optimizer step (e.g. the end of the
+            lr warm-up), so the SMA and EMA hold only statistics of the settled weights.
+        log_every_n_steps: log the statistics of ``log_layers`` every this many optimizer steps (0: never).
+        log_layers: qualified layer names; default: the first norm of layer1 and the first of each head.
+    """
+
+    def __init__(
+        self,
+        groups: dict[str, PhaseRule] | None = None,
+        reset_from_pretrained: bool = True,
+        reset_ema: bool = False,
+        reset_at_step: int | None = None,
+        log_every_n_steps: int = 50,
+        log_layers: list[str] | None = None,
+    ) -> None:
+        self.groups = {k: v if isinstance(v, PhaseRule) else PhaseRule(**v) for k, v in (groups or {}).items()}
+        self.reset_from_pretrained = reset_from_pretrained
+        self.reset_ema = reset_ema
+        self.reset_at_step = reset_at_step
+        self.log_every_n_steps = log_every_n_steps
+        self.log_layers = log_layers
+        self.resets: list[int] = []  # optimizer steps at which the streams were restarted (checkpointed)
+        self._layers: dict[str, nn.Module] = {}
+        self._rules: dict[str, PhaseRule] = {}
+        self._logging: list[str] = []
+        self._step = 0
+
+    # -- setup -------------------------------------------------------------------------------------
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._layers = {name: m for name, m in pl_module.named_modules() if isinstance(m, MANAGED)}
+        self._rules = {}
+        for name in self._layers:
+            for rule in self.groups.values():
+                if any(name.startswith(p) for p in rule.prefixes):
+                    self._rules[name] = rule
+                    break
+        unmatched = [g for g, r in self.groups.items() if not any(v is r for v in self._rules.values())]
+        if self._layers and unmatched:
+            raise ValueError(f"MABNCallback: groups {unmatched} match no MABN2d/BatchRenorm2d layer by name prefix")
+        self._logging = self.log_layers if self.log_layers is not None else default_log_layers(list(self._layers))
+        missing = [n for n in self._logging if n not in self._layers]
+        if missing:
+            raise ValueError(f"MABNCallback: log_layers {missing} are not MABN2d/BatchRenorm2d layers of the model")
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        resuming = trainer.ckpt_path is not None
+        if self.reset_from_pretrained and not resuming and pl_module.hparams.get("backbone"):
+            self._reset(trainer.global_step)
+
+    def _reset(self, step: int) -> None:
+        for layer in self._layers.values():
+            layer.reset_stream(self.reset_ema)
+        self.resets.append(step)
+
+    # -- every step --------------------------------------------------------------------------------
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, idx: int) -> None:
+        step = trainer.global_step
+        if self.reset_at_step is not None and step == self.reset_at_step and step not in self.resets:
+            self._reset(step)
+        for name, rule in self._rules.items():
+            self._layers[name].policy = (step >= rule.moving_stats_from, step >= rule.renorm_from)
+        log_now = self.log_every_n_steps > 0 and step % self.log_every_n_steps == 0
+        self._step = step
+        for name in self._logging:
+            self._layers[name].track_stats = log_now
+            self._layers[name].last_stats = None
+
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, idx: int
+    ) -> None:
+        metrics = {}
+        for name in self._logging:
+            layer = self._layers[name]
+            if layer.track_stats and layer.last_stats is not None:
+                metrics.update({f"norm/{name}/{k}": v for k, v in summarize(layer).items()})
+                layer.track_stats = False
+        if metrics:  # straight to the loggers: the trainer's log_every_n_steps must not thin these out
+            for logger in trainer.loggers:
+                logger.log_metrics(metrics, step=self._step)  # the step the statistics were taken at
+
+    # -- checkpoint --------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return {"resets": list(self.resets), "groups": {k: asdict(v) for k, v in self.groups.items()}}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.resets = list(state_dict["resets"])
+
+
+def norm_callbacks(module: nn.Module, policy: dict[str, Any] | None) -> list[pl.Callback]:
+    """A MABNCallback built from ``policy`` when ``module`` holds callback-managed norms, else nothing."""
+    if any(isinstance(m, MANAGED) for m in module.modules()):
+        return [MABNCallback(**(policy or {}))]
+    return []
+
+
+def default_log_layers(names: list[str]) -> list[str]:
+    """The first norm under ``layer1`` and the first norm of each other top-level part (the heads)."""
+    chosen = [next((n for n in names if ".layer1." in f".{n}"), None)]
+    parts: dict[str, str] = {}
+    for n in names:
+        top = n.split(".")[1] if n.startswith("model.") else n.split(".")[0]
+        if top not in ("encoder", "layer1", "layer2", "layer3", "layer4", "bn1"):
+            parts.setdefault(top, n)
+    return [n for n in [*chosen, *parts.values()] if n is not None]
+
+
+def _l2(t: Tensor) -> float:
+    """l2 norm over channels of the statistic averaged over the step's normalization batches."""
+    return float(torch.linalg.vector_norm(t.float().reshape(-1, t.shape[-1]).mean(0)))
+
+
+def summarize(layer: nn.Module) -> dict[str, float]:
+    """Scalars for the paper's statistics figures (l2 norms over channels) from a layer's last step."""
+    s = layer.last_stats
+    if isinstance(layer, MABN2d):
+        moving = bool(s["active"].any())
+        r = s["r"].float()
+        renorm = bool((r != 1).any())
+        clip = layer.renorm_clip
+        out = {
+            "chi2_batch": _l2(s["chi2_batch"]),
+            "chi2_sma": _l2(s["chi2_used"]),
+            "chi2_ema": _l2(s["chi2_ema"]),
+            "r_mean": float(r.mean()),
+            "r_clipped": float(((r <= 1 / clip + 1e-6) | (r >= clip - 1e-6)).float().mean()) if renorm else 0.0,
+            "phase": 0.0 + moving + renorm,
+        }
+        if "psi_batch" in s:
+            out.update(psi_batch=_l2(s["psi_batch"]), psi_bar=_l2(s["psi_used"]))
+        return out
+    r, d = s["r"].float(), s["d"].float()
+    rmax, dmax = float(s["rmax"]), float(s["dmax"])
+    clipped = (r <= 1 / rmax + 1e-6) | (r >= rmax - 1e-6) if rmax > 1 else torch.zeros_like(r, dtype=torch.bool)
+    return {
+        "mu_batch": _l2(s["mu_batch"]),
+        "sigma_batch": _l2(s["sigma_batch"]),
+        "sigma_ema": _l2(s["sigma_ema"]),
+        "r_mean": float(r.mean()),
+        "r_clipped": float(clipped.float().mean()),
+        "d_abs_mean": float(d.abs().mean()),
+        "rmax": rmax,
+        "dmax": dmax if math.isfinite(dmax) else 0.0,
+    }
