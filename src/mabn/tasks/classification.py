@@ -12,9 +12,9 @@ import torch.nn.functional as F
 from pytorch_lightning.utilities import rank_zero_info
 from torchmetrics.classification import MulticlassAccuracy
 
-from ..callbacks import norm_callbacks
 from ..models import resnet101, save_backbone
 from . import schedules
+from .base import NormTask
 
 
 def global_batch_size(trainer: pl.Trainer, per_device: int) -> int:
@@ -22,7 +22,7 @@ def global_batch_size(trainer: pl.Trainer, per_device: int) -> int:
     return per_device * trainer.world_size * trainer.accumulate_grad_batches
 
 
-class ClassificationTask(pl.LightningModule):
+class ClassificationTask(NormTask):
     """ResNet-101 classification with the paper's recipe (appendix B.2).
 
     SGD with momentum; weight decay on every parameter, norm gamma and beta included; lr =
@@ -61,13 +61,6 @@ class ClassificationTask(pl.LightningModule):
     def build_model(self) -> torch.nn.Module:
         hp = self.hparams
         return resnet101(hp.norm, hp.num_classes, hp.norm_batch_size, hp.norm_options, hp.zero_init_residual)
-
-    def configure_callbacks(self) -> list[pl.Callback]:
-        # MABN2d / BatchRenorm2d are callback-managed: norm_policy holds the MABNCallback's arguments.
-        return norm_callbacks(self.model, self.hparams.norm_policy)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.model(x)
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         images, labels = batch

@@ -6,20 +6,19 @@ import math
 from functools import partial
 from typing import Any
 
-import pytorch_lightning as pl
 import torch
 import torch.nn.functional as F
 from pytorch_lightning.utilities import rank_zero_info, rank_zero_warn
 
-from ..callbacks import norm_callbacks
 from ..data.cityscapes import CLASS_NAMES, IGNORE_INDEX
 from ..inference import sliding_window_logits
 from ..metrics import SegmentationMetric, format_iou_table
 from ..models import PSPNet, load_backbone_into
 from . import schedules
+from .base import NormTask
 
 
-class SegmentationTask(pl.LightningModule):
+class SegmentationTask(NormTask):
     """PSPNet with the recipe of Zhao et al. and the MABN paper's Cityscapes appendix.
 
     SGD with momentum and weight decay; the encoder at ``base_lr``, the new heads at ``head_lr_mult`` x;
@@ -60,13 +59,6 @@ class SegmentationTask(pl.LightningModule):
         else:
             rank_zero_warn("No backbone given (BACKBONE=...): the encoder starts from random weights.")
         self.val_metric = SegmentationMetric(num_classes, IGNORE_INDEX)
-
-    def configure_callbacks(self) -> list[pl.Callback]:
-        # MABN2d / BatchRenorm2d are callback-managed: norm_policy holds the MABNCallback's arguments.
-        return norm_callbacks(self.model, self.hparams.norm_policy)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.model(x)
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         images, labels = batch
