@@ -55,7 +55,8 @@ class SegmentationTask(NormTask):
         self.model = PSPNet(num_classes, norm, norm_batch_size, norm_options, dropout=dropout)
         if backbone:
             info = load_backbone_into(self.model.encoder, backbone, norm)
-            rank_zero_info(f"Encoder loaded from {backbone} (norm {info['norm']}, val top-1 {info['val_top1']})")
+            top1 = "n/a" if info["val_top1"] is None else f"{info['val_top1']:.3f}"
+            rank_zero_info(f"Encoder loaded from {backbone} (norm {info['norm']}, val top-1 {top1})")
         else:
             rank_zero_warn("No backbone given (BACKBONE=...): the encoder starts from random weights.")
         self.val_metric = SegmentationMetric(num_classes, IGNORE_INDEX)
