@@ -9,7 +9,6 @@ the streams when a fit starts from a pre-trained backbone, and logs the batch st
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -184,5 +183,5 @@ def summarize(layer: nn.Module) -> dict[str, float]:
         "r_clipped": float(clipped.float().mean()),
         "d_abs_mean": float(d.abs().mean()),
         "rmax": rmax,
-        "dmax": dmax if math.isfinite(dmax) else 0.0,
+        "dmax": dmax,
     }
