@@ -13,10 +13,11 @@ GPUS     ?= 0
 NODES    ?= 1
 BACKBONE ?=
 ARGS     ?=
+CKPT     ?=
 STAGE_ARGS = --norm $(NORM) --gpus $(GPUS) --nodes $(NODES) $(if $(DATA),--data "$(DATA)") \
 	$(if $(BACKBONE),--backbone "$(BACKBONE)") -- $(ARGS)
 
-.PHONY: venv test lint pretrain cityscapes bench-norm clean
+.PHONY: venv test lint pretrain cityscapes export bench bench-norm clean
 
 venv: $(STAMP)
 
@@ -40,6 +41,15 @@ pretrain: $(STAMP)
 
 cityscapes: $(STAMP)
 	$(PY) -m mabn cityscapes $(STAGE_ARGS)
+
+# A trained checkpoint -> folded TorchScript and ONNX models beside it (checked before they are written).
+export: $(STAMP)
+	@test -n "$(CKPT)" || { echo "usage: make export CKPT=runs/cityscapes/checkpoints/<file>.ckpt [ARGS=...]"; exit 2; }
+	$(PY) -m mabn export "$(CKPT)" $(ARGS)
+
+# The cost table (norm layers, PSPNet-101 training step, inference) on CUDA when present, else the CPU.
+bench: $(STAMP)
+	$(PY) -m mabn.bench all $(ARGS)
 
 bench-norm: $(STAMP)
 	$(PY) -m mabn.bench norm --out docs/bench-norm-$$($(PY) -c "import torch; print('cuda' if torch.cuda.is_available() else 'cpu')").md

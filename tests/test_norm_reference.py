@@ -75,10 +75,11 @@ def train_step(layer: torch.nn.Module, x: torch.Tensor, grad_out: torch.Tensor):
     """One training forward + backward of the library layer; returns (out, grad_x, grad_w, grad_b)."""
     layer.weight.grad = None
     layer.bias.grad = None
-    x = x.clone().requires_grad_(True)
+    device = layer.weight.device
+    x = x.to(device).requires_grad_(True)
     out = layer(x)
-    out.backward(grad_out)
-    return out.detach(), x.grad.detach(), layer.weight.grad.detach().clone(), layer.bias.grad.detach().clone()
+    out.backward(grad_out.to(device))
+    return tuple(t.detach().cpu().clone() for t in (out, x.grad, layer.weight.grad, layer.bias.grad))
 
 
 def eval_probe(layer: torch.nn.Module, probe: torch.Tensor) -> torch.Tensor:
@@ -86,7 +87,7 @@ def eval_probe(layer: torch.nn.Module, probe: torch.Tensor) -> torch.Tensor:
     before = {k: v.clone() for k, v in layer.state_dict().items()}
     layer.eval()
     with torch.no_grad():
-        out = layer(probe)
+        out = layer(probe.to(layer.weight.device)).cpu()
     layer.train()
     after = layer.state_dict()
     assert before.keys() == after.keys()
@@ -113,7 +114,7 @@ def compare_run(layer, ref, gen, n, buffers):
         close(gw, ref_gw, "grad wrt weight", step)
         close(gb, ref_gb, "grad wrt bias", step)
         for name, expected in buffers.items():
-            close(getattr(layer, name), expected(ref), f"buffer {name}", step)
+            close(getattr(layer, name).cpu(), expected(ref), f"buffer {name}", step)
         close(eval_probe(layer, probe), ref.eval(probe), "eval output on the probe", step)
 
 
@@ -121,11 +122,11 @@ def compare_run(layer, ref, gen, n, buffers):
 @pytest.mark.parametrize("n, norm_batch_size", BATCHES, ids=BATCH_IDS)
 @pytest.mark.parametrize("renorm", [True, False], ids=["renorm", "no-renorm"])
 @pytest.mark.parametrize("stats", ["batch", "sma", "ema"])
-def test_mabn_matches_reference(stats, renorm, n, norm_batch_size):
+def test_mabn_matches_reference(stats, renorm, n, norm_batch_size, device):
     """MABN2d equals RefMABN step by step through warm-up, moving statistics and clipped renormalization."""
     gen = torch.Generator().manual_seed(1234)
     weight, bias = random_affine(gen)
-    layer = MABN2d(C, norm_batch_size=norm_batch_size, stats=stats, renorm=renorm, **MABN_CFG).double()
+    layer = MABN2d(C, norm_batch_size=norm_batch_size, stats=stats, renorm=renorm, **MABN_CFG).double().to(device)
     set_affine(layer, weight, bias)
     layer.train()
     ref = RefMABN(weight, bias, norm_batch_size=norm_batch_size, stats=stats, renorm=renorm, **MABN_CFG)
@@ -186,11 +187,11 @@ def test_mabn_gradcheck_warmup(norm_batch_size, stats):
 
 # ---------------------------------------------------------------------------------------------------- BRN
 @pytest.mark.parametrize("n, norm_batch_size", BATCHES, ids=BATCH_IDS)
-def test_brn_matches_reference(n, norm_batch_size):
+def test_brn_matches_reference(n, norm_batch_size, device):
     """BatchRenorm2d equals RefBRN step by step through the exact-BN phase and the r_max / d_max ramps."""
     gen = torch.Generator().manual_seed(4321)
     weight, bias = random_affine(gen)
-    layer = BatchRenorm2d(C, norm_batch_size=norm_batch_size, **BRN_CFG).double()
+    layer = BatchRenorm2d(C, norm_batch_size=norm_batch_size, **BRN_CFG).double().to(device)
     set_affine(layer, weight, bias)
     layer.train()
     ref = RefBRN(weight, bias, norm_batch_size=norm_batch_size, **BRN_CFG)
@@ -287,3 +288,20 @@ def test_ref_brn_backward_is_exact_with_constant_r_d(norm_batch_size):
         torch.testing.assert_close(out_ref, out.detach(), rtol=1e-12, atol=1e-12)
         for got, want in ((gx, ax), (gw, aw), (gb, ab)):
             torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+
+
+def test_mabn_without_input_gradient_matches(device):
+    """A first layer's input needs no gradient; the backward then takes another native kernel path (on CUDA
+    one that demands saved statistics), and must still give the same parameter gradients and buffers."""
+    gen = torch.Generator().manual_seed(99)
+    layers = [MABN2d(C, norm_batch_size=2, **MABN_CFG).double().to(device) for _ in range(2)]
+    for step in range(1, 26):  # crosses warm-up, moving statistics and renormalization
+        x = random_input(gen, 4, step).to(device)
+        grad_out = torch.randn(4, C, H, W, generator=gen, dtype=torch.float64).to(device)
+        for layer, needs in zip(layers, (True, False)):
+            layer.zero_grad(set_to_none=True)
+            layer(x.clone().requires_grad_(needs)).backward(grad_out)
+        for a, b in zip(layers[0].parameters(), layers[1].parameters()):
+            close(b.grad.cpu(), a.grad.cpu(), "parameter gradient", step)
+        for (name, a), b in zip(layers[0].named_buffers(), layers[1].buffers()):
+            assert torch.equal(a, b), f"step {step}: buffer {name}"

@@ -48,7 +48,8 @@ def run(device: torch.device, repeats: int = 15, shapes=SHAPES, scale: float = 1
         "|---|---|---|---|---|---|",
     ]
     for where, n, c, h, w, nbs in shapes:
-        n = max(int(n * scale), nbs or 1)
+        group = nbs or 1  # ghost batches must stay whole
+        n = max(round(n * scale / group), 1) * group
         gen = torch.Generator().manual_seed(0)
         x = torch.randn(n, c, h, w, generator=gen).to(device).requires_grad_()
         grad = torch.randn(n, c, h, w, generator=gen).to(device)

@@ -116,14 +116,15 @@ class _MABNFunction(torch.autograd.Function):
             return per_sample(t, b).reshape(n * c)
 
         need_x = ctx.needs_input_grad[0]
+        empty = var.new_empty(0)
         g_scaled, dout_z, dout_sum = torch.ops.aten.native_batch_norm_backward(
             flat(grad_out),
             flat(x),
             per_channel(weight_r),
             torch.zeros(n * c, dtype=var.dtype, device=var.device),
             per_channel(var),
-            None,
-            None,
+            empty,  # no saved batch statistics: inference mode reads the running ones (CUDA needs them defined)
+            empty,
             False,
             eps,
             [need_x, True, True],

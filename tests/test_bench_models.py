@@ -1,0 +1,86 @@
+"""The model benchmarks (training step, inference) run end to end at tiny sizes and report sane ratios."""
+
+import math
+import re
+
+import pytest
+import torch
+
+from mabn.bench import infer, report, step
+from mabn.bench.__main__ import main
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    """On 2 shared cores, two OpenMP threads spin against the other load and run ~10x slower than one."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _table_rows(markdown: str, heading: str) -> list[list[str]]:
+    """The body rows (cells) of the first table under the "### " heading that starts with ``heading``."""
+    section = next(s for s in markdown.split("\n### ") if s.startswith(heading))
+    lines = [line for line in section.splitlines() if line.startswith("|")]
+    return [[c.strip() for c in line.strip("|").split("|")] for line in lines[2:]]
+
+
+@pytest.fixture(scope="module")
+def measured():
+    step_rows = step.run(CPU, repeats=2, crop=64, batch=2, num_classes=4)
+    infer_rows = infer.run(CPU, repeats=2, size=(64, 128), num_classes=4)
+    return step_rows, infer_rows
+
+
+def test_step_and_infer_report_one_row_per_norm_with_finite_positive_ratios(measured, tmp_path):
+    step_rows, infer_rows = measured
+    sections = [step.table(step_rows, 2, 64, 2), infer.table(infer_rows, 2, (64, 128))]
+    env = report.header(CPU)
+    md, png = report.write(tmp_path / "bench.md", CPU, "python -m mabn.bench all", sections, step_rows, infer_rows, env)
+    text = md.read_text()
+    assert png == tmp_path / "bench.png" and png.read_bytes().startswith(b"\x89PNG")
+    assert "![ratios to BN](bench.png)" in text
+    assert re.search(r"CPU \(\d+ threads\), torch 2\.\S+, torchvision \S+, segmentation-models-pytorch \S+", text)
+
+    step_table = _table_rows(text, "PSPNet-101 training step")
+    assert [r[0] for r in step_table] == ["bn", "gn", "brn", "mabn", "mabn + stats logging"]
+    for cells in step_table:
+        values = [float(c) for c in cells[1:]]  # s / step, time / BN, peak GiB, memory / BN
+        assert all(math.isfinite(v) and v > 0 for v in values), cells
+    assert [float(r[2]) for r in step_table][0] == 1.0 and [float(r[4]) for r in step_table][0] == 1.0
+    assert "MABNCallback(log_every_n_steps=1)" in text  # what the logging row runs is said
+
+    infer_table = _table_rows(text, "Inference")
+    assert [r[0] for r in infer_table] == ["bn (folded)", "brn (folded)", "mabn (folded)", "gn"]
+    assert float(infer_table[0][3]) == 1.0
+    for cells in infer_table:
+        assert all(math.isfinite(float(v)) and float(v) > 0 for v in cells[1:]), cells
+
+
+def test_step_peak_memory_counts_the_activations(measured):
+    step_rows, _ = measured
+    # A PSPNet-101 step at 2x64x64 allocates at least its gradients (68M float32) and activations.
+    assert all(r.peak_bytes > 68e6 * 4 for r in step_rows)
+
+
+def test_inference_models_are_folded_except_gn():
+    from torch import nn
+
+    from mabn.norm import BatchRenorm2d, CenConv2d, MABN2d
+
+    norms = (nn.BatchNorm2d, nn.GroupNorm, BatchRenorm2d, MABN2d, CenConv2d)
+    for name in ("bn", "mabn"):
+        model = infer.build_inference(name, num_classes=4)
+        assert not model.training and not [m for m in model.modules() if isinstance(m, norms)]
+    gn = infer.build_inference("gn", num_classes=4)
+    assert not gn.training and any(isinstance(m, nn.GroupNorm) for m in gn.modules())
+
+
+def test_bench_cli_rejects_an_odd_batch(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["step", "--batch", "3"])
+    assert exit_info.value.code == 2
+    assert "--batch must be a multiple of 2" in capsys.readouterr().err

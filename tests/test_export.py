@@ -1,0 +1,208 @@
+"""``python -m mabn export``: checkpoint -> folded TorchScript and ONNX that reproduce the trained model."""
+
+import importlib.util
+import subprocess
+import sys
+
+import pytest
+import pytorch_lightning as pl
+import torch
+from torch import nn
+
+from mabn import export
+from mabn.bench.infer import calibrate
+from mabn.tasks import ClassificationTask, SegmentationTask
+
+NORM_OPS = ("batch_norm", "group_norm", "instance_norm", "layer_norm", "renorm")
+SIZE = (64, 64)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    """On 2 shared cores, two OpenMP threads spin against the other load and run ~10x slower than one."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _trained_like(task: pl.LightningModule) -> None:
+    """Random gamma/beta and running statistics of a real batch, so that folding has something to fold."""
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for m in task.model.modules():
+            if hasattr(m, "running_mean") or hasattr(m, "running_var"):
+                m.weight.copy_(0.5 + torch.rand(m.weight.shape, generator=gen))
+                m.bias.copy_(0.2 * torch.randn(m.bias.shape, generator=gen))
+    calibrate(task.model, torch.randn(2, 3, *SIZE, generator=gen))
+    task.model.eval()
+
+
+def _save(task: pl.LightningModule, path, **hparams) -> None:
+    """A checkpoint as Lightning writes it: the module's state_dict under ``model.*`` and its hyper_parameters."""
+    ckpt = {
+        "state_dict": task.state_dict(),
+        "hyper_parameters": {**dict(task.hparams), **hparams},
+        "pytorch-lightning_version": pl.__version__,
+    }
+    torch.save(ckpt, path)
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).abs().max() / b.double().abs().max()).item()
+
+
+@pytest.fixture(scope="module")
+def seg_export(tmp_path_factory):
+    """A MABN PSPNet-101 checkpoint, its unfolded eval model, and what export wrote for it."""
+    tmp = tmp_path_factory.mktemp("seg")
+    torch.manual_seed(0)
+    task = SegmentationTask(norm="mabn", num_classes=5)
+    _trained_like(task)
+    _save(task, tmp / "psp.ckpt")
+    result = export.export(tmp / "psp.ckpt", tmp / "out", SIZE)
+    return task.model, result
+
+
+def test_export_writes_a_folded_torchscript_that_matches_the_unfolded_model(seg_export):
+    model, result = seg_export
+    assert result.task == "SegmentationTask"
+    assert result.torchscript.name == "psp.folded.pt" and result.torchscript.is_file()
+    assert result.folded.relative < 1e-10  # the folding itself is exact algebra (checked in float64)
+    scripted = torch.jit.load(str(result.torchscript))
+    x = torch.randn(1, 3, *SIZE)
+    with torch.no_grad():
+        out, ref = scripted(x), model(x)
+    assert out.shape == (1, 5, *SIZE)
+    # float32 rounding through 100 random layers reaches ~2e-4; a wrong fold is off by O(1).
+    assert _rel(out, ref) < 2e-3
+    # Tracing kept the sizes symbolic: another input size still works and still matches.
+    x = torch.randn(1, 3, 96, 128)
+    with torch.no_grad():
+        assert _rel(scripted(x), model(x)) < 2e-3
+
+
+def test_exported_graph_has_no_norm_and_no_centring(seg_export):
+    model, result = seg_export
+    kinds = [node.kind() for node in torch.jit.load(str(result.torchscript)).inlined_graph.nodes()]
+    assert not [k for k in kinds if any(op in k for op in NORM_OPS)]
+    assert "aten::mean" not in kinds  # CenConv2d's w - mean(w) was folded into the weights
+    # Every norm went into the conv before it: no depthwise stand-in convs were added (the auxiliary
+    # head does not run in eval mode, so it is not in the trace).
+    convs = sum(isinstance(m, nn.Conv2d) for name, m in model.named_modules() if not name.startswith("aux."))
+    assert kinds.count("aten::_convolution") == convs
+
+
+@pytest.mark.skipif(
+    not all(importlib.util.find_spec(m) for m in ("onnx", "onnxscript", "onnxruntime")),
+    reason="needs onnx, onnxscript and onnxruntime (pip install onnx onnxscript onnxruntime)",
+)
+def test_onnx_matches_the_folded_model_under_onnxruntime(seg_export):
+    import onnx
+    import onnxruntime
+
+    model, result = seg_export
+    assert result.onnx is not None and result.onnx.is_file()
+    assert result.onnxruntime is not None and result.onnxruntime.relative < 1e-3
+    ops = [node.op_type for node in onnx.load(str(result.onnx)).graph.node]
+    assert not set(ops) & {"BatchNormalization", "GroupNormalization", "InstanceNormalization"}
+    convs = sum(isinstance(m, nn.Conv2d) for name, m in model.named_modules() if not name.startswith("aux."))
+    assert ops.count("Conv") == convs
+    session = onnxruntime.InferenceSession(str(result.onnx), providers=["CPUExecutionProvider"])
+    x = torch.randn(1, 3, *SIZE)
+    (out,) = session.run(None, {"image": x.numpy()})
+    with torch.no_grad():
+        assert _rel(torch.from_numpy(out), model(x)) < 2e-3
+
+
+@pytest.fixture(scope="module")
+def cls_checkpoint(tmp_path_factory):
+    """A BRN ResNet-101 checkpoint as LightningCLI writes it, and the model it holds."""
+    path = tmp_path_factory.mktemp("cls") / "cls.ckpt"
+    torch.manual_seed(0)
+    task = ClassificationTask(norm="brn", num_classes=7)
+    _trained_like(task)
+    # LightningCLI stores the class path and its instantiator beside the arguments.
+    _save(task, path, _class_path="mabn.tasks.ClassificationTask", _instantiator="x")
+    return path, task.model
+
+
+def test_export_rebuilds_a_cli_classification_checkpoint(cls_checkpoint, tmp_path, capsys):
+    path, model = cls_checkpoint
+    export.main([str(path), "--out", str(tmp_path), "--input-size", "32", "32"])
+    printed = capsys.readouterr().out
+    assert "Loaded ClassificationTask" in printed and "max abs diff" in printed
+    scripted = torch.jit.load(str(tmp_path / "cls.folded.pt"))
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        assert _rel(scripted(x), model(x)) < 2e-3
+    kinds = {node.kind() for node in scripted.inlined_graph.nodes()}
+    assert not [k for k in kinds if any(op in k for op in NORM_OPS)]
+
+
+def test_a_fold_that_changes_the_model_is_refused_and_writes_nothing(cls_checkpoint, tmp_path, capsys, monkeypatch):
+    fold = export.fold_norms
+
+    def off_by_one_percent(model: nn.Module) -> nn.Module:
+        folded = fold(model)
+        with torch.no_grad():
+            folded.conv1.weight.mul_(1.01)  # a 1% error in the first folded conv
+        return folded
+
+    monkeypatch.setattr(export, "fold_norms", off_by_one_percent)
+    path, _ = cls_checkpoint
+    err = _error_line(capsys, [str(path), "--out", str(tmp_path), "--input-size", "32", "32"])
+    assert f"{path}: the folded model differs from the reference" in err and "nothing written" in err
+    assert list(tmp_path.iterdir()) == []
+
+
+def _error_line(capsys, argv) -> str:
+    with pytest.raises(SystemExit) as exit_info:
+        export.main(argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("error: "), err
+    return err
+
+
+def test_bad_checkpoints_give_one_error_line_naming_the_file(tmp_path, capsys):
+    missing = tmp_path / "nope.ckpt"
+    assert _error_line(capsys, [str(missing)]) == f"error: checkpoint not found: {missing}"
+
+    corrupt = tmp_path / "corrupt.ckpt"
+    corrupt.write_bytes(b"\x80\x04 not a checkpoint at all" * 10)
+    assert f"{corrupt} is not a readable checkpoint" in _error_line(capsys, [str(corrupt)])
+
+    foreign = tmp_path / "foreign.ckpt"
+    torch.save({"format": "mabn-backbone", "state_dict": {}}, foreign)
+    assert f"{foreign} is not a Lightning checkpoint" in _error_line(capsys, [str(foreign)])
+
+    other = tmp_path / "other.ckpt"
+    torch.save({"state_dict": {}, "hyper_parameters": {"_class_path": "elsewhere.OtherTask"}}, other)
+    err = _error_line(capsys, [str(other)])
+    assert f"{other} is a checkpoint of elsewhere.OtherTask" in err
+
+    bad_args = tmp_path / "bad-args.ckpt"
+    torch.save({"state_dict": {"model.fc.weight": torch.zeros(1)}, "hyper_parameters": {"bogus": 1}}, bad_args)
+    assert f"{bad_args}: cannot rebuild ClassificationTask" in _error_line(capsys, [str(bad_args)])
+
+    mismatch = tmp_path / "mismatch.ckpt"
+    state = {"model.fc.weight": torch.zeros(4, 2048)}  # 4 classes, where the arguments say 3
+    torch.save({"state_dict": state, "hyper_parameters": {"norm": "bn", "num_classes": 3}}, mismatch)
+    err = _error_line(capsys, [str(mismatch)])
+    assert f"{mismatch} does not fit the ClassificationTask" in err
+    assert "missing key(s) (e.g. bn1.bias)" in err and "1 mis-shaped key(s) (e.g. fc.weight)" in err
+
+    unknown = tmp_path / "unknown.ckpt"
+    torch.save({"state_dict": {"model.head.weight": torch.zeros(1)}, "hyper_parameters": {}}, unknown)
+    assert str(unknown) in _error_line(capsys, [str(unknown)])
+    assert not list(tmp_path.glob("*.pt")) and not list(tmp_path.glob("*.onnx"))
+
+
+def test_python_m_mabn_export_routes_to_the_exporter(tmp_path):
+    missing = tmp_path / "missing.ckpt"
+    proc = subprocess.run(
+        [sys.executable, "-m", "mabn", "export", str(missing)], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == f"error: checkpoint not found: {missing}"
