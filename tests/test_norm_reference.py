@@ -124,6 +124,10 @@ def compare_run(layer, ref, gen, n, buffers):
 @pytest.mark.parametrize("stats", ["batch", "sma", "ema"])
 def test_mabn_matches_reference(stats, renorm, n, norm_batch_size, device):
     """MABN2d equals RefMABN step by step through warm-up, moving statistics and clipped renormalization."""
+    check_mabn_against_reference(stats, renorm, n, norm_batch_size, device)
+
+
+def check_mabn_against_reference(stats, renorm, n, norm_batch_size, device):
     gen = torch.Generator().manual_seed(1234)
     weight, bias = random_affine(gen)
     layer = MABN2d(C, norm_batch_size=norm_batch_size, stats=stats, renorm=renorm, **MABN_CFG).double().to(device)
@@ -303,5 +307,6 @@ def test_mabn_without_input_gradient_matches(device):
             layer(x.clone().requires_grad_(needs)).backward(grad_out)
         for a, b in zip(layers[0].parameters(), layers[1].parameters()):
             close(b.grad.cpu(), a.grad.cpu(), "parameter gradient", step)
+        # Equal up to rounding: without dL/dx the native kernel reduces in another order (on CUDA).
         for (name, a), b in zip(layers[0].named_buffers(), layers[1].buffers()):
-            assert torch.equal(a, b), f"step {step}: buffer {name}"
+            close(b.cpu(), a.cpu().to(b.dtype), f"buffer {name}", step)

@@ -109,6 +109,15 @@ class MABNCallback(pl.Callback):
             self._layers[name].track_stats = log_now
             self._layers[name].last_stats = None
 
+    def on_before_optimizer_step(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
+    ) -> None:
+        # On CUDA, MABN2d reports non-finite statistics late (reading them at once would stall the GPU at
+        # every layer): collect the verdicts here, before a NaN gradient can reach the weights.
+        for layer in self._layers.values():
+            if isinstance(layer, MABN2d):
+                layer.raise_if_nonfinite()
+
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, idx: int
     ) -> None:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from ._common import check_finite, check_input, per_sample, stat_dtype
+from ._common import check_input, per_sample, stat_dtype
 
 STATS = ("batch", "sma", "ema")
 
@@ -51,60 +51,149 @@ def _stream_stat(
     return used, seq[-m:], e
 
 
+def _phase(
+    t: Tensor, policy: tuple[bool, bool] | None, warmup_iters: int, renorm_warmup_iters: int
+) -> tuple[Tensor | bool, Tensor | bool]:
+    """Whether training forward number t may use moving statistics and renormalize (before the buffer
+    check): the callback's policy when one is set, else the layer's own timeline."""
+    if policy is not None:
+        return policy
+    return t >= warmup_iters, t > max(renorm_warmup_iters, warmup_iters)
+
+
+def _select(cond: Tensor | bool, a: Tensor, b: Tensor) -> Tensor:
+    """torch.where for a condition that may be a plain bool (a callback's policy): no host-to-device copy."""
+    if isinstance(cond, bool):
+        return a if cond else b
+    return torch.where(cond, a, b)
+
+
+def _forward_stats(
+    norm: Tensor,
+    weight: Tensor,
+    buffer_x2: Tensor,
+    running_var: Tensor,
+    iters: Tensor,
+    count_x2: Tensor,
+    cfg: tuple,
+    groups: int,
+    hw: int,
+    x_dtype: torch.dtype,
+) -> tuple[Tensor, ...]:
+    """The per-channel part of the forward, from the per-sample l2 norms (N, C) over H*W to the
+    per-sample scale.
+
+    Commits the new statistics to the buffers (in place) only when every group's chi^2 is finite, and
+    returns that verdict as a tensor, so that the caller decides when to read it (see MABN2d).
+    """
+    stats, momentum, eps, renorm, renorm_clip, buffer_size, timeline = cfg
+    moving_ok, renorm_ok = _phase(iters + 1, *timeline)
+    n, c = norm.shape
+    b = n // groups
+    chi2 = norm.square() / hw  # per sample; equal counts, so the group's chi^2 is their plain mean
+    chi2 = chi2.view(groups, b, c).mean(1)
+    ok = torch.isfinite(chi2).all()
+    ks = torch.arange(groups, device=chi2.device)
+    active = _select(moving_ok, count_x2 + ks >= buffer_size, torch.zeros_like(ks, dtype=torch.bool))
+    if stats == "batch":
+        active = torch.zeros_like(active)
+    ema_prev = running_var.to(chi2.dtype)
+    var, history, stream_ema = _stream_stat(buffer_x2.to(chi2.dtype), chi2, active, stats, momentum, ema_prev)
+    std = (var + eps).sqrt()
+    r = torch.ones_like(std)
+    if renorm:
+        clipped = (std / (ema_prev + eps).sqrt()).clamp(1.0 / renorm_clip, renorm_clip)
+        r = _select(renorm_ok, clipped, r)
+    if stats == "ema":
+        ema = stream_ema
+    else:
+        ema = momentum * ema_prev + (1.0 - momentum) * var.mean(0)
+    weight_r = weight.to(chi2.dtype) * r
+    scale = per_sample((weight_r / std).to(x_dtype), b)
+    # What the native BN backward needs, per (sample, channel) of x viewed as one sample of N*C channels.
+    weight_flat = per_sample(weight_r, b).reshape(n * c)
+    var_flat = per_sample(var, b).reshape(n * c)
+
+    iters.add_(ok.to(iters.dtype))
+    count_x2.add_(ok.to(count_x2.dtype) * groups)
+    buffer_x2.copy_(torch.where(ok, history.to(buffer_x2.dtype), buffer_x2))
+    running_var.copy_(torch.where(ok, ema.to(running_var.dtype), running_var))
+    return scale, weight_flat, var_flat, var, r, active, chi2, ema, ok
+
+
+def _backward_stats(
+    dout_z: Tensor,
+    dout_sum: Tensor,
+    r: Tensor,
+    var: Tensor,
+    active: Tensor,
+    weight: Tensor,
+    buffer_gz: Tensor,
+    running_psi: Tensor,
+    count_gz: Tensor,
+    cfg: tuple,
+    hw: int,
+    x_dtype: torch.dtype,
+) -> tuple[Tensor, ...]:
+    """The per-channel part of the backward, from the native kernel's per-(sample, channel) sums.
+
+    Commits psi to its buffers only when it is finite, like ``_forward_stats``.
+    """
+    stats, momentum, eps, _, _, buffer_size, _ = cfg
+    groups, c = var.shape
+    b = dout_z.numel() // (groups * c)
+    dout_z = dout_z.view(groups, b, c).sum(1)
+    weight_r = weight.to(var.dtype) * r
+    psi = weight_r * dout_z / (b * hw)
+    ok = torch.isfinite(psi).all()
+    ks = torch.arange(groups, device=var.device)
+    psi_active = active & (count_gz + ks >= buffer_size)
+    psi_bar, history, psi_ema = _stream_stat(
+        buffer_gz.to(var.dtype), psi, psi_active, stats, momentum, running_psi.to(var.dtype)
+    )
+    coef = per_sample((-psi_bar / (var + eps)).to(x_dtype), b)  # dL/dx = g / sqrt(var + eps) + x * coef
+    grad_weight = (r * dout_z).sum(0).to(weight.dtype)
+    grad_bias = dout_sum.view(-1, c).sum(0).to(weight.dtype)
+
+    count_gz.add_(ok.to(count_gz.dtype) * groups)
+    buffer_gz.copy_(torch.where(ok, history.to(buffer_gz.dtype), buffer_gz))
+    running_psi.copy_(torch.where(ok, psi_ema.to(running_psi.dtype), running_psi))
+    return coef, grad_weight, grad_bias, psi, psi_bar, ok
+
+
 class _MABNFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor, layer: MABN2d, groups: int) -> Tensor:
         n, c, h, w = x.shape
-        b, sdt = n // groups, stat_dtype(x)
-        # chi2 per sample and channel, then per normalization group (equal counts, so a plain mean).
-        chi2 = torch.linalg.vector_norm(x, 2, dim=(2, 3), dtype=sdt).square_().div_(h * w)
-        chi2 = chi2.view(groups, b, c).mean(1)
-        check_finite(layer.__class__.__name__, "batch statistic chi^2", chi2)
-
-        t = layer.iters + 1
-        moving_ok, renorm_ok = (torch.as_tensor(v, device=x.device) for v in layer.phase(t))
-        ks = torch.arange(groups, device=x.device)
-        active = (layer.count_x2 + ks >= layer.buffer_size) & moving_ok
-        if layer.stats == "batch":
-            active = torch.zeros_like(active)
-        ema_prev = layer.running_var.to(sdt)
-        var, history, stream_ema = _stream_stat(
-            layer.buffer_x2.to(sdt), chi2, active, layer.stats, layer.momentum, ema_prev
+        layer.raise_if_nonfinite()
+        # The one pass over x: per sample and channel, in float32 or better.
+        norm = torch.linalg.vector_norm(x, 2, dim=(2, 3), dtype=stat_dtype(x))
+        scale, weight_flat, var_flat, var, r, active, chi2_g, ema, ok = _forward_stats(
+            norm,
+            weight,
+            layer.buffer_x2,
+            layer.running_var,
+            layer.iters,
+            layer.count_x2,
+            layer._cfg(),
+            groups,
+            h * w,
+            x.dtype,
         )
-        std = (var + layer.eps).sqrt()
-        if layer.renorm:
-            clipped = (std / (ema_prev + layer.eps).sqrt()).clamp(1.0 / layer.renorm_clip, layer.renorm_clip)
-            r = torch.where(renorm_ok, clipped, torch.ones_like(clipped))
-        else:
-            r = torch.ones_like(std)
-        if layer.stats == "ema":
-            ema = stream_ema
-        else:
-            ema = layer.momentum * ema_prev + (1.0 - layer.momentum) * var.mean(0)
-
-        scale = weight.to(sdt) * r / std
-        out = torch.addcmul(bias.to(x.dtype).view(1, c, 1, 1), x, per_sample(scale.to(x.dtype), b))
-
-        # Commit only now: every check above has passed.
-        layer.iters.add_(1)
-        layer.count_x2.add_(groups)
-        layer.buffer_x2.copy_(history)
-        layer.running_var.copy_(ema)
-
+        layer._check(ok, "batch statistic chi^2")
+        out = torch.addcmul(bias.to(x.dtype).view(1, c, 1, 1), x, scale)
         ctx.save_for_backward(x, weight)
-        ctx.layer, ctx.var, ctx.r, ctx.active = layer, var, r, active
+        ctx.layer, ctx.stats = layer, (weight_flat, var_flat, var, r, active)
         if layer.track_stats:
-            layer.last_stats = {"chi2_batch": chi2, "chi2_used": var, "chi2_ema": ema_prev, "r": r, "active": active}
+            layer.last_stats = {"chi2_batch": chi2_g, "chi2_used": var, "chi2_ema": ema, "r": r, "active": active}
         return out
 
     @staticmethod
     def backward(ctx, grad_out: Tensor):
         x, weight = ctx.saved_tensors
-        layer, var, r, active = ctx.layer, ctx.var, ctx.r, ctx.active
-        groups, c = var.shape
-        n, _, h, w = x.shape
-        b, eps = n // groups, layer.eps
-        weight_r = weight.to(var.dtype) * r
+        layer = ctx.layer
+        weight_flat, var_flat, var, r, active = ctx.stats
+        n, c, h, w = x.shape
 
         # The native BN backward in inference mode, run on x viewed as N*C channels of one sample with
         # running_var = var and weight = weight * r of each sample's group, gives in one fused pass
@@ -112,54 +201,45 @@ class _MABNFunction(torch.autograd.Function):
         def flat(t: Tensor) -> Tensor:
             return t.contiguous().view(1, n * c, h, w)
 
-        def per_channel(t: Tensor) -> Tensor:
-            return per_sample(t, b).reshape(n * c)
-
         need_x = ctx.needs_input_grad[0]
         empty = var.new_empty(0)
         g_scaled, dout_z, dout_sum = torch.ops.aten.native_batch_norm_backward(
             flat(grad_out),
             flat(x),
-            per_channel(weight_r),
-            torch.zeros(n * c, dtype=var.dtype, device=var.device),
-            per_channel(var),
+            weight_flat,
+            torch.zeros_like(var_flat),
+            var_flat,
             empty,  # no saved batch statistics: inference mode reads the running ones (CUDA needs them defined)
             empty,
             False,
-            eps,
+            layer.eps,
             [need_x, True, True],
         )
-        dout_z = dout_z.view(groups, b, c).sum(1)
-        dout_sum = dout_sum.view(n, c).sum(0)
-        psi = weight_r * dout_z / (b * h * w)
-        check_finite(layer.__class__.__name__, "gradient statistic psi", psi)
-
-        ks = torch.arange(groups, device=x.device)
-        psi_active = active & (layer.count_gz + ks >= layer.buffer_size)
-        psi_bar, history, psi_ema = _stream_stat(
-            layer.buffer_gz.to(var.dtype),
-            psi,
-            psi_active,
-            layer.stats,
-            layer.momentum,
-            layer.running_psi.to(var.dtype),
+        coef, grad_weight, grad_bias, psi, psi_bar, ok = _backward_stats(
+            dout_z,
+            dout_sum,
+            r,
+            var,
+            active,
+            weight,
+            layer.buffer_gz,
+            layer.running_psi,
+            layer.count_gz,
+            layer._cfg(),
+            h * w,
+            x.dtype,
         )
-        layer.count_gz.add_(groups)
-        layer.buffer_gz.copy_(history)
-        layer.running_psi.copy_(psi_ema)
+        layer._check(ok, "gradient statistic psi")
         if layer.track_stats and layer.last_stats is not None:
-            layer.last_stats.update(psi_batch=psi.detach(), psi_used=psi_bar.detach())
-
-        grad_x = None
-        if need_x:  # dL/dx = g / sqrt(var + eps) - x * psi_bar / (var + eps)
-            coef = (-psi_bar / (var + eps)).to(x.dtype)
-            grad_x = g_scaled.view(n, c, h, w).addcmul_(x, per_sample(coef, b))
-        grad_weight = (r * dout_z).sum(0).to(weight.dtype)
-        return grad_x, grad_weight, dout_sum.to(weight.dtype), None, None
+            layer.last_stats.update(psi_batch=psi, psi_used=psi_bar)
+        grad_x = g_scaled.view(n, c, h, w).addcmul_(x, coef) if need_x else None
+        return grad_x, grad_weight, grad_bias, None, None
 
 
 class MABN2d(nn.Module):
     """Moving Average Batch Normalization for NCHW input.
+
+    On CUDA a non-finite statistic is reported without stalling the GPU, by ``raise_if_nonfinite``.
 
     Args:
         num_features: channels C.
@@ -228,12 +308,47 @@ class MABN2d(nn.Module):
         # When set, each training step leaves its per-channel statistics in last_stats (for logging).
         self.track_stats = False
         self.last_stats: dict[str, Tensor] | None = None
+        # CUDA only: finiteness verdicts not read yet, (host flag, event after its copy, what).
+        self._pending: list[tuple[Tensor, torch.cuda.Event, str]] = []
 
     def phase(self, t: Tensor) -> tuple[Tensor | bool, Tensor | bool]:
         """Whether forward number t may use moving statistics and renormalize (before the buffer check)."""
-        if self.policy is not None:
-            return self.policy
-        return t >= self.warmup_iters, t > max(self.renorm_warmup_iters, self.warmup_iters)
+        return _phase(t, self.policy, self.warmup_iters, self.renorm_warmup_iters)
+
+    def _cfg(self) -> tuple:
+        timeline = (self.policy, self.warmup_iters, self.renorm_warmup_iters)
+        return (self.stats, self.momentum, self.eps, self.renorm, self.renorm_clip, self.buffer_size, timeline)
+
+    def _check(self, ok: Tensor, what: str) -> None:
+        """Raise on a non-finite statistic; the statistic steps left every buffer unchanged in that case.
+
+        On the CPU the verdict is read at once. On CUDA reading it would stall the GPU at every layer and
+        direction, so it is copied to host memory without waiting and read by ``raise_if_nonfinite``:
+        at this layer's next training forward, and before every optimizer step under MABNCallback.
+        """
+        if ok.device.type != "cuda":
+            if not bool(ok):
+                raise FloatingPointError(self._nonfinite_message(what))
+            return
+        flag = torch.empty((), dtype=torch.bool, pin_memory=True)
+        flag.copy_(ok, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        self._pending.append((flag, event, what))
+
+    def raise_if_nonfinite(self) -> None:
+        """Raise if a CUDA step since the last call met a non-finite statistic (waits for that step only)."""
+        pending, self._pending = self._pending, []
+        for flag, event, what in pending:
+            event.synchronize()
+            if not bool(flag):
+                raise FloatingPointError(self._nonfinite_message(what))
+
+    def _nonfinite_message(self, what: str) -> str:
+        return (
+            f"{type(self).__name__}: non-finite {what} (input or gradient holds NaN/inf or overflows); "
+            "buffers left unchanged"
+        )
 
     def reset_stream(self, reset_ema: bool = False) -> None:
         """Forget the statistic streams (ring buffers, counters) so warm-up starts again, e.g. when
