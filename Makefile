@@ -17,7 +17,7 @@ CKPT     ?=
 STAGE_ARGS = --norm $(NORM) --gpus $(GPUS) --nodes $(NODES) $(if $(DATA),--data "$(DATA)") \
 	$(if $(BACKBONE),--backbone "$(BACKBONE)") -- $(ARGS)
 
-.PHONY: venv test lint pretrain cityscapes export bench bench-norm clean
+.PHONY: venv test lint pretrain cityscapes export plots bench bench-norm clean
 
 venv: $(STAMP)
 
@@ -46,6 +46,13 @@ cityscapes: $(STAMP)
 export: $(STAMP)
 	@test -n "$(CKPT)" || { echo "usage: make export CKPT=runs/cityscapes/checkpoints/<file>.ckpt [ARGS=...]"; exit 2; }
 	$(PY) -m mabn export "$(CKPT)" $(ARGS)
+
+# A run's figures from its CSV log (per-layer norm statistics, training curves) as PNG files in $(RUN)/plots
+# or OUT; RUN is a stage folder (the latest csv/version_N is used) or one csv/version_N folder.
+RUN ?= runs/cityscapes
+OUT ?=
+plots: $(STAMP)
+	$(PY) -m mabn.plots "$(RUN)" $(if $(OUT),--out "$(OUT)")
 
 # The cost table (norm layers, PSPNet-101 training step, inference) on CUDA when present, else the CPU.
 bench: $(STAMP)

@@ -1,6 +1,7 @@
 """MABNCallback driven by a real Trainer: phases per group in optimizer steps, resets, exact resume, logging."""
 
 import csv
+import math
 import os
 from pathlib import Path
 
@@ -14,6 +15,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from mabn import MABN2d, convert_norm
 from mabn.callbacks import MABNCallback, norm_callbacks
 from mabn.loggers import WandbLogger
+from wandb_reader import history, offline_run, wandb_session
 
 
 class Tiny(pl.LightningModule):
@@ -174,6 +176,30 @@ def test_default_run_without_network_or_login_finishes_offline(tmp_path, monkeyp
     assert len(runs) == 1 and list(runs[0].glob("*.wandb"))
     logger.experiment.finish()
     assert os.environ.get("WANDB_MODE") in (None, "dryrun", "offline")
+
+
+def test_offline_wandb_run_holds_the_statistics_read_back_by_wandb(tmp_path, monkeypatch, request):
+    wandb_session(request, monkeypatch, "offline")
+    monkeypatch.chdir(tmp_path)
+    wandb_logger = WandbLogger(save_dir=str(tmp_path / "runs"))
+    csv_logger = pl.loggers.CSVLogger(tmp_path, name="csv")
+    model = Tiny(norm_policy={**POLICY, "log_every_n_steps": 3})
+    _trainer(tmp_path, max_steps=8, logger=[csv_logger, wandb_logger], log_every_n_steps=50).fit(model, _loader())
+    wandb_logger.experiment.finish()  # flush and close the transaction log before reading it
+
+    rows = [r for r in history(offline_run(tmp_path / "runs")) if any(k.startswith("norm/") for k in r)]
+    assert [r["trainer/global_step"] for r in rows] == [0, 3, 6]
+    csv_rows = [
+        r for r in csv.DictReader(open(Path(csv_logger.log_dir) / "metrics.csv")) if r.get("norm/model.head.1/phase")
+    ]
+    keys = ["chi2_batch", "chi2_sma", "chi2_ema", "psi_batch", "psi_bar", "r_mean", "r_clipped", "phase"]
+    for layer in ("model.encoder.1", "model.head.1"):
+        for row, csv_row in zip(rows, csv_rows, strict=True):
+            for key in keys:
+                name = f"norm/{layer}/{key}"
+                assert math.isfinite(row[name]), name
+                assert row[name] == pytest.approx(float(csv_row[name]), rel=1e-6), name  # the same values
+    assert [r["norm/model.encoder.1/phase"] for r in rows] == [0, 1, 2]
 
 
 def test_layers_are_managed_only_when_present():

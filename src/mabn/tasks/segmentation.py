@@ -3,19 +3,28 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from functools import partial
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
+from pytorch_lightning.loggers import WandbLogger
 from pytorch_lightning.utilities import rank_zero_info, rank_zero_warn
 
-from ..data.cityscapes import CLASS_NAMES, IGNORE_INDEX
+from ..data.cityscapes import CLASS_NAMES, IGNORE_INDEX, IMAGENET_MEAN, IMAGENET_STD
 from ..inference import sliding_window_logits
 from ..metrics import SegmentationMetric, format_iou_table
 from ..models import PSPNet, load_backbone_into
 from . import schedules
 from .base import NormTask
+
+# Logged images wider than this are subsampled by an integer stride: a full Cityscapes frame (2048 px) and
+# its two masks would add megabytes to the run at every logged validation.
+DISPLAY_WIDTH = 1024
+# wandb stores masks as 8-bit images: the class ids and the "ignore" id after them must fit in 0..255.
+MAX_MASK_CLASSES = 255
 
 
 class SegmentationTask(NormTask):
@@ -28,6 +37,10 @@ class SegmentationTask(NormTask):
     x that of the auxiliary head.
     Validation runs the full images through sliding windows of ``eval_crop`` (default: the training
     crop) with stride 2/3 of it, optional flip and scales, and reports the Cityscapes mIoU.
+    Every ``log_predictions_every_n_epochs``-th validation (the first one included; 0: never) logs the
+    first ``num_logged_predictions`` images of its first batch to Weights & Biases as ``val/predictions``,
+    with the predicted and the ground-truth classes as masks (see ``prediction_masks``); only rank 0 logs,
+    and only when a WandbLogger is among the trainer's loggers.
     """
 
     def __init__(
@@ -49,8 +62,20 @@ class SegmentationTask(NormTask):
         eval_crop: int | None = None,
         eval_flip: bool = False,
         eval_scales: tuple[float, ...] = (1.0,),
+        log_predictions_every_n_epochs: int = 1,
+        num_logged_predictions: int = 2,
     ) -> None:
         super().__init__()
+        if log_predictions_every_n_epochs < 0 or num_logged_predictions < 0:
+            raise ValueError(
+                "log_predictions_every_n_epochs and num_logged_predictions must be >= 0, got "
+                f"{log_predictions_every_n_epochs} and {num_logged_predictions}"
+            )
+        if log_predictions_every_n_epochs and num_classes > MAX_MASK_CLASSES:
+            raise ValueError(
+                f"num_classes={num_classes}: prediction masks hold at most {MAX_MASK_CLASSES} classes (wandb "
+                "stores them as 8-bit images); set log_predictions_every_n_epochs=0"
+            )
         self.save_hyperparameters()
         self.model = PSPNet(num_classes, norm, norm_batch_size, norm_options, dropout=dropout)
         if backbone:
@@ -60,6 +85,7 @@ class SegmentationTask(NormTask):
         else:
             rank_zero_warn("No backbone given (BACKBONE=...): the encoder starts from random weights.")
         self.val_metric = SegmentationMetric(num_classes, IGNORE_INDEX)
+        self.validations_done = 0  # completed validation runs of this process (sanity checks excluded)
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         images, labels = batch
@@ -83,9 +109,38 @@ class SegmentationTask(NormTask):
             flip=self.hparams.eval_flip,
             scales=self.hparams.eval_scales,
         )
-        self.val_metric.update(probs.argmax(1), labels)
+        preds = probs.argmax(1)
+        self.val_metric.update(preds, labels)
+        if batch_idx == 0 and self._log_predictions_now():
+            self._log_predictions(images, preds, labels)
+
+    def _log_predictions_now(self) -> bool:
+        every, count = self.hparams.log_predictions_every_n_epochs, self.hparams.num_logged_predictions
+        if not every or not count or self.trainer.sanity_checking or not self.trainer.is_global_zero:
+            return False
+        return self.validations_done % every == 0 and any(isinstance(lg, WandbLogger) for lg in self.loggers)
+
+    def _log_predictions(self, images: torch.Tensor, preds: torch.Tensor, labels: torch.Tensor) -> None:
+        """The first images of the batch with their predicted and true classes as wandb masks."""
+        import wandb  # only reached with a WandbLogger, which has imported it already
+
+        n, count = self.hparams.num_classes, self.hparams.num_logged_predictions
+        names = CLASS_NAMES if n == len(CLASS_NAMES) else tuple(f"class {i}" for i in range(n))
+        samples = [
+            wandb.Image(
+                display_image(image),
+                masks=prediction_masks(pred, label, names),
+                caption=f"val image {i}, step {self.global_step}",
+            )
+            for i, (image, pred, label) in enumerate(zip(images[:count], preds[:count], labels[:count]))
+        ]
+        for logger in self.loggers:
+            if isinstance(logger, WandbLogger):
+                logger.log_metrics({"val/predictions": samples}, step=self.global_step)
 
     def on_validation_epoch_end(self) -> None:
+        if not self.trainer.sanity_checking:
+            self.validations_done += 1
         result = self.val_metric.compute()
         self.val_metric.reset()
         self.log("val/miou", result["miou"].float(), prog_bar=True)
@@ -125,3 +180,45 @@ class SegmentationTask(NormTask):
         Valid once ``estimated_stepping_batches`` has loaded the train loader."""
         trainer = self.trainer
         return max(1, math.ceil(trainer.num_training_batches / trainer.accumulate_grad_batches))
+
+
+def _display_stride(width: int) -> int:
+    return max(1, math.ceil(width / DISPLAY_WIDTH))
+
+
+def display_image(image: torch.Tensor) -> np.ndarray:
+    """A normalized 3xHxW image as HxWx3 uint8 RGB for display: the data's ImageNet mean/std undone."""
+    if image.ndim != 3 or image.shape[0] != 3:
+        raise ValueError(f"expected a 3xHxW image, got shape {tuple(image.shape)}")
+    stride = _display_stride(image.shape[-1])
+    mean = torch.tensor(IMAGENET_MEAN, dtype=torch.float32, device=image.device).view(3, 1, 1)
+    std = torch.tensor(IMAGENET_STD, dtype=torch.float32, device=image.device).view(3, 1, 1)
+    pixels = (image[:, ::stride, ::stride].float() * std + mean) * 255.0
+    return pixels.round().clamp(0, 255).to(torch.uint8).permute(1, 2, 0).cpu().numpy()
+
+
+def prediction_masks(
+    prediction: torch.Tensor, label: torch.Tensor, class_names: Sequence[str]
+) -> dict[str, dict[str, Any]]:
+    """The wandb mask layers ``prediction`` and ``ground_truth`` of one HxW image, as uint8 class ids.
+
+    Ignored pixels (``IGNORE_INDEX``, 255) of the label become the id ``len(class_names)``, labelled
+    "ignore", so they stay visible and distinct from every class; both layers share one class-label map,
+    so a class has the same colour in each. Subsampled like ``display_image`` to stay aligned with it.
+    """
+    n = len(class_names)
+    if n > MAX_MASK_CLASSES:
+        raise ValueError(f"{n} classes: prediction masks hold at most {MAX_MASK_CLASSES}")
+    if prediction.shape != label.shape or prediction.ndim != 2:
+        raise ValueError(f"prediction {tuple(prediction.shape)} and label {tuple(label.shape)} must be one HxW")
+    stride = _display_stride(label.shape[-1])
+    truth = label[::stride, ::stride].clone()
+    truth[truth == IGNORE_INDEX] = n
+    class_labels = {i: str(name) for i, name in enumerate(class_names)} | {n: "ignore"}
+    return {
+        "prediction": {
+            "mask_data": prediction[::stride, ::stride].to(torch.uint8).cpu().numpy(),
+            "class_labels": class_labels,
+        },
+        "ground_truth": {"mask_data": truth.to(torch.uint8).cpu().numpy(), "class_labels": class_labels},
+    }
