@@ -1,12 +1,21 @@
-"""``python -m mabn fit|validate|test --config ...``: the LightningCLI that drives both stages."""
+"""``python -m mabn fit|validate|test --config ...``: the LightningCLI that drives both stages.
+
+Beyond LightningCLI it adds ``RandomStateCallback`` to every trainer (exact resume needs the generators'
+states) and accepts ``fit --ckpt_path auto``: resume from the newest checkpoint of this stage and norm under
+the trainer's ``default_root_dir``, or start a new run when there is none, so a killed or requeued job
+restarts with the very same command.
+"""
 
 from __future__ import annotations
 
 import sys
+from typing import Any
 
 import pytorch_lightning as pl
 from pytorch_lightning.cli import LightningCLI
 
+from . import resume
+from .callbacks import RandomStateCallback
 from .data.errors import DatasetError
 from .models import BackboneError
 
@@ -15,6 +24,16 @@ class MabnCLI(LightningCLI):
     def add_arguments_to_parser(self, parser) -> None:
         # The number of classes is a property of the data, never set twice by hand.
         parser.link_arguments("data.num_classes", "model.init_args.num_classes", apply_on="instantiate")
+
+    def instantiate_trainer(self, **kwargs: Any) -> pl.Trainer:
+        trainer = super().instantiate_trainer(**kwargs)
+        if not any(isinstance(c, RandomStateCallback) for c in trainer.callbacks):
+            trainer.callbacks.append(RandomStateCallback())
+        return trainer
+
+    def before_fit(self) -> None:
+        config = self.config_init["fit"]
+        config["ckpt_path"] = resume.resolve(config.get("ckpt_path"), self.trainer.default_root_dir, self.model.hparams)
 
 
 def run_cli(args: list[str] | None = None, run: bool = True) -> MabnCLI:

@@ -1,56 +1,157 @@
-"""``python -m mabn pretrain|cityscapes``: pick the real or demo profile, then run the LightningCLI.
+"""``python -m mabn pretrain|cityscapes``: pick the real or demo profile and a trainer preset, then run the
+LightningCLI.
 
 The Makefile's ``make pretrain`` and ``make cityscapes`` call this. With the dataset at ``--data`` it runs
 the paper's recipe from ``configs/``; without it, it says so, generates a small set in the same on-disk
 layout (once) and runs the demo profile, which trains for a few minutes on a CPU.
+
+``--gpus`` (per node) and ``--nodes`` pick a preset from ``configs/trainer/`` (cpu, gpu, ddp, multinode) and
+set the Trainer's devices and num_nodes; on a machine without CUDA, ``--gpus N`` runs N CPU processes under
+DDP instead. ``--resume auto`` continues from the newest checkpoint of the stage and norm, so a killed or
+requeued job restarts with the same command; ``--dry-run`` prints the LightningCLI arguments and checks them
+against the SLURM or torchrun environment without training.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import shlex
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
+
+import torch
 
 from . import cli
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 DEMO_DATA = Path("data")
+DEMO_WAIT_S = 1800  # how long other processes wait for process 0 to generate the demo set
 
 
-def _pretrain_profile(data: Path | None) -> tuple[list[str], Path]:
+class LaunchError(ValueError):
+    """A launch that cannot work as asked; the message says why and what to change."""
+
+
+def say(message: str) -> None:
+    """Print once per launch: Lightning's DDP re-runs this command in each further local process, which
+    has LOCAL_RANK set and needs no second copy of the messages."""
+    if os.environ.get("LOCAL_RANK", "0") == "0" and launch_rank() == 0:
+        print(message)
+
+
+def launch_rank() -> int:
+    """The global rank the launcher (torchrun, srun) gave this process, before any process group exists."""
+    for var in ("RANK", "SLURM_PROCID"):
+        if os.environ.get(var, "").isdigit():
+            return int(os.environ[var])
+    return 0
+
+
+def _demo_set(root: Path, generate: Callable[[Path], Path], marker: str) -> Path:
+    """Generate the demo set in process 0 only; the other processes of a launch wait for its marker, since
+    several writers would clobber each other's files."""
+    if launch_rank() != 0:
+        deadline = time.monotonic() + DEMO_WAIT_S
+        while not (root / marker).is_file():
+            if time.monotonic() > deadline:
+                raise LaunchError(f"waited {DEMO_WAIT_S} s for process 0 to generate the demo set in {root}")
+            time.sleep(2)
+    return generate(root)
+
+
+def _pretrain_profile(data: Path | None, dry_run: bool = False) -> tuple[list[str], Path]:
     from .data import demo_imagenet
 
     if data is not None and (data / "train").is_dir() and (data / "val").is_dir():
         return ["pretrain.yaml"], data
     where = f"at {data}" if data is not None else "given (DATA=...)"
-    print(f"No ImageNet {where}: expected train/<wnid>/*.JPEG and val/<wnid>/*.JPEG.")
-    print("Running the demo profile on generated data (configs/demo/pretrain.yaml).")
-    return ["pretrain.yaml", "demo/pretrain.yaml"], demo_imagenet.generate(DEMO_DATA / "demo-imagenet")
+    say(f"No ImageNet {where}: expected train/<wnid>/*.JPEG and val/<wnid>/*.JPEG.")
+    say("Running the demo profile on generated data (configs/demo/pretrain.yaml).")
+    root = DEMO_DATA / "demo-imagenet"
+    if dry_run:
+        return ["pretrain.yaml", "demo/pretrain.yaml"], root
+    return ["pretrain.yaml", "demo/pretrain.yaml"], _demo_set(root, demo_imagenet.generate, demo_imagenet.MARKER)
 
 
-def _cityscapes_profile(data: Path | None) -> tuple[list[str], Path]:
+def _cityscapes_profile(data: Path | None, dry_run: bool = False) -> tuple[list[str], Path]:
     from .data import demo_cityscapes
 
     if data is not None and (data / "leftImg8bit").is_dir() and (data / "gtFine").is_dir():
         return ["cityscapes.yaml"], data
     where = f"at {data}" if data is not None else "given (DATA=...)"
-    print(f"No Cityscapes {where}: expected leftImg8bit/<split>/<city>/*_leftImg8bit.png and")
-    print("gtFine/<split>/<city>/*_gtFine_labelIds.png. Running the demo profile on generated street scenes")
-    print("(configs/demo/cityscapes.yaml).")
-    return ["cityscapes.yaml", "demo/cityscapes.yaml"], demo_cityscapes.generate(DEMO_DATA / "demo-cityscapes")
+    say(f"No Cityscapes {where}: expected leftImg8bit/<split>/<city>/*_leftImg8bit.png and")
+    say("gtFine/<split>/<city>/*_gtFine_labelIds.png. Running the demo profile on generated street scenes")
+    say("(configs/demo/cityscapes.yaml).")
+    root = DEMO_DATA / "demo-cityscapes"
+    if dry_run:
+        return ["cityscapes.yaml", "demo/cityscapes.yaml"], root
+    return ["cityscapes.yaml", "demo/cityscapes.yaml"], _demo_set(
+        root, demo_cityscapes.generate, demo_cityscapes.MARKER
+    )
 
 
 PROFILES = {"pretrain": _pretrain_profile, "cityscapes": _cityscapes_profile}
 
 
-def trainer_args(gpus: int, nodes: int) -> list[str]:
-    """Trainer flags for a device count: CPU with 0 GPUs, DDP from 2 devices or 2 nodes on."""
+def trainer_args(gpus: int, nodes: int, cuda: bool | None = None) -> list[str]:
+    """Trainer preset and flags for ``gpus`` per node on ``nodes`` nodes (``cuda``: default, whether CUDA is
+    available here; without it the devices become CPU processes)."""
+    if gpus < 0 or nodes < 1:
+        raise LaunchError(f"GPUS must be >= 0 and NODES >= 1, got GPUS={gpus}, NODES={nodes}")
+    if gpus == 0 and nodes > 1:
+        raise LaunchError(f"NODES={nodes} needs GPUS >= 1 (the GPUs per node); GPUS=0 is one CPU process")
+    cuda = torch.cuda.is_available() if cuda is None else cuda
     if gpus == 0:
-        return ["--trainer.accelerator", "cpu", "--trainer.devices", "1"]
-    args = ["--trainer.accelerator", "gpu", "--trainer.devices", str(gpus), "--trainer.num_nodes", str(nodes)]
-    if gpus * nodes > 1:
-        args += ["--trainer.strategy", "ddp"]
+        return ["--trainer", str(CONFIGS / "trainer" / "cpu.yaml")]
+    preset = "gpu" if gpus * nodes == 1 else "ddp" if nodes == 1 else "multinode"
+    args = ["--trainer", str(CONFIGS / "trainer" / f"{preset}.yaml")]
+    args += ["--trainer.devices", str(gpus), "--trainer.num_nodes", str(nodes)]
+    if not cuda:
+        per_node = " per node" if nodes > 1 else ""
+        how = "DDP over gloo" if gpus * nodes > 1 else "one process"
+        say(f"No CUDA device here: GPUS={gpus} runs as {gpus} CPU process(es){per_node} ({how}).")
+        args += ["--trainer.accelerator", "cpu"]
     return args
+
+
+def norm_args(norm: str, gpus: int, nodes: int, cuda: bool | None = None) -> list[str]:
+    """syncbn: Lightning's ``sync_batchnorm``, refused where SyncBatchNorm cannot synchronize anything."""
+    if norm != "syncbn":
+        return []
+    if gpus * nodes < 2:
+        raise LaunchError(
+            f"NORM=syncbn synchronizes BatchNorm across GPUs, but GPUS={gpus} NODES={nodes} is "
+            f"{'no GPU' if gpus == 0 else 'one device'}: use NORM=bn, or GPUS=2 or more"
+        )
+    if not (torch.cuda.is_available() if cuda is None else cuda):
+        raise LaunchError(
+            "NORM=syncbn needs GPUs (torch's SyncBatchNorm has no CPU kernel) and no CUDA device is visible: "
+            "use NORM=bn, brn or mabn (norm_options sync_stats: true shares MABN/BRN statistics across devices)"
+        )
+    return ["--trainer.sync_batchnorm", "true"]
+
+
+def check_cluster(gpus: int, nodes: int) -> str | None:
+    """Check the devices against the launcher's process layout (SLURM or torchrun) with Lightning's own
+    rules, so a mismatch stops here with a hint instead of hanging at the first collective. Returns a line
+    describing the environment, or None outside those launchers."""
+    from lightning_fabric.plugins.environments import SLURMEnvironment, TorchElasticEnvironment
+
+    devices = max(gpus, 1)
+    for env, hint in (
+        (SLURMEnvironment, "submit with --ntasks-per-node=GPUS and --nodes=NODES (scripts/slurm/submit.sh does)"),
+        (TorchElasticEnvironment, "start torchrun with --nproc_per_node=GPUS and --nnodes=NODES"),
+    ):
+        if env.detect():
+            try:
+                env().validate_settings(num_devices=devices, num_nodes=nodes)
+            except (ValueError, RuntimeError) as err:
+                raise LaunchError(f"{err} ({hint})") from err
+            return f"{env.__name__}: {nodes} node(s) x {devices} process(es) agree with the launcher"
+    return None
 
 
 def default_backbone(norm: str, backbone: Path | None) -> list[str]:
@@ -59,7 +160,7 @@ def default_backbone(norm: str, backbone: Path | None) -> list[str]:
         candidate = Path("pretrain") / f"resnet101-{norm}.pt"
         if not candidate.is_file():
             return []
-        print(f"Using the stage-1 backbone {candidate} (BACKBONE=... picks another).")
+        say(f"Using the stage-1 backbone {candidate} (BACKBONE=... picks another).")
         backbone = candidate
     return ["--model.init_args.backbone", str(backbone)]
 
@@ -72,15 +173,23 @@ def build_args(
     nodes: int,
     extra: list[str],
     backbone: Path | None = None,
+    resume: str | None = None,
+    dry_run: bool = False,
 ) -> list[str]:
-    configs, data_dir = PROFILES[stage](data)
+    """The LightningCLI arguments of a stage run. ``dry_run`` generates no data and assumes a GPU machine."""
+    cuda = True if dry_run else None
+    syncbn = norm_args(norm, gpus, nodes, cuda)  # first: a refused syncbn run says nothing else
+    hardware = trainer_args(gpus, nodes, cuda) + syncbn
+    configs, data_dir = PROFILES[stage](data, dry_run)
     args = ["fit"]
     for name in configs:
         args += ["--config", str(CONFIGS / name)]
     args += ["--data.init_args.data_dir", str(data_dir), "--model.init_args.norm", norm]
     if stage == "cityscapes":
         args += default_backbone(norm, backbone)
-    return args + trainer_args(gpus, nodes) + extra
+    if resume:
+        args += ["--ckpt_path", resume]
+    return args + hardware + extra
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -91,8 +200,22 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--gpus", type=int, default=0, help="GPUs per node (0: CPU)")
     parser.add_argument("--nodes", type=int, default=1)
     parser.add_argument("--backbone", type=Path, help="stage 2: a stage-1 backbone file (default: pretrain/...)")
+    parser.add_argument("--resume", help="'auto' (the newest checkpoint of this stage and norm, if any) or a path")
+    parser.add_argument("--dry-run", action="store_true", help="print the LightningCLI arguments, check, exit")
     parser.epilog = "Arguments after -- (and any this parser does not know) go to the LightningCLI unchanged."
     argv = list(sys.argv[1:] if argv is None else argv)
     cut = argv.index("--") if "--" in argv else len(argv)
     ns, unknown = parser.parse_known_args(argv[:cut])
-    cli.main(build_args(ns.stage, ns.data, ns.norm, ns.gpus, ns.nodes, unknown + argv[cut + 1 :], ns.backbone))
+    extra = unknown + argv[cut + 1 :]
+    try:
+        where = check_cluster(ns.gpus, ns.nodes)
+        args = build_args(ns.stage, ns.data, ns.norm, ns.gpus, ns.nodes, extra, ns.backbone, ns.resume, ns.dry_run)
+    except LaunchError as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
+    if ns.dry_run:
+        if where:
+            print(where)
+        print("python -m mabn " + shlex.join(args))
+        return
+    cli.main(args)

@@ -47,3 +47,30 @@ def per_sample(t: Tensor, group_size: int) -> Tensor:
     """Expand per-group (G, C) values to per-sample (N, C, 1, 1) for broadcasting over a batch."""
     g, c = t.shape
     return t.unsqueeze(1).expand(g, group_size, c).reshape(g * group_size, c, 1, 1)
+
+
+def sync_group() -> bool:
+    """Whether statistics can be combined across processes: a default process group of two or more.
+
+    Without one (a single process, or ``torch.distributed`` not initialized) a layer built with
+    ``sync_stats=True`` normalizes over its own batch, exactly like one built without it.
+    """
+    dist = torch.distributed
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def all_reduce_sum_(t: Tensor) -> Tensor:
+    """Sum ``t`` over every process of the default group, in place; returns ``t``.
+
+    Every process must call this in the same order (once per layer and direction), as with SyncBatchNorm:
+    a layer skipped on one device leaves the others waiting.
+    """
+    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.SUM)
+    return t
+
+
+def all_gather_stacked(t: Tensor) -> Tensor:
+    """``t`` of every process of the default group, stacked along a new first dimension (rank order)."""
+    parts = [torch.empty_like(t) for _ in range(torch.distributed.get_world_size())]
+    torch.distributed.all_gather(parts, t.contiguous())
+    return torch.stack(parts)

@@ -1,4 +1,9 @@
-"""Batch Renormalization (Ioffe, NeurIPS 2017) with its clipping ramps and ghost batches."""
+"""Batch Renormalization (Ioffe, NeurIPS 2017) with its clipping ramps and ghost batches.
+
+With ``sync_stats=True`` under ``torch.distributed``, group k of every device forms one normalization batch:
+its mean and variance are combined over the devices in forward, and the two sums BN's gradient needs
+(of dL/dxhat and dL/dxhat * xhat) in backward, as SyncBatchNorm does.
+"""
 
 from __future__ import annotations
 
@@ -6,13 +11,101 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ._common import check_finite, check_input, stat_dtype
+from ._common import (
+    all_gather_stacked,
+    all_reduce_sum_,
+    check_finite,
+    check_input,
+    per_sample,
+    stat_dtype,
+    sync_group,
+)
 
 
 def _ramp(t: Tensor, start: float, end: float, low: float, high: float) -> Tensor:
     """low until step ``start``, linear to high at step ``end``, high afterwards."""
     frac = ((t.to(torch.float64) - start) / max(end - start, 1)).clamp(0.0, 1.0)
     return low + (high - low) * frac
+
+
+def _moments_across_devices(x: Tensor, groups: int) -> tuple[Tensor, Tensor]:
+    """(mean, biased variance), each (G, C), of group k of every device's batch taken together.
+
+    Each device contributes its groups' count, mean and variance (two passes over x, so no E[x^2] - mu^2
+    cancellation), and they are merged by Chan's parallel formula after one all-gather.
+    """
+    n, c, h, w = x.shape
+    xs = x.to(stat_dtype(x)).view(groups, n // groups, c, h, w)
+    var, mu = torch.var_mean(xs, dim=(1, 3, 4), correction=0)
+    count = mu.new_full((groups, 1), float((n // groups) * h * w))
+    every = all_gather_stacked(torch.cat([mu, var, count], dim=1))  # (world, G, 2C + 1)
+    mus, vars_, counts = every[..., :c], every[..., c : 2 * c], every[..., -1:]
+    total = counts.sum(0)
+    mean = (counts * mus).sum(0) / total
+    var = (counts * (vars_ + (mus - mean).square())).sum(0) / total
+    return mean, var
+
+
+class _SyncBRNFunction(torch.autograd.Function):
+    """out = weight * (r * xhat + d) + bias with xhat normalized by statistics over every device.
+
+    r and d are constants (as in the single-device layer); the gradient flows through the shared mean and
+    variance, which couples the devices: the backward all-reduces the per-group sums of dL/dout and of
+    dL/dout * xhat, so each device's input gradient is that of the cross-device batch.
+    """
+
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor, mu: Tensor, var: Tensor, r: Tensor, d: Tensor,
+                eps: float) -> Tensor:  # fmt: skip
+        groups, c = mu.shape
+        b = x.shape[0] // groups
+        sigma = (var + eps).sqrt()
+        scale = weight.to(mu.dtype) * r / sigma
+        shift = bias.to(mu.dtype) + weight.to(mu.dtype) * d - scale * mu
+        ctx.save_for_backward(x, weight)
+        ctx.stats, ctx.eps = (mu, var, sigma, r, d), eps
+        return torch.addcmul(per_sample(shift, b).to(x.dtype), x, per_sample(scale, b).to(x.dtype))
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor):
+        x, weight = ctx.saved_tensors
+        mu, var, sigma, r, d = ctx.stats
+        n, c, h, w = x.shape
+        groups = mu.shape[0]
+        b = n // groups
+        weight_r = weight.to(mu.dtype) * r
+
+        # The native BN backward in inference mode on x viewed as N*C channels of one sample, with the
+        # shared mean and variance and weight * r of each sample's group, gives dL/dxhat / sigma and the
+        # per-(sample, channel) sums of dL/dout * xhat and of dL/dout in one fused pass.
+        def flat(t: Tensor) -> Tensor:
+            return t.contiguous().view(1, n * c, h, w)
+
+        def sample_channel(t: Tensor) -> Tensor:
+            return per_sample(t, b).reshape(n * c)
+
+        empty = mu.new_empty(0)
+        g_scaled, dout_xhat, dout_sum = torch.ops.aten.native_batch_norm_backward(
+            flat(grad_out), flat(x), sample_channel(weight_r), sample_channel(mu), sample_channel(var),
+            empty, empty, False, ctx.eps, [ctx.needs_input_grad[0], True, True],
+        )  # fmt: skip
+        local_dxh = dout_xhat.view(groups, b, c).sum(1)
+        local_d = dout_sum.view(groups, b, c).sum(1)
+        count = float(b * h * w)
+        packed = all_reduce_sum_(torch.cat([local_d, local_dxh, local_d.new_full((groups, 1), count)], dim=1))
+        mean_d, mean_dxh = packed[:, :c] / packed[:, -1:], packed[:, c : 2 * c] / packed[:, -1:]
+        # dL/dx = (weight r / sigma) (dL/dout - mean(dL/dout) - xhat mean(dL/dout xhat)) = g_scaled + x A + B
+        k = weight_r / sigma
+        slope = -k * mean_dxh / sigma
+        offset = -k * (mean_d - mu * mean_dxh / sigma)
+        grad_x = None
+        if ctx.needs_input_grad[0]:
+            grad_x = g_scaled.view(n, c, h, w).addcmul_(x, per_sample(slope, b).to(x.dtype))
+            grad_x.add_(per_sample(offset, b).to(x.dtype))
+        # This device's share of the affine gradients; DDP averages them like any other parameter's.
+        grad_weight = (r * local_dxh + d * local_d).sum(0).to(weight.dtype)
+        grad_bias = local_d.sum(0).to(weight.dtype)
+        return grad_x, grad_weight, grad_bias, None, None, None, None, None
 
 
 class BatchRenorm2d(nn.Module):
@@ -25,6 +118,11 @@ class BatchRenorm2d(nn.Module):
     ``momentum`` uses the paper's convention: stat = momentum * stat + (1 - momentum) * batch_stat.
     With r_max=1 and d_max=0 this is plain BN, which gives ghost-batch BN through norm_batch_size.
     Inference: weight * (x - running_mean) / running_std + bias.
+    ``sync_stats``: under ``torch.distributed`` with two or more processes, normalize group k of every
+    device as one batch (its mean and second moment combined over the devices, and BN's gradient through
+    them), so every device holds the same running statistics; every device must run the same number of
+    groups. Off: each device normalizes and keeps statistics on its own. Without a process group it
+    changes nothing.
     """
 
     def __init__(
@@ -37,6 +135,7 @@ class BatchRenorm2d(nn.Module):
         r_ramp: tuple[int, int] = (5000, 40000),
         d_ramp: tuple[int, int] = (5000, 25000),
         norm_batch_size: int | None = None,
+        sync_stats: bool = False,
     ) -> None:
         super().__init__()
         if not 0.0 <= momentum < 1.0:
@@ -53,6 +152,7 @@ class BatchRenorm2d(nn.Module):
         self.r_ramp = tuple(r_ramp)
         self.d_ramp = tuple(d_ramp)
         self.norm_batch_size = norm_batch_size
+        self.sync_stats = sync_stats
         self.weight = nn.Parameter(torch.ones(num_features))
         self.bias = nn.Parameter(torch.zeros(num_features))
         self.register_buffer("running_mean", torch.zeros(num_features))
@@ -91,13 +191,17 @@ class BatchRenorm2d(nn.Module):
 
         n, _, h, w = x.shape
         b, sdt = n // groups, stat_dtype(x)
+        synced = self.sync_stats and sync_group()
         with torch.no_grad():
-            # Per-sample sums are single fast passes; r, d and the running averages tolerate the
-            # E[x^2] - mu^2 form, while xhat below gets BN's own exact statistics.
-            count = b * h * w
-            mu = torch.sum(x, dim=(2, 3), dtype=sdt).view(groups, b, c).sum(1) / count
-            ex2 = torch.linalg.vector_norm(x, 2, dim=(2, 3), dtype=sdt).square().view(groups, b, c).sum(1) / count
-            var = (ex2 - mu * mu).clamp_min(0.0)
+            if synced:
+                mu, var = _moments_across_devices(x, groups)
+            else:
+                # Per-sample sums are single fast passes; r, d and the running averages tolerate the
+                # E[x^2] - mu^2 form, while xhat below gets BN's own exact statistics.
+                count = b * h * w
+                mu = torch.sum(x, dim=(2, 3), dtype=sdt).view(groups, b, c).sum(1) / count
+                ex2 = torch.linalg.vector_norm(x, 2, dim=(2, 3), dtype=sdt).square().view(groups, b, c).sum(1) / count
+                var = (ex2 - mu * mu).clamp_min(0.0)
             check_finite(type(self).__name__, "batch statistics", var + mu)
             sigma = (var + self.eps).sqrt()
             run_mean, run_std = self.running_mean.to(sdt), self.running_std.to(sdt)
@@ -113,6 +217,8 @@ class BatchRenorm2d(nn.Module):
             self.running_mean.lerp_(mu.mean(0).to(self.running_mean.dtype), 1.0 - self.momentum)
             self.running_std.lerp_(sigma.mean(0).to(self.running_std.dtype), 1.0 - self.momentum)
 
+        if synced:
+            return _SyncBRNFunction.apply(x, self.weight, self.bias, mu, var, r, d, self.eps)
         # BN's own fused kernel does xhat with the exact gradient; r and d enter as its affine.
         weight, bias = self.weight * r, self.weight * d + self.bias
         outs = [
@@ -125,4 +231,5 @@ class BatchRenorm2d(nn.Module):
         return (
             f"{self.num_features}, eps={self.eps}, momentum={self.momentum}, r_max={self.r_max}, "
             f"d_max={self.d_max}, r_ramp={self.r_ramp}, d_ramp={self.d_ramp}, norm_batch_size={self.norm_batch_size}"
+            + (", sync_stats=True" if self.sync_stats else "")
         )

@@ -11,6 +11,10 @@ average (EMA) used at inference, clipped to [1/renorm_clip, renorm_clip]. See DE
 
 The autograd Function saves the input and the weight (as ``nn.BatchNorm2d`` does) plus a few
 per-channel vectors; z is recomputed in backward from x. Every reduction runs in float32 or better.
+
+Under DDP each device keeps its own statistic streams by default, as in the paper. With
+``sync_stats=True`` every normalization batch spans all devices: chi^2 (forward) and psi (backward) of
+group k are combined over the devices' group k before they enter the streams, a few floats per layer.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from ._common import check_input, per_sample, stat_dtype
+from ._common import all_reduce_sum_, check_input, per_sample, stat_dtype, sync_group
 
 STATS = ("batch", "sma", "ema")
 
@@ -68,30 +72,41 @@ def _select(cond: Tensor | bool, a: Tensor, b: Tensor) -> Tensor:
     return torch.where(cond, a, b)
 
 
+def _group_chi2(norm: Tensor, groups: int, hw: int) -> Tensor:
+    """chi^2 (G, C) of each normalization group from the per-sample l2 norms (N, C) over H*W."""
+    n, c = norm.shape
+    chi2 = norm.square() / hw  # per sample; equal counts, so the group's chi^2 is their plain mean
+    return chi2.view(groups, n // groups, c).mean(1)
+
+
+def _sum_across_devices(sums: Tensor, count: int) -> tuple[Tensor, Tensor]:
+    """Per-group sums (G, C), over ``count`` elements each on this device -> (the sums over group k of every
+    device, their element counts (G, 1)), in one all-reduce of G * (C + 1) floats."""
+    packed = all_reduce_sum_(torch.cat([sums, sums.new_full((sums.shape[0], 1), float(count))], dim=1))
+    return packed[:, :-1], packed[:, -1:]
+
+
 def _forward_stats(
-    norm: Tensor,
+    chi2: Tensor,
     weight: Tensor,
     buffer_x2: Tensor,
     running_var: Tensor,
     iters: Tensor,
     count_x2: Tensor,
     cfg: tuple,
-    groups: int,
-    hw: int,
+    b: int,
     x_dtype: torch.dtype,
 ) -> tuple[Tensor, ...]:
-    """The per-channel part of the forward, from the per-sample l2 norms (N, C) over H*W to the
-    per-sample scale.
+    """The per-channel part of the forward, from the groups' chi^2 (G, C) to the per-sample scale
+    (b samples per group on this device).
 
     Commits the new statistics to the buffers (in place) only when every group's chi^2 is finite, and
     returns that verdict as a tensor, so that the caller decides when to read it (see MABN2d).
     """
     stats, momentum, eps, renorm, renorm_clip, buffer_size, timeline = cfg
     moving_ok, renorm_ok = _phase(iters + 1, *timeline)
-    n, c = norm.shape
-    b = n // groups
-    chi2 = norm.square() / hw  # per sample; equal counts, so the group's chi^2 is their plain mean
-    chi2 = chi2.view(groups, b, c).mean(1)
+    groups, c = chi2.shape
+    n = groups * b
     ok = torch.isfinite(chi2).all()
     ks = torch.arange(groups, device=chi2.device)
     active = _select(moving_ok, count_x2 + ks >= buffer_size, torch.zeros_like(ks, dtype=torch.bool))
@@ -123,6 +138,7 @@ def _forward_stats(
 
 def _backward_stats(
     dout_z: Tensor,
+    psi_count: int | Tensor,
     dout_sum: Tensor,
     r: Tensor,
     var: Tensor,
@@ -132,19 +148,19 @@ def _backward_stats(
     running_psi: Tensor,
     count_gz: Tensor,
     cfg: tuple,
-    hw: int,
     x_dtype: torch.dtype,
+    local_dout_z: Tensor | None = None,
 ) -> tuple[Tensor, ...]:
-    """The per-channel part of the backward, from the native kernel's per-(sample, channel) sums.
+    """The per-channel part of the backward, from the sums of dL/dout * z per group (G, C), over
+    ``psi_count`` elements each, and the native kernel's per-(sample, channel) sums of dL/dout.
 
     Commits psi to its buffers only when it is finite, like ``_forward_stats``.
     """
     stats, momentum, eps, _, _, buffer_size, _ = cfg
     groups, c = var.shape
-    b = dout_z.numel() // (groups * c)
-    dout_z = dout_z.view(groups, b, c).sum(1)
+    b = dout_sum.numel() // (groups * c)
     weight_r = weight.to(var.dtype) * r
-    psi = weight_r * dout_z / (b * hw)
+    psi = weight_r * dout_z / psi_count
     ok = torch.isfinite(psi).all()
     ks = torch.arange(groups, device=var.device)
     psi_active = active & (count_gz + ks >= buffer_size)
@@ -152,7 +168,9 @@ def _backward_stats(
         buffer_gz.to(var.dtype), psi, psi_active, stats, momentum, running_psi.to(var.dtype)
     )
     coef = per_sample((-psi_bar / (var + eps)).to(x_dtype), b)  # dL/dx = g / sqrt(var + eps) + x * coef
-    grad_weight = (r * dout_z).sum(0).to(weight.dtype)
+    # The weight's gradient is this device's share; DDP averages it like any other parameter's.
+    local = dout_z if local_dout_z is None else local_dout_z
+    grad_weight = (r * local).sum(0).to(weight.dtype)
     grad_bias = dout_sum.view(-1, c).sum(0).to(weight.dtype)
 
     count_gz.add_(ok.to(count_gz.dtype) * groups)
@@ -168,22 +186,27 @@ class _MABNFunction(torch.autograd.Function):
         layer.raise_if_nonfinite()
         # The one pass over x: per sample and channel, in float32 or better.
         norm = torch.linalg.vector_norm(x, 2, dim=(2, 3), dtype=stat_dtype(x))
+        chi2 = _group_chi2(norm, groups, h * w)
+        synced = layer.sync_stats and sync_group()
+        if synced:  # the chi^2 of group k over every device, weighted by the devices' element counts
+            count = (n // groups) * h * w
+            total, counts = _sum_across_devices(chi2 * count, count)
+            chi2 = total / counts
         scale, weight_flat, var_flat, var, r, active, chi2_g, ema, ok = _forward_stats(
-            norm,
+            chi2,
             weight,
             layer.buffer_x2,
             layer.running_var,
             layer.iters,
             layer.count_x2,
             layer._cfg(),
-            groups,
-            h * w,
+            n // groups,
             x.dtype,
         )
         layer._check(ok, "batch statistic chi^2")
         out = torch.addcmul(bias.to(x.dtype).view(1, c, 1, 1), x, scale)
         ctx.save_for_backward(x, weight)
-        ctx.layer, ctx.stats = layer, (weight_flat, var_flat, var, r, active)
+        ctx.layer, ctx.synced, ctx.stats = layer, synced, (weight_flat, var_flat, var, r, active)
         if layer.track_stats:
             layer.last_stats = {"chi2_batch": chi2_g, "chi2_used": var, "chi2_ema": ema, "r": r, "active": active}
         return out
@@ -215,8 +238,16 @@ class _MABNFunction(torch.autograd.Function):
             layer.eps,
             [need_x, True, True],
         )
+        groups = var.shape[0]
+        b = n // groups
+        dout_z = dout_z.view(groups, b, c).sum(1)  # per group: sum of dL/dout * z over b * h * w elements
+        local_dout_z, psi_count = None, b * h * w
+        if ctx.synced:  # psi of the cross-device normalization batch: over every device's group k
+            local_dout_z = dout_z
+            dout_z, psi_count = _sum_across_devices(dout_z, psi_count)
         coef, grad_weight, grad_bias, psi, psi_bar, ok = _backward_stats(
             dout_z,
+            psi_count,
             dout_sum,
             r,
             var,
@@ -226,8 +257,8 @@ class _MABNFunction(torch.autograd.Function):
             layer.running_psi,
             layer.count_gz,
             layer._cfg(),
-            h * w,
             x.dtype,
+            local_dout_z,
         )
         layer._check(ok, "gradient statistic psi")
         if layer.track_stats and layer.last_stats is not None:
@@ -254,6 +285,11 @@ class MABN2d(nn.Module):
             one after another as a stream (None: the whole batch is one normalization batch).
         stats: statistic for the normalizer and for psi: "batch", "sma" (MABN) or "ema".
         renorm: renormalize the forward to the EMA through r ("EMAS in FP").
+        sync_stats: under ``torch.distributed`` with two or more processes, combine each normalization
+            group's chi^2 and psi over the devices (group k of every device forms one normalization batch),
+            so every device holds the same streams; every device must then run the same number of groups.
+            Off (the paper's setting): each device keeps its own streams. Without a process group it
+            changes nothing.
     """
 
     def __init__(
@@ -268,6 +304,7 @@ class MABN2d(nn.Module):
         norm_batch_size: int | None = None,
         stats: str = "sma",
         renorm: bool = True,
+        sync_stats: bool = False,
     ) -> None:
         super().__init__()
         if stats not in STATS:
@@ -290,6 +327,7 @@ class MABN2d(nn.Module):
         self.norm_batch_size = norm_batch_size
         self.stats = stats
         self.renorm = renorm
+        self.sync_stats = sync_stats
         self.weight = nn.Parameter(torch.ones(num_features))
         self.bias = nn.Parameter(torch.zeros(num_features))
         # EMA of the normalizing second moment: what inference divides by.
@@ -377,5 +415,5 @@ class MABN2d(nn.Module):
             f"{self.num_features}, buffer_size={self.buffer_size}, momentum={self.momentum}, eps={self.eps}, "
             f"warmup_iters={self.warmup_iters}, renorm_warmup_iters={self.renorm_warmup_iters}, "
             f"renorm_clip={self.renorm_clip}, norm_batch_size={self.norm_batch_size}, stats={self.stats!r}, "
-            f"renorm={self.renorm}"
+            f"renorm={self.renorm}" + (", sync_stats=True" if self.sync_stats else "")
         )

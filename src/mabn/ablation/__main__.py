@@ -1,0 +1,167 @@
+"""``python -m mabn.ablation``: the paper's ImageNet ablation (Tables 2 and 6) at small scale.
+
+Trains one small ResNet per row and seed with the same loop (gradient batch 32, normalization batch 2
+through ghost batches), writes the table of validation errors beside the paper's numbers to
+<out>/ablation.md, the run outcomes to <out>/results.json, the per-step statistics of layer1.0.bn1 to
+<out>/stats/*.csv and the paper's Figures 2, 5 and 6 to <out>/*.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from ..data import demo_imagenet
+from ..data.errors import DatasetError
+from . import figures, report
+from .model import BLOCKS, WIDTHS
+from .rows import ROWS, select
+from .runner import Task, available_cores, default_workers, run_all
+from .train import TrainConfig, open_data
+
+DEMO_DATA = Path("data/demo-imagenet")
+# Sized for 11 rows x 3 seeds within 30 minutes on 2 CPU cores, two one-thread runs at a time (17 rounds):
+# a step takes 0.12-0.16 s on an idle core and up to 0.33 s on a busy shared machine, so a 250-step run
+# (plus about 5 s of set-up and evaluation) takes 35-90 s and the whole ablation 10-25 minutes.
+DEFAULT_STEPS = 250
+DEFAULT_SEEDS = 3
+DEFAULT_OUT = Path("runs/ablation")
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m mabn.ablation", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--data",
+        type=Path,
+        help="ImageFolder root with train/<class>/* and val/<class>/* (default: the generated 10-shape set, "
+        f"written once to {DEMO_DATA})",
+    )
+    parser.add_argument(
+        "--steps", type=_positive, default=DEFAULT_STEPS, help=f"optimizer steps per run (default: {DEFAULT_STEPS})"
+    )
+    parser.add_argument(
+        "--seeds", type=_positive, default=DEFAULT_SEEDS, help=f"seeds 0..N-1 per row (default: {DEFAULT_SEEDS})"
+    )
+    parser.add_argument(
+        "--rows",
+        type=lambda text: [k.strip() for k in text.split(",") if k.strip()],
+        help="comma-separated row keys (default: all): " + ", ".join(r.key for r in ROWS),
+    )
+    parser.add_argument("--threads", type=_positive, default=1, help="torch CPU threads per run (default: 1)")
+    parser.add_argument(
+        "--workers",
+        type=_positive,
+        help="runs at a time (default: on the CPU, available cores // threads, here "
+        f"{default_workers(1)} at one thread; on another device, 1)",
+    )
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"output folder (default: {DEFAULT_OUT})")
+    parser.add_argument("--image-size", type=_positive, default=32, help="square training crop in pixels (default: 32)")
+    parser.add_argument(
+        "--lr",
+        type=float,
+        default=TrainConfig.lr,
+        help=f"peak learning rate at gradient batch 32 (default: {TrainConfig.lr})",
+    )
+    parser.add_argument("--device", default="cpu", help="torch device of every run, e.g. cuda (default: cpu)")
+    parser.add_argument(
+        "--loader-workers", type=int, default=0, help="DataLoader processes per run (default: 0, in the run's process)"
+    )
+    return parser.parse_args(argv)
+
+
+def _data_root(arg: Path | None) -> Path:
+    """The dataset root; without --data, the generated set (written once, then reused)."""
+    if arg is not None:
+        return arg
+    print(
+        "No dataset given (--data ...: train/<class>/* and val/<class>/*): training on the generated "
+        f"10-shape classification set in {DEMO_DATA}"
+    )
+    return demo_imagenet.generate(DEMO_DATA)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
+    try:
+        rows = select(args.rows)
+        config = TrainConfig(
+            data=_data_root(args.data),
+            steps=args.steps,
+            image_size=args.image_size,
+            lr=args.lr,
+            threads=args.threads,
+            loader_workers=args.loader_workers,
+            device=args.device,
+        )
+        data = open_data(config)  # a wrong layout fails here, once, before any run starts
+    except (ValueError, DatasetError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    # One device run at a time unless asked: CPU cores are shared out, a GPU is not.
+    workers = args.workers or (default_workers(args.threads) if config.device == "cpu" else 1)
+    seeds = range(args.seeds)
+    # Seed-major, so the probed runs of the first seed finish first.
+    tasks = [Task(row, seed, seed == 0 and row.key in figures.PROBED_ROWS) for seed in seeds for row in rows]
+    print(
+        f"{len(rows)} rows x {args.seeds} seeds = {len(tasks)} runs of {args.steps} steps, {workers} at a time "
+        f"({args.threads} thread(s) each, {available_cores()} cores available), on {config.device}",
+        flush=True,
+    )
+    start = time.perf_counter()
+    results = run_all(tasks, config, workers)
+    wall = time.perf_counter() - start
+
+    out = args.out
+    setting = {
+        "command": "python -m mabn.ablation " + shlex.join(argv),
+        "data": str(config.data),
+        "classes": data.num_classes,
+        "train_images": len(data.train_set),
+        "val_images": len(data.val_set),
+        "model": f"SmallResNet widths {WIDTHS}, blocks {BLOCKS}",
+        "config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(config).items()},
+        "seeds": list(seeds),
+        "workers": workers,
+        "wall_seconds": round(wall, 1),
+        "torch": torch.__version__,
+    }
+    summaries = report.summarize(rows, results)
+    stats = {r.row: r.stats for r in results if r.stats}
+    written = [
+        report.write_markdown(out / "ablation.md", summaries, report.header(setting)),
+        report.write_results(out / "results.json", setting, results),
+        *(report.write_stats(out / "stats" / f"{key}-seed0.csv", records) for key, records in stats.items()),
+    ]
+    layer = config.probe_layer
+    written += [
+        p
+        for p in (
+            figures.figure2(stats, layer, out / "fig2-bn-statistics.png"),
+            figures.figure56(stats, layer, out / "fig5-6-chi2-psi.png"),
+        )
+        if p is not None
+    ]
+    print()
+    print(report.table(summaries))
+    for path in written:
+        print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,155 @@
+"""The one training loop every row runs: same network, data, optimizer and schedule; only the norm differs.
+
+SGD (momentum 0.9, weight decay 1e-4 on every parameter, gamma and beta included, as in the paper), a
+linear lr warm-up then cosine decay to 0 over a fixed number of steps, gradient batch 32. A run is
+deterministic per seed: the seed fixes the initialization, the data order and the augmentations, and the
+CPU kernels run on a fixed number of threads.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..data.errors import DatasetError
+from ..data.imagenet import ImageFolderDataModule
+from ..norm import convert_norm
+from .model import SmallResNet
+from .probes import make_probe
+from .rows import GRADIENT_BATCH, Row, layer_options
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Everything a run depends on besides its row and seed."""
+
+    data: Path
+    steps: int
+    image_size: int = 32
+    lr: float = 0.0125  # peak lr: the paper's 0.1 per 256 samples at gradient batch 32
+    warmup_fraction: float = 0.05  # linear lr warm-up over this share of the steps
+    momentum: float = 0.9
+    weight_decay: float = 1e-4
+    crop_scale: tuple[float, float] = (0.6, 1.0)  # RandomResizedCrop area range (ImageNet recipes: 0.08-1)
+    threads: int = 1  # torch CPU threads per run
+    loader_workers: int = 0  # DataLoader processes per run (0: load in the training process)
+    device: str = "cpu"
+    probe_layer: str = "layer1.0.bn1"  # the layer of the paper's statistics figures
+    progress_every: int = 50  # print a progress line every this many steps (0: never)
+
+
+@dataclass
+class RunResult:
+    """What a run gives back: its final validation error, or ``diverged`` with the reason."""
+
+    row: str
+    seed: int
+    val_error: float  # top-1 error in %, NaN when the run diverged
+    seconds: float
+    final_loss: float
+    diverged: str | None = None
+    stats: list[dict[str, float]] = field(default_factory=list)  # per-step probe records (empty: not probed)
+
+
+def lr_factor(step: int, steps: int, warmup_fraction: float) -> float:
+    """Multiplier of the peak lr at optimizer step ``step`` (0-based): linear warm-up, then cosine to 0."""
+    warmup = max(1, round(warmup_fraction * steps))
+    if step < warmup:
+        return (step + 1) / warmup
+    return 0.5 * (1.0 + math.cos(math.pi * (step - warmup) / max(1, steps - warmup)))
+
+
+def build_model(row: Row, num_classes: int, steps: int) -> nn.Module:
+    """The network with every norm replaced as the row says."""
+    return convert_norm(SmallResNet(num_classes), row.preset, **layer_options(row, steps))
+
+
+def open_data(config: TrainConfig) -> ImageFolderDataModule:
+    """The train/val folders of ``config.data`` with the ImageNet-style augmentation at ``image_size``;
+    raises DatasetError naming the path when the layout is wrong."""
+    data = ImageFolderDataModule(
+        str(config.data),
+        batch_size=GRADIENT_BATCH,
+        num_workers=config.loader_workers,
+        image_size=config.image_size,
+        val_resize=round(config.image_size * 9 / 8),  # 36 px for 32 px crops, 252 for 224 (ImageNet: 256)
+        crop_scale=config.crop_scale,
+    )
+    data.setup("fit")  # seeds the augmentations from torch's seed
+    if len(data.train_set) < GRADIENT_BATCH:
+        raise DatasetError(
+            f"{config.data / 'train'} holds {len(data.train_set)} images; one gradient batch needs {GRADIENT_BATCH}"
+        )
+    return data
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, data: ImageFolderDataModule, device: torch.device) -> float:
+    """Top-1 error (%) on the validation split, with the norms in inference mode."""
+    model.eval()
+    wrong = total = 0
+    for images, labels in data.val_dataloader():
+        logits = model(images.to(device))
+        wrong += int((logits.argmax(1).cpu() != labels).sum())
+        total += labels.numel()
+    return 100.0 * wrong / total
+
+
+def _batches(data: ImageFolderDataModule) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Training batches epoch after epoch (each epoch reshuffled)."""
+    while True:
+        yield from data.train_dataloader()
+
+
+def train_run(row: Row, seed: int, config: TrainConfig, probe: bool = False) -> RunResult:
+    """Train ``row`` with ``seed`` for ``config.steps`` steps; ``probe`` records the statistics of
+    ``config.probe_layer`` at every step. A non-finite loss or norm statistic ends the run as diverged."""
+    torch.set_num_threads(config.threads)
+    torch.manual_seed(seed)
+    device = torch.device(config.device)
+    start = time.perf_counter()
+    data = open_data(config)
+    model = build_model(row, data.num_classes, config.steps).to(device)
+    optimizer = torch.optim.SGD(
+        model.parameters(), lr=config.lr, momentum=config.momentum, weight_decay=config.weight_decay
+    )
+    recorder = make_probe(model.get_submodule(config.probe_layer)) if probe else None
+    tag = f"[{row.key} seed {seed}]"
+    loss_value, diverged = math.nan, None
+    model.train()
+    for step, (images, labels) in zip(range(config.steps), _batches(data)):
+        for group in optimizer.param_groups:
+            group["lr"] = config.lr * lr_factor(step, config.steps, config.warmup_fraction)
+        try:
+            loss = F.cross_entropy(model(images.to(device)), labels.to(device))
+            if not torch.isfinite(loss):
+                raise FloatingPointError(f"loss is {loss.item()}")
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+        except FloatingPointError as err:  # a diverged run is a result (the paper's "-"), not a crash
+            diverged = f"step {step}: {err}"
+            break
+        optimizer.step()
+        if recorder is not None:
+            recorder.end_step(step)
+        loss_value = loss.item()
+        done = step + 1
+        if config.progress_every and (done % config.progress_every == 0 or done == config.steps):
+            elapsed = time.perf_counter() - start
+            print(f"{tag} step {done}/{config.steps} loss {loss_value:.3f} ({elapsed / done:.2f} s/step, "
+                  f"ETA {elapsed / done * (config.steps - done):.0f} s)", flush=True)  # fmt: skip
+    if recorder is not None:
+        recorder.close()
+    error = math.nan if diverged else evaluate(model, data, device)
+    seconds = time.perf_counter() - start
+    outcome = f"diverged at {diverged}" if diverged else f"val error {error:.2f}%"
+    print(f"{tag} done in {seconds:.0f} s: {outcome}", flush=True)
+    records = recorder.records if recorder is not None else []
+    return RunResult(row.key, seed, error, seconds, loss_value, diverged, records)

@@ -1,0 +1,504 @@
+"""Several devices: MABN/BRN under DDP (2 CPU processes over gloo), exact resume, launching.
+
+- sync_stats: two processes normalize as one batch (layers against a single process; a DDP fit against a
+  single-process fit on both shards at once);
+- per-device statistics (the default): parameters agree, streams differ, validation and checkpoints use the
+  devices' mean EMA, every device's streams are checkpointed and a resume continues each one bit-identically;
+- a CLI run killed mid-training and restarted by the same command ends with the uninterrupted run's weights;
+- launching: trainer presets, syncbn refusals, and the SLURM script's dry run for 2 nodes x 8 GPUs.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import pytorch_lightning as pl
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from pytorch_lightning.strategies import DDPStrategy
+from torch import nn
+from torch.utils.data import DataLoader, Subset, TensorDataset
+
+from mabn import BatchRenorm2d, MABN2d, convert_norm, resume
+from mabn.callbacks import RandomStateCallback, SyncBatchNormCheck, norm_callbacks
+from mabn.callbacks.mabn import STREAMS_KEY, configure_ddp
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def launch():
+    """mabn.launch, imported by the tests that use it: it pulls in the whole CLI (data, models), which the
+    processes DDP spawns from this module would import for nothing."""
+    from mabn import launch
+
+    return launch
+
+
+WORLD = 2
+MABN_KW = dict(buffer_size=4, warmup_iters=3, renorm_warmup_iters=6, renorm_clip=1.5, momentum=0.9)
+BRN_KW = dict(r_ramp=(2, 8), d_ramp=(2, 6), momentum=0.9)
+
+
+@pytest.fixture(autouse=True)
+def _one_thread(monkeypatch):
+    """Spawned processes inherit this; two processes with two threads each would fight over 2 cores."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+# ----------------------------------------------------------------------------------- layers, synced
+G, B, C, H, W, STEPS = 2, 2, 3, 3, 4, 12  # per device: 2 ghost groups of 2 samples
+
+
+def _layer(kind: str, norm_batch_size: int, sync: bool) -> nn.Module:
+    torch.manual_seed(0)
+    if kind == "mabn":
+        layer = MABN2d(C, norm_batch_size=norm_batch_size, sync_stats=sync, **MABN_KW)
+    else:
+        layer = BatchRenorm2d(C, norm_batch_size=norm_batch_size, sync_stats=sync, **BRN_KW)
+    layer = layer.double()
+    with torch.no_grad():
+        layer.weight.uniform_(0.5, 1.5)
+        layer.bias.uniform_(-0.5, 0.5)
+    return layer
+
+
+def _layer_data() -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Per step, inputs and upstream gradients of shape (devices, G * B, C, H, W)."""
+    gen = torch.Generator().manual_seed(0)
+    shape = (WORLD, G * B, C, H, W)
+    xs = [(1 + t % 3) * torch.randn(shape, generator=gen, dtype=torch.float64) + 0.5 for t in range(STEPS)]
+    gs = [torch.randn(shape, generator=gen, dtype=torch.float64) for _ in range(STEPS)]
+    return xs, gs
+
+
+def _run_layer(layer: nn.Module, xs: list[torch.Tensor], gs: list[torch.Tensor]) -> dict[str, list[torch.Tensor]]:
+    out = {"out": [], "grad_x": [], "grad_w": [], "grad_b": []}
+    for x, g in zip(xs, gs):
+        layer.weight.grad = layer.bias.grad = None
+        x = x.clone().requires_grad_()
+        y = layer(x)
+        y.backward(g)
+        for key, value in zip(out, (y.detach(), x.grad, layer.weight.grad.clone(), layer.bias.grad.clone())):
+            out[key].append(value)
+    out["state"] = {k: v.clone() for k, v in layer.state_dict().items()}
+    return out
+
+
+def _layer_worker(rank: int, path: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{path}/pg", rank=rank, world_size=WORLD)
+    try:
+        xs, gs = _layer_data()
+        results = {
+            k: _run_layer(_layer(k, B, True), [x[rank] for x in xs], [g[rank] for g in gs]) for k in ("mabn", "brn")
+        }
+        torch.save(results, f"{path}/rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def _as_one_batch(t: torch.Tensor) -> torch.Tensor:
+    """(devices, G * B, ...) -> (G * devices * B, ...): group k of device 0, then group k of device 1, ..."""
+    return t.reshape(WORLD, G, B, *t.shape[2:]).transpose(0, 1).reshape(G * WORLD * B, *t.shape[2:])
+
+
+def test_sync_stats_normalizes_two_devices_as_one_batch(tmp_path):
+    """Ghost group k of both devices is one normalization batch: output, input gradient, the devices'
+    summed affine gradients and every buffer equal one process normalizing the joined groups (float64)."""
+    mp.spawn(_layer_worker, args=(str(tmp_path),), nprocs=WORLD)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
+    xs, gs = _layer_data()
+    position = _as_one_batch(torch.arange(WORLD * G * B).view(WORLD, G * B))  # sample of the joined batch
+    for kind in ("mabn", "brn"):
+        ref = _run_layer(_layer(kind, WORLD * B, False), [_as_one_batch(x) for x in xs], [_as_one_batch(g) for g in gs])
+        for t in range(STEPS):
+            for r in range(WORLD):
+                rows = [int((position == r * G * B + i).nonzero()) for i in range(G * B)]
+                for key in ("out", "grad_x"):
+                    torch.testing.assert_close(ranks[r][kind][key][t], ref[key][t][rows], rtol=1e-10, atol=1e-12)
+            for key in ("grad_w", "grad_b"):
+                torch.testing.assert_close(sum(ranks[r][kind][key][t] for r in range(WORLD)), ref[key][t])
+        for name, value in ref["state"].items():
+            assert torch.equal(ranks[0][kind]["state"][name], ranks[1][kind]["state"][name]), (kind, name)
+            torch.testing.assert_close(ranks[0][kind]["state"][name], value, rtol=1e-10, atol=1e-12)
+    assert int(ranks[0]["mabn"]["state"]["count_x2"]) == STEPS * G  # one stream entry per joined group
+
+
+def test_sync_stats_without_a_process_group_changes_nothing():
+    xs, gs = _layer_data()
+    for kind in ("mabn", "brn"):
+        plain = _run_layer(_layer(kind, B, False), [x[0] for x in xs], [g[0] for g in gs])
+        synced = _run_layer(_layer(kind, B, True), [x[0] for x in xs], [g[0] for g in gs])
+        for key in ("out", "grad_x", "grad_w"):
+            assert all(torch.equal(a, b) for a, b in zip(plain[key], synced[key])), (kind, key)
+
+
+def test_sync_stats_reaches_the_layers_through_convert_norm():
+    model = nn.Sequential(nn.Conv2d(3, 4, 1), nn.BatchNorm2d(4), nn.Conv2d(4, 4, 1), nn.BatchNorm2d(4))
+    assert all(m.sync_stats for m in convert_norm(model, "mabn", sync_stats=True).modules() if isinstance(m, MABN2d))
+    model = nn.Sequential(nn.Conv2d(3, 4, 1), nn.BatchNorm2d(4))
+    assert convert_norm(model, "brn", sync_stats=True)[1].sync_stats
+    with pytest.raises(TypeError, match="sync_stats"):  # plain BN has no such option: SyncBN is NORM=syncbn
+        convert_norm(nn.Sequential(nn.Conv2d(3, 4, 1), nn.BatchNorm2d(4)), "bn", sync_stats=True)
+
+
+# ------------------------------------------------------------------------------- a DDP fit on CPU
+class Tiny(pl.LightningModule):
+    """conv -> MABN2d -> conv -> BatchRenorm2d -> dropout -> linear, with short norm timelines."""
+
+    def __init__(self, sync: bool = False, norm_batch_size: int | None = 2, dropout: float = 0.2,
+                 loss_scale: float = 1.0, lr: float = 0.05) -> None:  # fmt: skip
+        super().__init__()
+        self.save_hyperparameters()
+        torch.manual_seed(0)
+        self.model = nn.Sequential(
+            nn.Conv2d(3, 4, 3, padding=1, bias=False),
+            MABN2d(4, norm_batch_size=norm_batch_size, sync_stats=sync, **MABN_KW),
+            nn.ReLU(),
+            nn.Conv2d(4, 4, 3, padding=1),
+            BatchRenorm2d(4, norm_batch_size=norm_batch_size, sync_stats=sync, **BRN_KW),
+            nn.ReLU(), nn.Dropout(dropout), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 3),
+        )  # fmt: skip
+
+    def configure_callbacks(self):
+        return norm_callbacks(self.model, None)
+
+    def loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return self.hparams.loss_scale * F.cross_entropy(self.model(x), y)
+
+    def training_step(self, batch, batch_idx):
+        return self.loss(*batch)
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val/loss", self.loss(*batch), sync_dist=True)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=self.hparams.lr, momentum=0.9)
+
+
+def _dataset(n: int, dtype=torch.float32, seed: int = 0) -> TensorDataset:
+    gen = torch.Generator().manual_seed(seed)
+    x = 2.0 * torch.randn(n, 3, 6, 6, generator=gen, dtype=torch.float64) + 0.5
+    return TensorDataset(x.to(dtype), torch.randint(0, 3, (n,), generator=gen))
+
+
+class Probe(pl.Callback):
+    """Writes each device's model state at every epoch end, and the EMAs that validation runs with."""
+
+    def __init__(self, out: Path) -> None:
+        self.out = str(out)
+
+    def on_train_epoch_end(self, trainer, pl_module):
+        state = {k: v.detach().clone() for k, v in pl_module.state_dict().items()}
+        torch.save(state, f"{self.out}/epoch{trainer.current_epoch}-rank{trainer.global_rank}.pt")
+
+    def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0):
+        if batch_idx == 0 and not trainer.sanity_checking:
+            ema = {
+                k: v.clone() for k, v in pl_module.state_dict().items() if k.endswith(("running_var", "running_std"))
+            }
+            torch.save(ema, f"{self.out}/val{trainer.current_epoch}-rank{trainer.global_rank}.pt")
+
+
+def _ddp_trainer(root: Path, **kwargs) -> pl.Trainer:
+    defaults = dict(accelerator="cpu", devices=WORLD, strategy="ddp_spawn", logger=False, enable_progress_bar=False,
+                    enable_model_summary=False, default_root_dir=root, num_sanity_val_steps=0)  # fmt: skip
+    return pl.Trainer(**{**defaults, **kwargs})
+
+
+def _load(path: Path) -> dict:
+    return torch.load(path, weights_only=True)  # what Lightning's own loading accepts
+
+
+def test_per_device_statistics_mean_ema_and_exact_resume_on_two_processes(tmp_path):
+    """Default (per-device) statistics under DDP on 2 CPU processes, 4 epochs of 4 steps (ghost batches of 2)."""
+    train = DataLoader(_dataset(32), batch_size=4, shuffle=True)  # DDP: a DistributedSampler seeded per epoch
+    val = DataLoader(_dataset(8, seed=1), batch_size=4)
+    (tmp_path / "a").mkdir()
+    saver = pl.callbacks.ModelCheckpoint(
+        tmp_path / "ckpt", every_n_epochs=1, save_top_k=-1, save_on_train_epoch_end=True
+    )
+    callbacks = [Probe(tmp_path / "a"), RandomStateCallback(), saver]
+    _ddp_trainer(tmp_path, max_epochs=4, callbacks=callbacks).fit(Tiny(), train, val)
+
+    a = {(e, r): _load(tmp_path / "a" / f"epoch{e}-rank{r}.pt") for e in range(4) for r in range(WORLD)}
+    params = [k for k, _ in Tiny().named_parameters()]
+    for key in params:  # DDP keeps the replicas' parameters identical
+        assert torch.equal(a[3, 0][key], a[3, 1][key]), key
+    for key in ("model.1.running_var", "model.4.running_mean", "model.4.running_std"):
+        assert not torch.equal(a[3, 0][key], a[3, 1][key]), f"{key}: per-device statistics were synchronized"
+    # The oldest ring entries too: had DDP broadcast device 0's buffers before each forward, only the
+    # latest step's two group entries would differ.
+    assert not torch.equal(a[3, 0]["model.1.buffer_x2"][0], a[3, 1]["model.1.buffer_x2"][0])
+    assert int(a[3, 0]["model.1.iters"]) == 16  # each device counted its own 16 forwards
+
+    # Validation runs with the devices' mean EMA, on both devices.
+    for epoch in range(4):
+        seen = [_load(tmp_path / "a" / f"val{epoch}-rank{r}.pt") for r in range(WORLD)]
+        for key in ("model.1.running_var", "model.4.running_std"):
+            mean = (a[epoch, 0][key] + a[epoch, 1][key]) / 2
+            assert torch.equal(seen[0][key], mean) and torch.equal(seen[1][key], mean), (epoch, key)
+
+    # The checkpoint holds the mean EMA in its state_dict and every device's streams beside it.
+    ckpt = _load(tmp_path / "ckpt" / "epoch=1-step=8.ckpt")
+    for key in ("model.1.running_var", "model.1.running_psi", "model.4.running_mean", "model.4.running_std"):
+        assert torch.equal(ckpt["state_dict"][key], (a[1, 0][key] + a[1, 1][key]) / 2), key
+    streams = ckpt[STREAMS_KEY]
+    assert streams["world_size"] == WORLD
+    for r in range(WORLD):
+        assert set(streams["ranks"][r]) == {k for k, _ in Tiny().named_buffers()}  # all of both norms' buffers
+        for key, value in streams["ranks"][r].items():
+            assert torch.equal(value, a[1, r][key]), (r, key)
+
+    # Resumed after epoch 2 with a different init, every device ends exactly where it did uninterrupted.
+    (tmp_path / "b").mkdir()
+    resumed = Tiny(dropout=0.2)
+    with torch.no_grad():
+        for p in resumed.parameters():
+            p.add_(1.0)
+    trainer = _ddp_trainer(tmp_path, max_epochs=4, callbacks=[Probe(tmp_path / "b"), RandomStateCallback()])
+    trainer.fit(resumed, train, val, ckpt_path=tmp_path / "ckpt" / "epoch=1-step=8.ckpt")
+    for r in range(WORLD):
+        b = _load(tmp_path / "b" / f"epoch3-rank{r}.pt")
+        for key, value in a[3, r].items():
+            assert torch.equal(b[key], value), (r, key)
+
+
+class ShardedTiny(Tiny):
+    """Tiny whose device r trains on samples r, r + 2, r + 4, ... in order (no DistributedSampler, which
+    Lightning always makes shuffle for training)."""
+
+    def train_dataloader(self):
+        return DataLoader(Subset(_dataset(16, torch.float64), range(self.global_rank, 16, WORLD)), batch_size=2)
+
+
+def test_sync_stats_ddp_fit_equals_one_process_on_both_shards(tmp_path):
+    """sync_stats=True: the devices' buffers stay identical and match one process that trains on both
+    devices' batches at once, with the sum of the two devices' losses at half the learning rate (DDP averages
+    gradients, while the shared psi follows each device's own loss)."""
+    kwargs = dict(sync=True, norm_batch_size=None, dropout=0.0)
+    (tmp_path / "ddp").mkdir()
+    trainer = _ddp_trainer(
+        tmp_path, max_epochs=2, precision="64-true", use_distributed_sampler=False, callbacks=[Probe(tmp_path / "ddp")]
+    )
+    trainer.fit(ShardedTiny(**kwargs, lr=0.05))
+    ranks = [_load(tmp_path / "ddp" / f"epoch1-rank{r}.pt") for r in range(WORLD)]
+    for key, value in ranks[0].items():
+        assert torch.equal(ranks[1][key], value), key  # one stream for both devices
+
+    # One process, same 8 steps: step k of an epoch joins device 0's samples 4k, 4k + 2 and device 1's 4k + 1, 4k + 3.
+    data = _dataset(16, torch.float64)
+    one = Tiny(**kwargs, lr=0.025).double()
+    opt = one.configure_optimizers()
+    for step in range(8):
+        k = step % 4
+        idx = [4 * k, 4 * k + 2, 4 * k + 1, 4 * k + 3]  # device 0's batch, then device 1's
+        x, y = data.tensors[0][idx], data.tensors[1][idx]
+        opt.zero_grad()
+        logits = one.model(x)  # one forward over both shards: one normalization batch
+        (F.cross_entropy(logits[:2], y[:2]) + F.cross_entropy(logits[2:], y[2:])).backward()
+        opt.step()
+    for key, value in one.state_dict().items():
+        torch.testing.assert_close(ranks[0][key], value, rtol=1e-9, atol=1e-12, msg=key)
+
+
+# ------------------------------------------------------------------------- killed, restarted, same weights
+class CliTiny(Tiny):
+    """Tiny for the CLI (num_classes is linked from the data); kills its own process once the global step
+    reaches $MABN_TEST_KILL_AT_STEP, as an out-of-memory kill or a node failure would."""
+
+    def __init__(self, num_classes: int = 3, norm: str = "mabn", lr: float = 0.05, loss_scale: float = 1.0) -> None:
+        # save_hyperparameters keeps the outermost __init__'s arguments: norm is what --ckpt_path auto matches
+        super().__init__(lr=lr, loss_scale=loss_scale)
+
+    def configure_optimizers(self):
+        optimizer = super().configure_optimizers()
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.7)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        if self.global_step == int(os.environ.get("MABN_TEST_KILL_AT_STEP", "-1")):
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+class CliTinyData(pl.LightningDataModule):
+    num_classes = 3
+
+    def train_dataloader(self):
+        return DataLoader(_dataset(16), batch_size=4, shuffle=True)
+
+
+CLI_CONFIG = """
+seed_everything: 0
+trainer:
+  max_epochs: 4
+  logger: false
+  enable_progress_bar: false
+  enable_model_summary: false
+  callbacks:
+    - class_path: pytorch_lightning.callbacks.ModelCheckpoint
+      init_args: {save_last: true, every_n_epochs: 1, save_on_train_epoch_end: true}
+model:
+  class_path: test_ddp.CliTiny
+data:
+  class_path: test_ddp.CliTinyData
+"""
+
+
+def test_a_killed_run_restarted_by_the_same_command_ends_with_the_same_weights(tmp_path):
+    """4 epochs of 4 steps with shuffling, dropout and a per-step lr schedule. Killed at step 10 (mid epoch 3,
+    after the epoch-2 checkpoint), then restarted by the same command, it resumes from the epoch boundary and
+    ends bit-identical to the uninterrupted run, optimizer and scheduler state included."""
+    (tmp_path / "cfg.yaml").write_text(CLI_CONFIG)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])}
+
+    def command(root: str) -> list[str]:
+        cfg = str(tmp_path / "cfg.yaml")
+        return [sys.executable, "-m", "mabn", "fit", "--config", cfg, "--trainer.default_root_dir", root,
+                "--ckpt_path", "auto"]  # fmt: skip
+
+    def run(root: str, **extra_env: str) -> subprocess.CompletedProcess:
+        return subprocess.run(command(root), cwd=tmp_path, env={**env, **extra_env}, capture_output=True, text=True)
+
+    straight = run(str(tmp_path / "straight"))
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    assert "starting a new run" in straight.stdout
+    killed = run(str(tmp_path / "killed"), MABN_TEST_KILL_AT_STEP="10")
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    assert _load(tmp_path / "killed" / "checkpoints" / "last.ckpt")["global_step"] == 8
+    restarted = run(str(tmp_path / "killed"))
+    assert restarted.returncode == 0, restarted.stderr[-3000:]
+    assert "Resuming from" in restarted.stdout and "(epoch 1, step 8)" in restarted.stdout
+
+    a = _load(tmp_path / "straight" / "checkpoints" / "last.ckpt")
+    b = _load(tmp_path / "killed" / "checkpoints" / "last.ckpt")
+    assert a["global_step"] == b["global_step"] == 16
+    for key, value in a["state_dict"].items():
+        assert torch.equal(b["state_dict"][key], value), key
+    for pa, pb in zip(a["optimizer_states"][0]["state"].values(), b["optimizer_states"][0]["state"].values()):
+        assert torch.equal(pa["momentum_buffer"], pb["momentum_buffer"])
+    assert a["lr_schedulers"] == b["lr_schedulers"] and a["lr_schedulers"][0]["last_epoch"] == 16
+
+
+def test_auto_resume_picks_the_newest_readable_checkpoint_of_the_same_norm(tmp_path, capsys):
+    def save(name: str, norm: str, step: int, mtime: int) -> Path:
+        path = tmp_path / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        torch.save({"hyper_parameters": {"norm": norm}, "epoch": 0, "global_step": step}, path)
+        os.utime(path, (mtime, mtime))
+        return path
+
+    old = save("csv/version_0/checkpoints/last.ckpt", "mabn", 100, 1000)
+    save("csv/version_1/checkpoints/last.ckpt", "bn", 300, 3000)  # newest, but another norm
+    save("hpc_ckpt_1.ckpt", "mabn", 200, 2000)
+    broken = tmp_path / "csv" / "version_2" / "checkpoints" / "last.ckpt"
+    broken.parent.mkdir(parents=True)
+    broken.write_bytes(b"cut short")
+    os.utime(broken, (4000, 4000))
+    assert resume.resolve("auto", tmp_path, {"norm": "mabn"}) == str(tmp_path / "hpc_ckpt_1.ckpt")
+    assert "Skipping unreadable" in capsys.readouterr().out
+    assert resume.resolve(str(old), tmp_path, {"norm": "mabn"}) == str(old)  # an explicit path is kept
+    assert resume.resolve("auto", tmp_path / "none", {"norm": "mabn"}) is None
+
+
+# ------------------------------------------------------------------------------------------ launching
+@pytest.mark.parametrize(
+    ("gpus", "nodes", "preset", "devices"),
+    [(0, 1, "cpu", None), (1, 1, "gpu", "1"), (4, 1, "ddp", "4"), (8, 2, "multinode", "8")],
+)
+def test_gpus_and_nodes_pick_a_trainer_preset(launch, gpus, nodes, preset, devices):
+    args = launch.trainer_args(gpus, nodes, cuda=True)
+    assert args[:2] == ["--trainer", str(launch.CONFIGS / "trainer" / f"{preset}.yaml")]
+    assert Path(args[1]).is_file()
+    if devices:
+        assert args[2:] == ["--trainer.devices", devices, "--trainer.num_nodes", str(nodes)]
+    assert launch.trainer_args(2, 1, cuda=False)[-2:] == ["--trainer.accelerator", "cpu"]  # CPU processes
+    with pytest.raises(launch.LaunchError, match="NODES=2 needs GPUS >= 1"):
+        launch.trainer_args(0, 2)
+
+
+def test_syncbn_is_refused_where_it_cannot_synchronize(launch):
+    with pytest.raises(launch.LaunchError, match="one device"):
+        launch.norm_args("syncbn", 1, 1, cuda=True)
+    with pytest.raises(launch.LaunchError, match="needs GPUs"):
+        launch.norm_args("syncbn", 2, 1, cuda=False)
+    assert launch.norm_args("syncbn", 8, 2, cuda=True) == ["--trainer.sync_batchnorm", "true"]
+    assert launch.norm_args("mabn", 1, 1, cuda=False) == []
+
+
+def test_a_syncbn_model_stops_before_training_on_one_cpu_device(tmp_path):
+    class SyncTiny(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.model = convert_norm(nn.Sequential(nn.Conv2d(3, 4, 1), nn.BatchNorm2d(4), nn.Flatten()), "syncbn")
+
+        def configure_callbacks(self):
+            return norm_callbacks(self.model, None)
+
+        def training_step(self, batch, batch_idx):
+            return self.model(batch[0]).sum()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    assert isinstance(norm_callbacks(SyncTiny().model, None)[0], SyncBatchNormCheck)
+    trainer = pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False, max_steps=1)
+    with pytest.raises(ValueError, match="norm 'syncbn' synchronizes BatchNorm across devices.*1 device"):
+        trainer.fit(SyncTiny(), DataLoader(_dataset(4), batch_size=2))
+
+
+def test_per_device_statistics_turn_off_ddp_buffer_broadcast():
+    default = SimpleNamespace(strategy=DDPStrategy())
+    configure_ddp(default)
+    assert default.strategy._ddp_kwargs["broadcast_buffers"] is False
+    explicit = SimpleNamespace(strategy=DDPStrategy(broadcast_buffers=True))
+    with pytest.warns(UserWarning, match="overwrites every device's MABN/BRN statistics"):
+        configure_ddp(explicit)
+    assert explicit.strategy._ddp_kwargs["broadcast_buffers"] is True
+
+
+def test_slurm_dry_run_for_2_nodes_x_8_gpus_agrees_with_the_trainer(tmp_path):
+    """submit.sh --dry-run prints the sbatch line, then runs the job script in a simulated allocation of that
+    shape: its srun line and the LightningCLI arguments must agree, checked by Lightning's SLURM rules."""
+    env = {**os.environ, "GPUS": "8", "NODES": "2", "PYTHON": sys.executable}
+    submit = str(ROOT / "scripts" / "slurm" / "submit.sh")
+    command = ["bash", submit, "--dry-run", "cityscapes", "--norm", "mabn", "--", "--trainer.max_epochs", "9"]
+    out = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stdout.splitlines()
+    sbatch = shlex.split(next(line for line in lines if line.startswith("+ sbatch"))[2:])
+    srun = shlex.split(next(line for line in lines if line.startswith("+ srun"))[2:])
+    trainer = shlex.split(next(line for line in lines if line.startswith("python -m mabn fit")))
+    assert {"--nodes=2", "--ntasks-per-node=8", "--gres=gpu:8"} <= set(sbatch)
+    assert srun[srun.index("--gpus") + 1] == "8" and srun[srun.index("--nodes") + 1] == "2"
+    assert "--resume" in srun and srun[srun.index("--resume") + 1] == "auto"
+    assert trainer[trainer.index("--trainer.devices") + 1] == "8"
+    assert trainer[trainer.index("--trainer.num_nodes") + 1] == "2"
+    assert trainer[trainer.index("--trainer") + 1].endswith("configs/trainer/multinode.yaml")
+    assert trainer[trainer.index("--ckpt_path") + 1] == "auto"
+    assert trainer[-2:] == ["--trainer.max_epochs", "9"]  # the user's LightningCLI arguments come last
+    assert "SLURMEnvironment: 2 node(s) x 8 process(es) agree with the launcher" in lines
+    assert not (tmp_path / "data").exists()  # a dry run generates nothing
+
+
+def test_launch_refuses_devices_that_disagree_with_the_slurm_allocation(launch, monkeypatch):
+    for var, value in dict(
+        SLURM_NTASKS="16", SLURM_NTASKS_PER_NODE="8", SLURM_NNODES="2", SLURM_JOB_NAME="mabn"
+    ).items():
+        monkeypatch.setenv(var, value)
+    assert "agree" in launch.check_cluster(8, 2)
+    with pytest.raises(launch.LaunchError, match="ntasks-per-node=8.*submit.sh"):
+        launch.check_cluster(4, 2)
