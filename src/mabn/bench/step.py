@@ -75,9 +75,11 @@ class _LoggingTrainer(_Trainer):
     def __init__(self, model: PSPNet) -> None:
         super().__init__(model)
         self.callback = MABNCallback(log_every_n_steps=1)
-        self.callback.setup(None, model, "fit")
         self.logged: dict[str, float] = {}
-        self.trainer = SimpleNamespace(global_step=0, loggers=[SimpleNamespace(log_metrics=self._keep)])
+        self.trainer = SimpleNamespace(
+            global_step=0, loggers=[SimpleNamespace(log_metrics=self._keep)], strategy=None
+        )  # one process: no distributed strategy to configure
+        self.callback.setup(self.trainer, model, "fit")
 
     def _keep(self, metrics: dict[str, float], step: int) -> None:
         self.logged = metrics
