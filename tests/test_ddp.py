@@ -50,6 +50,16 @@ BRN_KW = dict(r_ramp=(2, 8), d_ramp=(2, 6), momentum=0.9)
 
 
 @pytest.fixture(autouse=True)
+def _fresh_port(monkeypatch):
+    """Lightning's spawn launcher leaves MASTER_PORT in this process's environment and every later DDP fit
+    reuses it; a port the previous process group has not released yet aborts the new one. Each test gets a
+    free port of its own, and the environment is restored after it."""
+    from lightning_fabric.plugins.environments.lightning import find_free_network_port
+
+    monkeypatch.setenv("MASTER_PORT", str(find_free_network_port()))
+
+
+@pytest.fixture(autouse=True)
 def _one_thread(monkeypatch):
     """Spawned processes inherit this; two processes with two threads each would fight over 2 cores."""
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
