@@ -12,13 +12,7 @@ from mabn.bench.__main__ import main
 CPU = torch.device("cpu")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """On 2 shared cores, two OpenMP threads spin against the other load and run ~10x slower than one."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _table_rows(markdown: str, heading: str) -> list[list[str]]:

@@ -25,13 +25,7 @@ EXPECTED_NORM = {"bn": nn.BatchNorm2d, "gn": nn.GroupNorm, "brn": BatchRenorm2d,
 NORM_COUNTS = {"encoder": 104, "ppm": 4, "classifier": 1, "aux": 1}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """On 2 shared cores, two OpenMP threads spin against the other load and run ~10x slower than one."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -17,13 +17,7 @@ NORM_OPS = ("batch_norm", "group_norm", "instance_norm", "layer_norm", "renorm")
 SIZE = (64, 64)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """On 2 shared cores, two OpenMP threads spin against the other load and run ~10x slower than one."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _trained_like(task: pl.LightningModule) -> None:

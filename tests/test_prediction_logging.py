@@ -18,14 +18,7 @@ from mabn.tasks import SegmentationTask
 from mabn.tasks.segmentation import display_image, prediction_masks
 from wandb_reader import history, offline_run, wandb_session
 
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """On 2 shared cores, two OpenMP threads spin against the other load and run ~10x slower than one."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

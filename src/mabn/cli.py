@@ -16,6 +16,7 @@ from pytorch_lightning.cli import LightningCLI
 
 from . import resume
 from .callbacks import RandomStateCallback
+from .callbacks.distributed import end_process_group_at_exit
 from .data.errors import DatasetError
 from .models import BackboneError
 
@@ -67,6 +68,7 @@ def user_error(err: BaseException) -> str | None:
 
 
 def main(args: list[str] | None = None) -> None:
+    end_process_group_at_exit()  # every run, whatever its norm: a DDP worker must exit cleanly
     try:
         run_cli(args)
     except Exception as err:

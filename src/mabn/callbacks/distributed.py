@@ -7,6 +7,8 @@ return at once, so single-device runs pay nothing.
 
 from __future__ import annotations
 
+import atexit
+import functools
 from collections import defaultdict
 from collections.abc import Mapping
 
@@ -23,6 +25,19 @@ def world_size() -> int:
 def rank() -> int:
     """This process's rank in the default group; 0 without one."""
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _end_process_group() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+@functools.cache  # once per process
+def end_process_group_at_exit() -> None:
+    """End this process's process group before interpreter shutdown. Lightning leaves it alive after fit;
+    destroyed only while Python tears down, a gloo group can abort a finished worker ("terminate called
+    without an active exception"), turning a successful run into a failed exit code. Not a collective."""
+    atexit.register(_end_process_group)
 
 
 def _by_kind(tensors: Mapping[str, Tensor]) -> dict[tuple[torch.dtype, torch.device], list[str]]:

@@ -15,7 +15,6 @@ in the checkpoint so that a resume on as many devices continues each one exactly
 
 from __future__ import annotations
 
-import atexit
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -26,7 +25,7 @@ from pytorch_lightning.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor, nn
 
 from ..norm import BatchRenorm2d, MABN2d
-from .distributed import device_mean, gather_to_cpu, rank, world_size
+from .distributed import device_mean, end_process_group_at_exit, gather_to_cpu, rank, world_size
 from .syncbn import SyncBatchNormCheck, has_sync_batchnorm
 
 MANAGED = (MABN2d, BatchRenorm2d)
@@ -226,20 +225,6 @@ class MABNCallback(pl.Callback):
         self.resets = list(state_dict["resets"])
 
 
-def _destroy_process_group() -> None:
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
-
-
-def _destroy_process_group_at_exit() -> None:
-    """End this process's process group before interpreter shutdown (once per process). Lightning leaves it
-    alive after fit; destroyed only while Python tears down, a gloo group can abort a finished worker
-    ("terminate called without an active exception"), turning a successful run into a failed exit code."""
-    if not getattr(_destroy_process_group_at_exit, "registered", False):
-        atexit.register(_destroy_process_group)
-        _destroy_process_group_at_exit.registered = True
-
-
 def configure_ddp(trainer: pl.Trainer) -> None:
     """Keep each device's statistic streams under DDP: no buffer broadcast from device 0 at every forward.
 
@@ -254,7 +239,7 @@ def configure_ddp(trainer: pl.Trainer) -> None:
     """
     strategy = trainer.strategy
     if isinstance(strategy, DDPStrategy):
-        _destroy_process_group_at_exit()
+        end_process_group_at_exit()
         kwargs = strategy._ddp_kwargs  # passed to DistributedDataParallel when the model is wrapped
         if kwargs.get("broadcast_buffers") is True:
             rank_zero_warn(

@@ -349,10 +349,6 @@ class MABN2d(nn.Module):
         # CUDA only: finiteness verdicts not read yet, (host flag, event after its copy, what).
         self._pending: list[tuple[Tensor, torch.cuda.Event, str]] = []
 
-    def phase(self, t: Tensor) -> tuple[Tensor | bool, Tensor | bool]:
-        """Whether forward number t may use moving statistics and renormalize (before the buffer check)."""
-        return _phase(t, self.policy, self.warmup_iters, self.renorm_warmup_iters)
-
     def _cfg(self) -> tuple:
         timeline = (self.policy, self.warmup_iters, self.renorm_warmup_iters)
         return (self.stats, self.momentum, self.eps, self.renorm, self.renorm_clip, self.buffer_size, timeline)
