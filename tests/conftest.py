@@ -5,6 +5,10 @@ import torch
 
 # Tests run on the CPU and must never reach the network (wandb, weight downloads).
 os.environ.setdefault("WANDB_MODE", "disabled")
+# MABN2d's Triton statistic kernels (CUDA) run on CPU tensors through Triton's interpreter, which must be chosen
+# before Triton is first imported. On a GPU (MABN_TEST_DEVICE=cuda) they run compiled.
+if os.environ.get("MABN_TEST_DEVICE", "cpu") == "cpu":
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(autouse=True)

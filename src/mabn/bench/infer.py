@@ -67,13 +67,13 @@ def run(
     device: torch.device, repeats: int = 7, size: tuple[int, int] = (512, 1024), num_classes: int = 19
 ) -> list[InferRow]:
     """Median time of one forward of a 1x3xHxW image per model over ``repeats`` interleaved rounds
-    (after one warm-up round), all on the same image."""
+    (after three warm-up rounds), all on the same image."""
     images = torch.randn(1, 3, *size, generator=torch.Generator().manual_seed(0)).to(device)
     forwards = {}
     for norm in MODELS:
         torch.manual_seed(0)
         forwards[norm] = _forward(build_inference(norm, num_classes).to(device), images)
-    times = median_times(forwards, device, repeats, warmup=1)
+    times = median_times(forwards, device, repeats, warmup=3)
     rows = [InferRow(label(n), times[n], 1.0 / times[n], times[n] / times["bn"]) for n in MODELS]
     for row in rows:
         print(f"inference {row.model}: {row.images_per_second:.3f} images/s, {row.time_ratio:.3f} x BN", flush=True)
@@ -85,7 +85,7 @@ def table(rows: list[InferRow], repeats: int, size: tuple[int, int]) -> str:
     lines = [
         f"### Inference: 1x3x{size[0]}x{size[1]}, eval mode under `torch.inference_mode`",
         "",
-        f"Median of {repeats} interleaved repeats after one warm-up round. Folded: `fold_norms` merged every "
+        f"Median of {repeats} interleaved repeats after three warm-up rounds. Folded: `fold_norms` merged every "
         "BN / BRN / MABN into its conv (and centred the MABN convs), leaving the same network for all three; "
         "GN keeps its norm layers.",
         "",

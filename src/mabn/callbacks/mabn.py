@@ -25,6 +25,7 @@ from pytorch_lightning.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor, nn
 
 from ..norm import BatchRenorm2d, MABN2d
+from ..norm.mabn import raise_if_any_nonfinite
 from .distributed import device_mean, end_process_group_at_exit, gather_to_cpu, rank, world_size
 from .syncbn import SyncBatchNormCheck, has_sync_batchnorm
 
@@ -147,9 +148,7 @@ class MABNCallback(pl.Callback):
     ) -> None:
         # On CUDA, MABN2d reports non-finite statistics late (reading them at once would stall the GPU at
         # every layer): collect the verdicts here, before a NaN gradient can reach the weights.
-        for layer in self._layers.values():
-            if isinstance(layer, MABN2d):
-                layer.raise_if_nonfinite()
+        raise_if_any_nonfinite(layer for layer in self._layers.values() if isinstance(layer, MABN2d))
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, idx: int

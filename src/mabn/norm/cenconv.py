@@ -43,7 +43,7 @@ class _CentredConv2d(torch.autograd.Function):
         wc = _centred(weight) if ctx.dtype is None else _centred(weight).to(ctx.dtype)
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         grad_x, grad_w, grad_b = torch.ops.aten.convolution_backward(
-            grad_out.to(wc.dtype),
+            grad_out if grad_out.dtype == wc.dtype else grad_out.to(wc.dtype),
             xc,
             wc,
             [wc.shape[0]] if ctx.has_bias else None,
@@ -56,12 +56,12 @@ class _CentredConv2d(torch.autograd.Function):
             [need_x, need_w, need_b and ctx.has_bias],
         )
         del wc  # the recomputed weight goes before the projection allocates: peak stays at nn.Conv2d's
-        if grad_x is not None:
+        if grad_x is not None and grad_x.dtype != ctx.x_dtype:
             grad_x = grad_x.to(ctx.x_dtype)
         if grad_w is not None:
-            grad_w = grad_w.to(weight.dtype)
+            grad_w = grad_w if grad_w.dtype == weight.dtype else grad_w.to(weight.dtype)
             grad_w.sub_(grad_w.mean(dim=(1, 2, 3), keepdim=True))
-        if grad_b is not None:
+        if grad_b is not None and grad_b.dtype != weight.dtype:
             grad_b = grad_b.to(weight.dtype)
         return grad_x, grad_w, grad_b, None, None
 

@@ -19,10 +19,14 @@ group k are combined over the devices' group k before they enter the streams, a 
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from types import ModuleType
+
 import torch
 from torch import Tensor, nn
 
 from ._common import all_reduce_sum_, check_input, per_sample, stat_dtype, sync_group
+from ._triton import kernels_for
 
 STATS = ("batch", "sma", "ema")
 
@@ -128,12 +132,13 @@ def _forward_stats(
     # What the native BN backward needs, per (sample, channel) of x viewed as one sample of N*C channels.
     weight_flat = per_sample(weight_r, b).reshape(n * c)
     var_flat = per_sample(var, b).reshape(n * c)
+    mean_flat = torch.zeros_like(var_flat)  # no mean: x is normalized by its second moment
 
     iters.add_(ok.to(iters.dtype))
     count_x2.add_(ok.to(count_x2.dtype) * groups)
     buffer_x2.copy_(torch.where(ok, history.to(buffer_x2.dtype), buffer_x2))
     running_var.copy_(torch.where(ok, ema.to(running_var.dtype), running_var))
-    return scale, weight_flat, var_flat, var, r, active, chi2, ema, ok
+    return scale, weight_flat, var_flat, mean_flat, var, r, active, chi2, ema, ok
 
 
 def _backward_stats(
@@ -179,43 +184,59 @@ def _backward_stats(
     return coef, grad_weight, grad_bias, psi, psi_bar, ok
 
 
+def _fused_kernels(x: Tensor) -> ModuleType | None:
+    """The one-launch Triton statistic steps (``_mabn_kernels``) for ``x``, or None for the torch-op steps
+    above: on the CPU, without Triton, or with MABN_FUSED=0."""
+    return kernels_for(x, "_mabn_kernels")
+
+
 class _MABNFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor, layer: MABN2d, groups: int) -> Tensor:
         n, c, h, w = x.shape
-        layer.raise_if_nonfinite()
+        layer._raise_if_copied_flags_set()
         # The one pass over x: per sample and channel, in float32 or better.
         norm = torch.linalg.vector_norm(x, 2, dim=(2, 3), dtype=stat_dtype(x))
-        chi2 = _group_chi2(norm, groups, h * w)
         synced = layer.sync_stats and sync_group()
-        if synced:  # the chi^2 of group k over every device, weighted by the devices' element counts
-            count = (n // groups) * h * w
-            total, counts = _sum_across_devices(chi2 * count, count)
-            chi2 = total / counts
-        scale, weight_flat, var_flat, var, r, active, chi2_g, ema, ok = _forward_stats(
-            chi2,
-            weight,
-            layer.buffer_x2,
-            layer.running_var,
-            layer.iters,
-            layer.count_x2,
-            layer._cfg(),
-            n // groups,
-            x.dtype,
-        )
-        layer._check(ok, "batch statistic chi^2")
-        out = torch.addcmul(bias.to(x.dtype).view(1, c, 1, 1), x, scale)
+        kernels = None if synced else _fused_kernels(x)
+        if kernels is not None:
+            stats = kernels.forward_stats(norm, h * w, groups, weight, layer, layer._cfg(), x.dtype)
+        else:
+            chi2 = _group_chi2(norm, groups, h * w)
+            if synced:  # the chi^2 of group k over every device, weighted by the devices' element counts
+                count = (n // groups) * h * w
+                total, counts = _sum_across_devices(chi2 * count, count)
+                chi2 = total / counts
+            stats = _forward_stats(
+                chi2,
+                weight,
+                layer.buffer_x2,
+                layer.running_var,
+                layer.iters,
+                layer.count_x2,
+                layer._cfg(),
+                n // groups,
+                x.dtype,
+            )
+        scale, weight_flat, var_flat, mean_flat, var, r, active, chi2_g, ema, ok = stats
+        layer._check(ok, 0)
+        if x.is_cuda:
+            layer._copy_flags_to_host()
+        out = torch.addcmul((bias if bias.dtype == x.dtype else bias.to(x.dtype)).view(1, c, 1, 1), x, scale)
         ctx.save_for_backward(x, weight)
-        ctx.layer, ctx.synced, ctx.stats = layer, synced, (weight_flat, var_flat, var, r, active)
+        ctx.layer, ctx.synced, ctx.kernels, ctx.groups = layer, synced, kernels, groups
+        ctx.stats = (weight_flat, var_flat, mean_flat, var, r, active)
         if layer.track_stats:
-            layer.last_stats = {"chi2_batch": chi2_g, "chi2_used": var, "chi2_ema": ema, "r": r, "active": active}
+            per_group = {"chi2_batch": chi2_g, "chi2_used": var, "r": r}
+            layer.last_stats = {k: v.view(groups, c) for k, v in per_group.items()}
+            layer.last_stats.update(chi2_ema=ema, active=active.view(groups) != 0)
         return out
 
     @staticmethod
     def backward(ctx, grad_out: Tensor):
         x, weight = ctx.saved_tensors
         layer = ctx.layer
-        weight_flat, var_flat, var, r, active = ctx.stats
+        weight_flat, var_flat, mean_flat, var, r, active = ctx.stats
         n, c, h, w = x.shape
 
         # The native BN backward in inference mode, run on x viewed as N*C channels of one sample with
@@ -230,7 +251,7 @@ class _MABNFunction(torch.autograd.Function):
             flat(grad_out),
             flat(x),
             weight_flat,
-            torch.zeros_like(var_flat),
+            mean_flat,
             var_flat,
             empty,  # no saved batch statistics: inference mode reads the running ones (CUDA needs them defined)
             empty,
@@ -238,33 +259,48 @@ class _MABNFunction(torch.autograd.Function):
             layer.eps,
             [need_x, True, True],
         )
-        groups = var.shape[0]
+        groups = ctx.groups
         b = n // groups
-        dout_z = dout_z.view(groups, b, c).sum(1)  # per group: sum of dL/dout * z over b * h * w elements
-        local_dout_z, psi_count = None, b * h * w
-        if ctx.synced:  # psi of the cross-device normalization batch: over every device's group k
-            local_dout_z = dout_z
-            dout_z, psi_count = _sum_across_devices(dout_z, psi_count)
-        coef, grad_weight, grad_bias, psi, psi_bar, ok = _backward_stats(
-            dout_z,
-            psi_count,
-            dout_sum,
-            r,
-            var,
-            active,
-            weight,
-            layer.buffer_gz,
-            layer.running_psi,
-            layer.count_gz,
-            layer._cfg(),
-            x.dtype,
-            local_dout_z,
-        )
-        layer._check(ok, "gradient statistic psi")
+        psi_count = b * h * w  # elements behind each group's sum of dL/dout * z
+        if ctx.kernels is not None:
+            stats = ctx.kernels.backward_stats(
+                dout_z, psi_count, dout_sum, r, var, active, weight, groups, layer, layer._cfg(), x.dtype
+            )
+        else:
+            dout_z = dout_z.view(groups, b, c).sum(1)  # per group
+            local_dout_z = None
+            if ctx.synced:  # psi of the cross-device normalization batch: over every device's group k
+                local_dout_z = dout_z
+                dout_z, psi_count = _sum_across_devices(dout_z, psi_count)
+            stats = _backward_stats(
+                dout_z,
+                psi_count,
+                dout_sum,
+                r,
+                var,
+                active,
+                weight,
+                layer.buffer_gz,
+                layer.running_psi,
+                layer.count_gz,
+                layer._cfg(),
+                x.dtype,
+                local_dout_z,
+            )
+        coef, grad_weight, grad_bias, psi, psi_bar, ok = stats
+        layer._check(ok, 1)
         if layer.track_stats and layer.last_stats is not None:
-            layer.last_stats.update(psi_batch=psi, psi_used=psi_bar)
+            layer.last_stats.update(psi_batch=psi.view(groups, c), psi_used=psi_bar.view(groups, c))
         grad_x = g_scaled.view(n, c, h, w).addcmul_(x, coef) if need_x else None
         return grad_x, grad_weight, grad_bias, None, None
+
+
+def raise_if_any_nonfinite(layers: Iterable[MABN2d]) -> None:
+    """``raise_if_nonfinite`` of every layer, with one read of the device for all of them."""
+    flagged = [layer for layer in layers if layer._flags is not None]
+    if flagged and bool(torch.stack([layer._flags for layer in flagged]).any()):
+        for layer in flagged:
+            layer.raise_if_nonfinite()
 
 
 class MABN2d(nn.Module):
@@ -346,43 +382,69 @@ class MABN2d(nn.Module):
         # When set, each training step leaves its per-channel statistics in last_stats (for logging).
         self.track_stats = False
         self.last_stats: dict[str, Tensor] | None = None
-        # CUDA only: finiteness verdicts not read yet, (host flag, event after its copy, what).
-        self._pending: list[tuple[Tensor, torch.cuda.Event, str]] = []
+        # Non-finite statistics met (see _check); on CUDA also their copy in host memory and the copy's event.
+        self._flags: Tensor | None = None
+        self._host_flags: Tensor | None = None
+        self._copied: torch.cuda.Event | None = None
 
     def _cfg(self) -> tuple:
         timeline = (self.policy, self.warmup_iters, self.renorm_warmup_iters)
         return (self.stats, self.momentum, self.eps, self.renorm, self.renorm_clip, self.buffer_size, timeline)
 
-    def _check(self, ok: Tensor, what: str) -> None:
-        """Raise on a non-finite statistic; the statistic steps left every buffer unchanged in that case.
+    def nonfinite_flags(self, device: torch.device) -> Tensor:
+        """(2,) bool on ``device``: a non-finite chi^2 / psi was met. Sticky until reported."""
+        if self._flags is None or self._flags.device != device:
+            self._flags = torch.zeros(2, dtype=torch.bool, device=device)
+        return self._flags
 
-        On the CPU the verdict is read at once. On CUDA reading it would stall the GPU at every layer and
-        direction, so it is copied to host memory without waiting and read by ``raise_if_nonfinite``:
-        at this layer's next training forward, and before every optimizer step under MABNCallback.
+    def _check(self, ok: Tensor | None, direction: int) -> None:
+        """Record a statistic step's verdict (``ok``; None where a kernel wrote it into the flags already).
+
+        The statistic steps leave every buffer unchanged on a non-finite statistic. On the CPU the verdict is
+        read at once. On CUDA reading it would stall the GPU at every layer and direction, so it stays in the
+        device flags, which each training forward copies to host memory without waiting: the next training
+        forward raises; so do ``raise_if_nonfinite`` and MABNCallback before every optimizer step.
         """
-        if ok.device.type != "cuda":
+        if ok is not None and not ok.is_cuda:  # the torch-op steps on the CPU
             if not bool(ok):
-                raise FloatingPointError(self._nonfinite_message(what))
+                self._raise([direction == 0, direction == 1])
             return
-        flag = torch.empty((), dtype=torch.bool, pin_memory=True)
-        flag.copy_(ok, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()
-        self._pending.append((flag, event, what))
+        flags = self.nonfinite_flags(self.buffer_x2.device)
+        if ok is not None:
+            flags[direction : direction + 1].logical_or_(ok.logical_not())
+        elif not flags.is_cuda:  # a kernel run on CPU tensors (Triton's interpreter, in tests)
+            self._raise(flags.tolist())
+
+    def _copy_flags_to_host(self) -> None:
+        """Start copying the flags to host memory (CUDA), to be read by the next training forward."""
+        if self._host_flags is None:
+            self._host_flags = torch.zeros(2, dtype=torch.bool, pin_memory=True)
+            self._copied = torch.cuda.Event()
+        self._host_flags.copy_(self._flags, non_blocking=True)
+        self._copied.record()
+
+    def _raise_if_copied_flags_set(self) -> None:
+        """At a training forward: raise if the flags copied by the previous one were set (waits for that copy)."""
+        if self._host_flags is not None:
+            self._copied.synchronize()
+            self._raise(self._host_flags.tolist())
 
     def raise_if_nonfinite(self) -> None:
-        """Raise if a CUDA step since the last call met a non-finite statistic (waits for that step only)."""
-        pending, self._pending = self._pending, []
-        for flag, event, what in pending:
-            event.synchronize()
-            if not bool(flag):
-                raise FloatingPointError(self._nonfinite_message(what))
+        """Raise if a step since the last report met a non-finite statistic (on CUDA: waits for the device)."""
+        if self._flags is not None:
+            self._raise(self._flags.tolist())
 
-    def _nonfinite_message(self, what: str) -> str:
-        return (
-            f"{type(self).__name__}: non-finite {what} (input or gradient holds NaN/inf or overflows); "
-            "buffers left unchanged"
-        )
+    def _raise(self, flags: list[bool]) -> None:
+        if any(flags):
+            if self._flags is not None:
+                self._flags.zero_()
+            if self._host_flags is not None:
+                self._host_flags.zero_()
+            what = "batch statistic chi^2" if flags[0] else "gradient statistic psi"
+            raise FloatingPointError(
+                f"{type(self).__name__}: non-finite {what} (input or gradient holds NaN/inf or overflows); "
+                "buffers left unchanged"
+            )
 
     def reset_stream(self, reset_ema: bool = False) -> None:
         """Forget the statistic streams (ring buffers, counters) so warm-up starts again, e.g. when

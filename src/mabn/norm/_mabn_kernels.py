@@ -1,0 +1,343 @@
+"""MABN2d's per-channel statistic steps as one Triton kernel per direction (CUDA).
+
+``_forward_stats`` and ``_backward_stats`` in ``mabn.py`` define the semantics and stay the path for the CPU
+and for ``sync_stats``. Written with torch ops they launch ~40 tiny kernels per layer and direction, which
+leaves a GPU training step bound by the host launching them (about 4x BN's step time on an H200 at batch 2).
+Here each direction is one launch of one program: the channels are few (at most a few thousand), and one
+program can decide "every statistic finite" before it commits anything, as the Python steps do.
+
+Scalars that enter float64 arithmetic are passed as fp64 and cast to the statistics' dtype inside, so a
+float32 step rounds as torch does with Python scalars and a float64 step keeps float64 exactly; square
+roots and divisions use the correctly rounded forms (``sqrt_rn``, ``div_rn``), as torch does.
+"""
+
+# No "from __future__ import annotations": Triton reads the tl.float64 annotations as objects.
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor, nn
+
+from ._triton import Launcher, aligned, key_of
+
+STATS_CODE = {"batch": 0, "sma": 1, "ema": 2}
+
+
+@triton.jit
+def _finite(v):
+    return tl.abs(v) < float("inf")  # false for NaN too
+
+
+@triton.jit
+def _div(a, b):
+    if a.dtype == tl.float32:
+        return tl.div_rn(a, b)  # Triton's float32 "/" is approximate
+    return a / b
+
+
+@triton.jit
+def _sqrt(a):
+    if a.dtype == tl.float32:
+        return tl.sqrt_rn(a)
+    return tl.sqrt(a)
+
+
+@triton.jit
+def _seq(hist_ptr, new_ptr, idx, cols, cmask, C, M: tl.constexpr, dt: tl.constexpr):
+    """Row idx of (history (M rows, oldest first) ++ new rows)."""
+    old = tl.load(hist_ptr + idx * C + cols, mask=cmask & (idx < M), other=0.0).to(dt)
+    new = tl.load(new_ptr + (idx - M) * C + cols, mask=cmask & (idx >= M), other=0.0).to(dt)
+    return tl.where(idx < M, old, new)
+
+
+@triton.jit
+def _stream(
+    hist_ptr,
+    new_ptr,
+    used_ptr,
+    active_ptr,
+    ema_prev,
+    momentum,
+    cols,
+    cmask,
+    C,
+    G,
+    commit,
+    M: tl.constexpr,
+    STATS: tl.constexpr,
+):
+    """``_stream_stat`` of mabn.py for one block of channels: writes what each of the G groups uses, shifts the
+    history by G (in place, only when ``commit``) and returns the stream EMA after the last group."""
+    dt = ema_prev.dtype
+    e = ema_prev
+    for k in range(G):
+        new = tl.load(new_ptr + k * C + cols, mask=cmask, other=0.0)
+        if STATS == 1:  # SMA of the M statistics up to and including group k
+            acc = tl.zeros_like(new)
+            for j in tl.static_range(M):
+                acc += _seq(hist_ptr, new_ptr, k + 1 + j, cols, cmask, C, M, dt)
+            smoothed = _div(acc, tl.full(acc.shape, M, dt))
+        elif STATS == 2:
+            e = momentum * e + (1.0 - momentum) * new
+            smoothed = e
+        else:
+            smoothed = new
+        active = tl.load(active_ptr + k) != 0
+        tl.store(used_ptr + k * C + cols, tl.where(active, smoothed, new), mask=cmask)
+    # Rows G .. G+M-1 of the sequence; row i is written after row G + i >= i was read.
+    for i in tl.static_range(M):
+        row = _seq(hist_ptr, new_ptr, G + i, cols, cmask, C, M, dt)
+        tl.store(hist_ptr + i * C + cols, row, mask=cmask & commit)
+    return e
+
+
+@triton.jit
+def forward_kernel(
+    norm_ptr,
+    weight_ptr,
+    hist_ptr,
+    running_ptr,
+    iters_ptr,
+    count_ptr,
+    chi2_ptr,
+    var_ptr,
+    r_ptr,
+    active_ptr,
+    ema_ptr,
+    scale_ptr,
+    wflat_ptr,
+    vflat_ptr,
+    mflat_ptr,
+    flags_ptr,
+    C,
+    G,
+    B,
+    hw: tl.float64,
+    momentum_: tl.float64,
+    eps_: tl.float64,
+    clip_: tl.float64,
+    warmup,
+    renorm_start,
+    policy_moving,
+    policy_renorm,
+    M: tl.constexpr,
+    STATS: tl.constexpr,
+    RENORM: tl.constexpr,
+    POLICY: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """norm (N, C): per-sample l2 norms over H*W, N = G * B -> ``_forward_stats``'s outputs and commits; a
+    non-finite chi^2 sets flags[0] (sticky) instead of returning a verdict."""
+    offs = tl.arange(0, BLOCK)
+    dt = norm_ptr.dtype.element_ty
+    momentum, eps, clip = tl.full((), momentum_, dt), tl.full((), eps_, dt), tl.full((), clip_, dt)
+    nbad = 0
+    for c0 in range(0, C, BLOCK):  # chi^2 of every group: equal counts, so the mean of per-sample chi^2
+        cols = c0 + offs
+        cmask = cols < C
+        for k in range(G):
+            acc = tl.zeros((BLOCK,), dt)
+            for j in range(B):
+                v = tl.load(norm_ptr + (k * B + j) * C + cols, mask=cmask, other=0.0)
+                acc += _div(v * v, tl.full((BLOCK,), hw, dt))
+            chi = _div(acc, tl.full((BLOCK,), B, dt))
+            nbad += tl.sum((cmask & ~_finite(chi)).to(tl.int32), axis=0)
+            tl.store(chi2_ptr + k * C + cols, chi, mask=cmask)
+    ok = nbad == 0
+    t = tl.load(iters_ptr) + 1
+    count = tl.load(count_ptr)
+    if POLICY:
+        moving = policy_moving != 0
+        renorm_on = policy_renorm != 0
+    else:
+        moving = t >= warmup
+        renorm_on = t > renorm_start
+    for k in range(G):
+        tl.store(active_ptr + k, (moving & (count + k >= M) & (STATS != 0)).to(active_ptr.dtype.element_ty))
+    tl.debug_barrier()  # chi^2 and the active flags are read back below
+    lo = _div(tl.full((BLOCK,), 1.0, dt), tl.full((BLOCK,), clip, dt))
+    for c0 in range(0, C, BLOCK):
+        cols = c0 + offs
+        cmask = cols < C
+        ema_prev = tl.load(running_ptr + cols, mask=cmask, other=1.0).to(dt)
+        e = _stream(hist_ptr, chi2_ptr, var_ptr, active_ptr, ema_prev, momentum, cols, cmask, C, G, ok, M, STATS)
+        w = tl.load(weight_ptr + cols, mask=cmask, other=0.0).to(dt)
+        ema_std = _sqrt(ema_prev + eps)
+        var_sum = tl.zeros((BLOCK,), dt)
+        for k in range(G):
+            var = tl.load(var_ptr + k * C + cols, mask=cmask, other=1.0)
+            std = _sqrt(var + eps)
+            r = tl.full((BLOCK,), 1.0, dt)
+            if RENORM:
+                clipped = tl.minimum(tl.maximum(_div(std, ema_std), lo), clip)
+                r = tl.where(renorm_on, clipped, r)
+            tl.store(r_ptr + k * C + cols, r, mask=cmask)
+            weight_r = w * r
+            scale = _div(weight_r, std)
+            for j in range(B):
+                n = k * B + j
+                tl.store(scale_ptr + n * C + cols, scale, mask=cmask)
+                tl.store(wflat_ptr + n * C + cols, weight_r, mask=cmask)
+                tl.store(vflat_ptr + n * C + cols, var, mask=cmask)
+                tl.store(mflat_ptr + n * C + cols, tl.zeros_like(var), mask=cmask)
+            var_sum += var
+        if STATS == 2:
+            ema = e
+        else:
+            ema = momentum * ema_prev + (1.0 - momentum) * _div(var_sum, tl.full((BLOCK,), G, dt))
+        tl.store(ema_ptr + cols, ema, mask=cmask)
+        tl.store(running_ptr + cols, ema, mask=cmask & ok)
+    tl.store(iters_ptr, t - 1 + ok.to(tl.int64))
+    tl.store(count_ptr, count + ok.to(tl.int64) * G)
+    tl.store(flags_ptr, True, mask=nbad != 0)
+
+
+@triton.jit
+def backward_kernel(
+    dz_ptr,
+    dsum_ptr,
+    r_ptr,
+    var_ptr,
+    active_ptr,
+    weight_ptr,
+    hist_ptr,
+    running_ptr,
+    count_ptr,
+    psi_ptr,
+    psi_bar_ptr,
+    psi_active_ptr,
+    coef_ptr,
+    grad_weight_ptr,
+    grad_bias_ptr,
+    flags_ptr,
+    C,
+    G,
+    B,
+    psi_count: tl.float64,
+    momentum_: tl.float64,
+    eps_: tl.float64,
+    M: tl.constexpr,
+    STATS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """Per-(sample, channel) sums of dL/dout * z and of dL/dout (N, C) -> ``_backward_stats``'s outputs; a
+    non-finite psi sets flags[1]."""
+    offs = tl.arange(0, BLOCK)
+    dt = var_ptr.dtype.element_ty
+    momentum, eps = tl.full((), momentum_, dt), tl.full((), eps_, dt)
+    nbad = 0
+    for c0 in range(0, C, BLOCK):
+        cols = c0 + offs
+        cmask = cols < C
+        w = tl.load(weight_ptr + cols, mask=cmask, other=0.0).to(dt)
+        grad_weight = tl.zeros((BLOCK,), dt)
+        grad_bias = tl.zeros((BLOCK,), dt)
+        for k in range(G):
+            dz = tl.zeros((BLOCK,), dt)
+            for j in range(B):
+                n = k * B + j
+                dz += tl.load(dz_ptr + n * C + cols, mask=cmask, other=0.0).to(dt)
+                grad_bias += tl.load(dsum_ptr + n * C + cols, mask=cmask, other=0.0).to(dt)
+            r = tl.load(r_ptr + k * C + cols, mask=cmask, other=1.0)
+            psi = _div(w * r * dz, tl.full((BLOCK,), psi_count, dt))
+            nbad += tl.sum((cmask & ~_finite(psi)).to(tl.int32), axis=0)
+            tl.store(psi_ptr + k * C + cols, psi, mask=cmask)
+            grad_weight += r * dz
+        tl.store(grad_weight_ptr + cols, grad_weight, mask=cmask)
+        tl.store(grad_bias_ptr + cols, grad_bias, mask=cmask)
+    ok = nbad == 0
+    count = tl.load(count_ptr)
+    for k in range(G):
+        psi_active = (tl.load(active_ptr + k) != 0) & (count + k >= M)
+        tl.store(psi_active_ptr + k, psi_active.to(psi_active_ptr.dtype.element_ty))
+    tl.debug_barrier()  # psi and its active flags are read back below
+    for c0 in range(0, C, BLOCK):
+        cols = c0 + offs
+        cmask = cols < C
+        ema_prev = tl.load(running_ptr + cols, mask=cmask, other=0.0).to(dt)
+        e = _stream(hist_ptr, psi_ptr, psi_bar_ptr, psi_active_ptr, ema_prev, momentum, cols, cmask, C, G, ok, M, STATS)
+        for k in range(G):
+            psi_bar = tl.load(psi_bar_ptr + k * C + cols, mask=cmask, other=0.0)
+            var = tl.load(var_ptr + k * C + cols, mask=cmask, other=1.0)
+            coef = _div(-psi_bar, var + eps)
+            for j in range(B):
+                tl.store(coef_ptr + (k * B + j) * C + cols, coef, mask=cmask)
+        tl.store(running_ptr + cols, e, mask=cmask & ok)
+    tl.store(count_ptr, count + ok.to(tl.int64) * G)
+    tl.store(flags_ptr + 1, True, mask=nbad != 0)
+
+
+def _block(channels: int) -> int:
+    return min(triton.next_power_of_2(channels), 1024)
+
+
+_forward = Launcher(forward_kernel)
+_backward = Launcher(backward_kernel)
+
+
+def forward_stats(
+    norm: Tensor, hw: int, groups: int, weight: Tensor, layer: nn.Module, cfg: tuple, x_dtype: torch.dtype
+) -> tuple[Tensor, ...]:
+    """``_forward_stats(_group_chi2(norm, groups, hw), ...)`` of mabn.py in one launch; the same outputs, but
+    flat (the (G, C) ones as G * C, ``active`` as 0/1 floats) and the verdict in ``layer``'s flags (None)."""
+    stats, momentum, eps, renorm, renorm_clip, buffer_size, (policy, warmup, renorm_warmup) = cfg
+    n, c = norm.shape
+    gc, nc = groups * c, n * c
+    # One allocation for the statistic-dtype outputs (host time, not memory, is what counts here).
+    outs = norm.new_empty(3 * gc + c + 3 * nc + groups).split((gc, gc, gc, c, nc, nc, nc, groups))
+    chi2, var, r, ema, weight_flat, var_flat, mean_flat, active = outs
+    scale = torch.empty(n, c, 1, 1, dtype=x_dtype, device=norm.device)
+    ints = (c, groups, n // groups)
+    timeline = (warmup, max(renorm_warmup, warmup), int(bool(policy and policy[0])), int(bool(policy and policy[1])))
+    consts = dict(M=buffer_size, STATS=STATS_CODE[stats], RENORM=renorm, POLICY=policy is not None, BLOCK=_block(c))
+    key = key_of(
+        norm, x_dtype, weight.dtype, layer.buffer_x2.dtype, aligned(weight), *ints, *timeline, *consts.values()
+    )
+    _forward(
+        key,
+        (1, 1, 1),
+        (
+            *(norm, weight, layer.buffer_x2, layer.running_var, layer.iters, layer.count_x2),
+            *(chi2, var, r, active, ema, scale, weight_flat, var_flat, mean_flat, layer.nonfinite_flags(norm.device)),
+            *(*ints, float(hw), momentum, eps, renorm_clip, *timeline),
+        ),
+        consts,
+    )
+    return scale, weight_flat, var_flat, mean_flat, var, r, active, chi2, ema, None
+
+
+def backward_stats(
+    dout_z: Tensor,
+    psi_count: int,
+    dout_sum: Tensor,
+    r: Tensor,
+    var: Tensor,
+    active: Tensor,
+    weight: Tensor,
+    groups: int,
+    layer: nn.Module,
+    cfg: tuple,
+    x_dtype: torch.dtype,
+) -> tuple[Tensor, ...]:
+    """``_backward_stats`` of mabn.py in one launch, from per-(sample, channel) sums ``dout_z`` (N * C) instead
+    of per-group ones and ``forward_stats``'s flat outputs; the same outputs, flat, the verdict in the flags."""
+    stats, momentum, eps, _, _, buffer_size, _ = cfg
+    c = weight.numel()
+    n = dout_z.numel() // c
+    gc = groups * c
+    psi, psi_bar, psi_active = var.new_empty(2 * gc + groups).split((gc, gc, groups))
+    coef = torch.empty(n, c, 1, 1, dtype=x_dtype, device=var.device)
+    grad_weight, grad_bias = weight.new_empty(c), weight.new_empty(c)
+    ints = (c, groups, n // groups)
+    consts = dict(M=buffer_size, STATS=STATS_CODE[stats], BLOCK=_block(c))
+    key = key_of(var, x_dtype, weight.dtype, layer.buffer_gz.dtype, aligned(weight), *ints, *consts.values())
+    _backward(
+        key,
+        (1, 1, 1),
+        (
+            *(dout_z, dout_sum, r, var, active, weight, layer.buffer_gz, layer.running_psi, layer.count_gz),
+            *(psi, psi_bar, psi_active, coef, grad_weight, grad_bias, layer.nonfinite_flags(var.device)),
+            *(*ints, float(psi_count), momentum, eps),
+        ),
+        consts,
+    )
+    return coef, grad_weight, grad_bias, psi, psi_bar, None

@@ -1,0 +1,113 @@
+"""MABN2d's one-launch Triton statistic steps (the CUDA path) against the float64 reference and the torch-op steps.
+
+On the CPU the kernels run through Triton's interpreter (tests/conftest.py), forced on by the ``fused`` fixture;
+with MABN_TEST_DEVICE=cuda they run compiled, as in training.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import mabn.norm.mabn as mabn_module
+from mabn.norm import MABN2d
+from mabn.norm._triton import load
+from test_norm_reference import BATCH_IDS, BATCHES, check_mabn_against_reference
+
+
+@pytest.fixture
+def fused(monkeypatch):
+    """Every MABN2d forward takes the Triton kernels, whatever the device."""
+    kernels = load("_mabn_kernels")
+    assert kernels is not None, "Triton is not importable (or MABN_FUSED=0): the CUDA fast path cannot run"
+    monkeypatch.setattr(mabn_module, "_fused_kernels", lambda x: kernels)
+
+
+@pytest.mark.parametrize("n, norm_batch_size", BATCHES, ids=BATCH_IDS)
+@pytest.mark.parametrize(
+    "stats, renorm", [("sma", True), ("sma", False), ("ema", True), ("batch", True)], ids=lambda v: str(v)
+)
+def test_fused_matches_reference(stats, renorm, n, norm_batch_size, device, fused):
+    """60 steps through warm-up, moving statistics and clipped renormalization, every output, gradient and
+    buffer against the independent float64 reference (rtol 1e-9)."""
+    check_mabn_against_reference(stats, renorm, n, norm_batch_size, device)
+
+
+# Beyond the reference run: a callback policy, more groups than buffer entries (the window reaches past the
+# history), a buffer of one, batch statistics only.
+CONFIGS = {
+    "ghost2": dict(norm_batch_size=2),
+    "ghost1-buffer2": dict(norm_batch_size=1, buffer_size=2),
+    "buffer1": dict(buffer_size=1, norm_batch_size=3),
+    "ema-ghost3": dict(norm_batch_size=3, stats="ema"),
+    "policy": dict(norm_batch_size=2, policy=(True, True)),
+    "policy-off": dict(norm_batch_size=2, policy=(True, False)),
+}
+
+
+def _run(layer: MABN2d, steps: int, dtype: torch.dtype, device: torch.device) -> list[tuple[torch.Tensor, ...]]:
+    gen = torch.Generator().manual_seed(7)
+    results = []
+    for t in range(steps):
+        scale = 4.0 if t == 9 else 1.0 + 0.1 * t  # one outlier step: r reaches its clip bound
+        x = (scale * torch.randn(6, 5, 3, 4, generator=gen, dtype=dtype) + 0.3).to(device).requires_grad_()
+        g = torch.randn(6, 5, 3, 4, generator=gen, dtype=dtype).to(device)
+        layer.weight.grad = layer.bias.grad = None
+        out = layer(x)
+        out.backward(g)
+        results.append((out.detach(), x.grad, layer.weight.grad.clone(), layer.bias.grad.clone()))
+    return results
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["float64", "float32"])
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_fused_equals_torch_ops(name, dtype, device, monkeypatch):
+    cfg = dict(CONFIGS[name])
+    policy = cfg.pop("policy", None)
+    base = MABN2d(5, warmup_iters=3, renorm_warmup_iters=5, momentum=0.9, renorm_clip=2.0, **cfg).to(dtype).to(device)
+    base.policy = policy
+    with torch.no_grad():
+        base.weight.uniform_(0.5, 1.5)
+        base.bias.uniform_(-0.5, 0.5)
+    kernels = load("_mabn_kernels")
+    layers = {}
+    for path, chosen in (("torch ops", None), ("fused", kernels)):
+        monkeypatch.setattr(mabn_module, "_fused_kernels", lambda x, chosen=chosen: chosen)
+        layers[path] = copy.deepcopy(base)
+        layers[path].results = _run(layers[path], 14, dtype, device)
+    rtol = 1e-12 if dtype == torch.float64 else 2e-5
+    for t, (a, b) in enumerate(zip(layers["torch ops"].results, layers["fused"].results, strict=True)):
+        for what, u, v in zip(("output", "grad x", "grad weight", "grad bias"), a, b, strict=True):
+            torch.testing.assert_close(v, u, rtol=rtol, atol=rtol, msg=f"{what} at step {t}")
+    expected = layers["torch ops"].state_dict()
+    for key, value in layers["fused"].state_dict().items():
+        if value.is_floating_point():
+            torch.testing.assert_close(value, expected[key], rtol=rtol, atol=rtol, msg=key)
+        else:
+            assert torch.equal(value, expected[key]), key
+    assert int(expected["iters"]) == 14 and int(expected["count_x2"]) == 14 * (6 // (cfg.get("norm_batch_size") or 6))
+
+
+def test_fused_non_finite_input_and_gradient_leave_state(device, fused):
+    layer = MABN2d(5, norm_batch_size=2, warmup_iters=2, renorm_warmup_iters=3).to(device)
+    _run(layer, 6, torch.float32, device)
+    before = copy.deepcopy(layer.state_dict())
+    x = torch.randn(6, 5, 3, 4, device=device)
+    x[3, 2, 1, 1] = float("nan")
+    with pytest.raises(FloatingPointError, match="chi"):
+        layer(x)
+        layer.raise_if_nonfinite()
+    for key, value in layer.state_dict().items():
+        assert torch.equal(value, before[key]), f"{key} changed after a non-finite input"
+
+    out = layer(torch.randn(6, 5, 3, 4, device=device, requires_grad=True))
+    after_forward = copy.deepcopy(layer.state_dict())
+    grad = torch.randn_like(out)
+    grad[0, 4, 0, 0] = float("inf")
+    with pytest.raises(FloatingPointError, match="psi"):
+        out.backward(grad)
+        layer.raise_if_nonfinite()
+    for key in ("buffer_gz", "running_psi", "count_gz"):
+        assert torch.equal(layer.state_dict()[key], after_forward[key]), key
