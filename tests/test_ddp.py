@@ -31,6 +31,7 @@ from torch.utils.data import DataLoader, Subset, TensorDataset
 from mabn import BatchRenorm2d, MABN2d, convert_norm, resume
 from mabn.callbacks import RandomStateCallback, SyncBatchNormCheck, norm_callbacks
 from mabn.callbacks.mabn import STREAMS_KEY, configure_ddp
+from mabn.callbacks.rng import RNG_KEY, collect_rng_states
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -512,3 +513,28 @@ def test_launch_refuses_devices_that_disagree_with_the_slurm_allocation(launch, 
     assert "agree" in launch.check_cluster(8, 2)
     with pytest.raises(launch.LaunchError, match="ntasks-per-node=8.*submit.sh"):
         launch.check_cluster(4, 2)
+
+
+@pytest.mark.parametrize("callback", ["mabn", "rng"])
+def test_checkpoint_of_another_device_count_is_left_alone_with_a_warning(callback):
+    """Per-device state saved by 2 devices cannot be matched to the ranks of a 1-device run: nothing is
+    restored, and the warning says what the resumed run will be."""
+    torch.manual_seed(0)
+    model = convert_norm(nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4)), "mabn")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    if callback == "mabn":
+        cb, key, what = norm_callbacks(model, None)[0], STREAMS_KEY, "statistic streams of 2 devices"
+        cb.setup(SimpleNamespace(strategy=None, global_step=0, loggers=[]), model, "fit")
+        poisoned = {k: torch.full_like(v, 7) for k, v in model.named_buffers()}
+    else:
+        cb, key, what = RandomStateCallback(), RNG_KEY, "random states of 2 devices"
+        torch.manual_seed(123)
+        poisoned = collect_rng_states()
+        torch.manual_seed(0)
+    saved = {"world_size": 2, "ranks": [poisoned, poisoned]}
+    draws_before = torch.get_rng_state()
+    with pytest.warns(UserWarning, match=f"the checkpoint holds the {what}, this run has 1"):
+        cb.on_load_checkpoint(None, model, {key: saved})
+    assert torch.equal(torch.get_rng_state(), draws_before)
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), f"{k} was restored from a checkpoint of another device count"

@@ -23,6 +23,7 @@ import pytorch_lightning as pl
 import torch
 from torch import Tensor, nn
 
+from .files import first_line, load_weights_file
 from .norm import fold_norms
 from .tasks import ClassificationTask, SegmentationTask
 
@@ -69,11 +70,6 @@ class Exported:
     onnxruntime: Difference | None  # ONNX file vs folded model; None without onnxruntime
 
 
-def _first_line(err: BaseException) -> str:
-    text = str(err).strip()
-    return text.splitlines()[0] if text else type(err).__name__
-
-
 def _task_name(path: Path, ckpt: dict[str, Any]) -> str:
     """The task that wrote ``ckpt``: LightningCLI records its class path; otherwise the model's keys tell."""
     class_path = ckpt["hyper_parameters"].get("_class_path")
@@ -107,12 +103,7 @@ def _mismatch(expected: dict[str, Tensor], given: dict[str, Tensor]) -> str | No
 def load_model(path: str | Path) -> tuple[str, nn.Module]:
     """Rebuild the task's network from a Lightning checkpoint and load its weights; returns (task, eval model)."""
     path = Path(path)
-    if not path.is_file():
-        raise ExportError(f"checkpoint not found: {path}")
-    try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as err:  # torch raises several types for a corrupt or foreign file
-        raise ExportError(f"{path} is not a readable checkpoint: {_first_line(err)}") from err
+    ckpt = load_weights_file(path, "checkpoint", ExportError)
     if not isinstance(ckpt, dict) or not {"state_dict", "hyper_parameters"} <= ckpt.keys():
         raise ExportError(f"{path} is not a Lightning checkpoint (expected 'state_dict' and 'hyper_parameters')")
     name = _task_name(path, ckpt)
@@ -127,7 +118,7 @@ def load_model(path: str | Path) -> tuple[str, nn.Module]:
             warnings.simplefilter("ignore", UserWarning)
             model = task_cls(**kwargs).model
     except (TypeError, ValueError) as err:
-        raise ExportError(f"{path}: cannot rebuild {name} from its hyper_parameters: {_first_line(err)}") from err
+        raise ExportError(f"{path}: cannot rebuild {name} from its hyper_parameters: {first_line(err)}") from err
     state = {k.removeprefix("model."): v for k, v in ckpt["state_dict"].items() if k.startswith("model.")}
     problem = _mismatch(model.state_dict(), state)
     if problem is not None:
@@ -229,9 +220,9 @@ def export(
             try:
                 _export_onnx(folded, sample, scratch_path)
             except ImportError as err:  # torch.onnx's dynamo exporter needs the onnx and onnxscript packages
-                print(f"ONNX: not written, the exporter needs `pip install onnx onnxscript`: {_first_line(err)}")
+                print(f"ONNX: not written, the exporter needs `pip install onnx onnxscript`: {first_line(err)}")
             except Exception as err:  # an operator the exporter cannot translate, or a failed graph capture
-                reason = f"{type(err).__name__}: {_first_line(err)}"
+                reason = f"{type(err).__name__}: {first_line(err)}"
                 raise ExportError(f"{onnx_path}: ONNX export failed ({reason}); only {ts_path} written") from err
             else:
                 ort_out = _run_onnxruntime(scratch_path, sample)

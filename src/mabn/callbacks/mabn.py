@@ -26,7 +26,14 @@ from torch import Tensor, nn
 
 from ..norm import BatchRenorm2d, MABN2d
 from ..norm.mabn import raise_if_any_nonfinite
-from .distributed import device_mean, end_process_group_at_exit, gather_to_cpu, rank, world_size
+from .distributed import (
+    device_mean,
+    end_process_group_at_exit,
+    gather_to_cpu,
+    per_device_record,
+    this_device_entry,
+    world_size,
+)
 from .syncbn import SyncBatchNormCheck, has_sync_batchnorm
 
 MANAGED = (MABN2d, BatchRenorm2d)
@@ -192,7 +199,7 @@ class MABNCallback(pl.Callback):
         for key, mean in device_mean(self._ema_tensors()).items():
             if key in state:
                 state[key] = mean  # a new tensor: the live buffer keeps this device's EMA
-        checkpoint[STREAMS_KEY] = {"world_size": world_size(), "ranks": gather_to_cpu(self._stream_tensors())}
+        checkpoint[STREAMS_KEY] = per_device_record(gather_to_cpu(self._stream_tensors()))
 
     def on_load_checkpoint(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
@@ -200,14 +207,16 @@ class MABNCallback(pl.Callback):
         saved = checkpoint.get(STREAMS_KEY)
         if saved is None:
             return
-        if saved["world_size"] != world_size():
-            rank_zero_warn(
-                f"MABNCallback: the checkpoint holds the statistic streams of {saved['world_size']} devices, this "
-                f"run has {world_size()}: every device continues from the saved model (device 0's streams, the "
-                "devices' mean EMA), so the resumed run is not the continuation of each device's stream"
-            )
+        mine = this_device_entry(
+            saved,
+            "MABNCallback",
+            "statistic streams",
+            "every device continues from the saved model (device 0's streams, the devices' mean EMA), so the "
+            "resumed run is not the continuation of each device's stream",
+        )
+        if mine is None:
             return
-        mine, live = saved["ranks"][rank()], self._stream_tensors()
+        live = self._stream_tensors()
         if set(mine) != set(live):
             raise ValueError(
                 "MABNCallback: the checkpoint's per-device streams do not match the model's norm layers: "

@@ -9,9 +9,8 @@ from typing import Any
 import numpy as np
 import pytorch_lightning as pl
 import torch
-from pytorch_lightning.utilities import rank_zero_warn
 
-from .distributed import gather_objects, rank, world_size
+from .distributed import gather_objects, per_device_record, this_device_entry
 
 RNG_KEY = "rng_states"
 
@@ -56,7 +55,7 @@ class RandomStateCallback(pl.Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
     ) -> None:
         # Collective (all devices save together; device 0 writes the file).
-        checkpoint[RNG_KEY] = {"world_size": world_size(), "ranks": gather_objects(collect_rng_states())}
+        checkpoint[RNG_KEY] = per_device_record(gather_objects(collect_rng_states()))
 
     def on_load_checkpoint(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
@@ -64,10 +63,11 @@ class RandomStateCallback(pl.Callback):
         saved = checkpoint.get(RNG_KEY)
         if saved is None:
             return
-        if saved["world_size"] != world_size():
-            rank_zero_warn(
-                f"RandomStateCallback: the checkpoint holds the random states of {saved['world_size']} devices, "
-                f"this run has {world_size()}: random draws after the resume differ from an uninterrupted run"
-            )
-            return
-        restore_rng_states(saved["ranks"][rank()])
+        mine = this_device_entry(
+            saved,
+            "RandomStateCallback",
+            "random states",
+            "random draws after the resume differ from an uninterrupted run",
+        )
+        if mine is not None:
+            restore_rng_states(mine)

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..files import load_weights_file
 from ..norm import NORM_PRESETS
 
 FORMAT = "mabn-backbone"
@@ -48,12 +49,7 @@ def save_backbone(
 def load_backbone(path: str | Path, norm: str) -> dict[str, Any]:
     """Read a backbone file and check that it was trained with ``norm``; returns the payload."""
     path = Path(path)
-    if not path.is_file():
-        raise BackboneError(f"backbone file not found: {path}")
-    try:
-        payload = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as err:  # torch raises several types for a corrupt or foreign file
-        raise BackboneError(f"{path} is not a readable backbone file: {err}") from err
+    payload = load_weights_file(path, "backbone file", BackboneError)
     if not isinstance(payload, dict) or payload.get("format") != FORMAT:
         raise BackboneError(f"{path} is not a {FORMAT} file (see pretrain/README.md for the format)")
     if payload.get("version") != VERSION:
