@@ -12,10 +12,14 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from mabn import MABN2d, convert_norm
+from mabn import BatchRenorm2d, MABN2d, convert_norm
 from mabn.callbacks import MABNCallback, norm_callbacks
+from mabn.callbacks.mabn import summarize
 from mabn.loggers import WandbLogger
 from wandb_reader import history, offline_run, wandb_session
+
+# What MABNCallback logs per MABN layer (norm/<layer>/<key>).
+MABN_LOGGED = ("chi2_batch", "chi2_sma", "chi2_ema", "psi_batch", "psi_bar", "r_mean", "r_clipped", "phase")
 
 
 class Tiny(pl.LightningModule):
@@ -145,7 +149,7 @@ def test_statistics_are_logged_every_k_steps(tmp_path):
     model = Tiny(norm_policy={**POLICY, "log_every_n_steps": 3})
     _trainer(tmp_path, max_steps=8, logger=logger, log_every_n_steps=50).fit(model, _loader())
     rows = list(csv.DictReader(open(Path(logger.log_dir) / "metrics.csv")))
-    keys = ["chi2_batch", "chi2_sma", "chi2_ema", "psi_batch", "psi_bar", "r_mean", "r_clipped", "phase"]
+    keys = MABN_LOGGED
     for layer in ("model.encoder.1", "model.head.1"):
         logged = [r for r in rows if r.get(f"norm/{layer}/chi2_batch")]
         assert [int(r["step"]) for r in logged] == [0, 3, 6]
@@ -192,7 +196,7 @@ def test_offline_wandb_run_holds_the_statistics_read_back_by_wandb(tmp_path, mon
     csv_rows = [
         r for r in csv.DictReader(open(Path(csv_logger.log_dir) / "metrics.csv")) if r.get("norm/model.head.1/phase")
     ]
-    keys = ["chi2_batch", "chi2_sma", "chi2_ema", "psi_batch", "psi_bar", "r_mean", "r_clipped", "phase"]
+    keys = MABN_LOGGED
     for layer in ("model.encoder.1", "model.head.1"):
         for row, csv_row in zip(rows, csv_rows, strict=True):
             for key in keys:
@@ -207,3 +211,19 @@ def test_layers_are_managed_only_when_present():
     assert norm_callbacks(plain, None) == []
     assert isinstance(norm_callbacks(convert_norm(plain, "mabn"), None)[0], MABNCallback)
     assert isinstance(MABN2d(3).policy, type(None))
+
+
+def test_brn_summary_holds_the_running_statistics_its_step_used():
+    """BRN's logged running mean and std are the ones its step renormalized against, from before the step's
+    update (in float32 the layer's statistics would otherwise alias the buffers updated in place)."""
+    torch.manual_seed(0)
+    brn = BatchRenorm2d(3)
+    for _ in range(3):
+        brn(torch.randn(4, 3, 5, 5) + 2.0)
+    before = {k: brn.get_buffer(k).detach().double().clone() for k in ("running_mean", "running_std")}
+    brn.track_stats = True
+    brn(torch.randn(4, 3, 5, 5) + 2.0)
+    summary = summarize(brn)
+    for key, buffer in (("mu_ema", "running_mean"), ("sigma_ema", "running_std")):
+        assert summary[key] == pytest.approx(float(torch.linalg.vector_norm(before[buffer])), rel=1e-6), key
+        assert not torch.equal(brn.get_buffer(buffer).double(), before[buffer]), "the step updated it afterwards"

@@ -14,7 +14,7 @@ from mabn.plots import Series, figures, find_metrics, layer_statistics, read_met
 from mabn.plots.__main__ import main
 
 MABN_KEYS = ("chi2_batch", "chi2_sma", "chi2_ema", "psi_batch", "psi_bar", "r_mean", "r_clipped", "phase")
-BRN_KEYS = ("mu_batch", "sigma_batch", "sigma_ema", "r_mean", "r_clipped", "d_abs_mean", "rmax", "dmax")
+BRN_KEYS = ("mu_batch", "mu_ema", "sigma_batch", "sigma_ema", "r_mean", "r_clipped", "d_abs_mean", "rmax", "dmax")
 
 
 def _write_run(save_dir: Path, version: int | None = None, stats: bool = True) -> Path:

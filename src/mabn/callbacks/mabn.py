@@ -322,6 +322,7 @@ def summarize(layer: nn.Module) -> dict[str, float]:
     return {
         "mu_batch": _l2(s["mu_batch"]),
         "sigma_batch": _l2(s["sigma_batch"]),
+        "mu_ema": _l2(s["mu_ema"]),
         "sigma_ema": _l2(s["sigma_ema"]),
         "r_mean": float(r.mean()),
         "r_clipped": float(clipped.float().mean()),

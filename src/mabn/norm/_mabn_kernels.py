@@ -125,8 +125,8 @@ def forward_kernel(
     POLICY: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    """norm (N, C): per-sample l2 norms over H*W, N = G * B -> ``_forward_stats``'s outputs and commits; a
-    non-finite chi^2 sets flags[0] (sticky) instead of returning a verdict."""
+    """norm (N, C): per-sample l2 norms over H*W, N = G * B -> ``_forward_stats``'s outputs (with zeros for the
+    native backward's mean) and commits; a non-finite chi^2 sets flags[0] (sticky) instead of a verdict."""
     offs = tl.arange(0, BLOCK)
     dt = norm_ptr.dtype.element_ty
     momentum, eps, clip = tl.full((), momentum_, dt), tl.full((), eps_, dt), tl.full((), clip_, dt)

@@ -211,7 +211,9 @@ class BatchRenorm2d(nn.Module):
             r = torch.minimum(torch.maximum(sigma / run_std, 1.0 / rmax), rmax).to(sdt)
             d = torch.minimum(torch.maximum((mu - run_mean) / run_std, -dmax), dmax).to(sdt)
             if self.track_stats:
-                self.last_stats = {"mu_batch": mu, "sigma_batch": sigma, "sigma_ema": run_std, "r": r, "d": d,
+                # Copies: in float32 run_mean / run_std are the buffers themselves, updated in place below.
+                self.last_stats = {"mu_batch": mu, "sigma_batch": sigma, "mu_ema": run_mean.clone(),
+                                   "sigma_ema": run_std.clone(), "r": r, "d": d,
                                    "rmax": rmax, "dmax": dmax}  # fmt: skip
             self.num_batches_tracked.add_(1)
             self.running_mean.lerp_(mu.mean(0).to(self.running_mean.dtype), 1.0 - self.momentum)

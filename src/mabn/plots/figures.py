@@ -35,7 +35,7 @@ MABN_PANELS = (
 )
 # BatchRenorm2d: batch statistics against the running ones, and r / d against their (ramped) limits.
 BRN_PANELS = (
-    Panel("mu (l2 norm over channels)", (("mu_batch", "batch"), ("mu_ema", "running"), ("mu_running", "running"))),
+    Panel("mu (l2 norm over channels)", (("mu_batch", "batch"), ("mu_ema", "running"))),
     Panel("sigma (l2 norm over channels)", (("sigma_batch", "batch"), ("sigma_ema", "running"))),
     Panel("r", (("r_mean", "mean r"), ("rmax", "r_max")), bounds=("rmax",)),
     Panel("d", (("d_abs_mean", "mean |d|"), ("dmax", "d_max")), bounds=("dmax",)),
