@@ -111,3 +111,30 @@ def test_fused_non_finite_input_and_gradient_leave_state(device, fused):
         layer.raise_if_nonfinite()
     for key in ("buffer_gz", "running_psi", "count_gz"):
         assert torch.equal(layer.state_dict()[key], after_forward[key]), key
+
+
+@pytest.mark.parametrize("x_dtype", [torch.float16, torch.bfloat16], ids=["float16", "bfloat16"])
+def test_fused_low_precision_input_equals_torch_ops(x_dtype, device, monkeypatch):
+    """Half-precision activations with float32 parameters and statistics (what autocast gives a norm layer):
+    the kernels write the per-sample coefficients in the input's dtype and keep every statistic in float32."""
+    base = MABN2d(5, norm_batch_size=2, warmup_iters=3, renorm_warmup_iters=5, momentum=0.9).to(device)
+    kernels = load("_mabn_kernels")
+    results, states = {}, {}
+    for path, chosen in (("torch ops", None), ("fused", kernels)):
+        monkeypatch.setattr(mabn_module, "_fused_kernels", lambda x, chosen=chosen: chosen)
+        layer = copy.deepcopy(base)
+        gen = torch.Generator().manual_seed(11)
+        results[path] = []
+        for _ in range(8):
+            x = (3 * torch.randn(6, 5, 3, 4, generator=gen) + 0.3).to(x_dtype).to(device).requires_grad_()
+            out = layer(x)
+            out.backward(torch.randn(6, 5, 3, 4, generator=gen).to(x_dtype).to(device))
+            assert out.dtype == x.grad.dtype == x_dtype and layer.running_var.dtype == torch.float32
+            results[path].append((out.detach().float(), x.grad.float()))
+        states[path] = layer.state_dict()
+    tol = 1e-3 if x_dtype == torch.float16 else 1e-2  # about one rounding in x's dtype (bfloat16: 2^-8)
+    for (a_out, a_gx), (b_out, b_gx) in zip(results["torch ops"], results["fused"], strict=True):
+        torch.testing.assert_close(b_out, a_out, rtol=tol, atol=tol)
+        torch.testing.assert_close(b_gx, a_gx, rtol=tol, atol=tol)
+    for key, value in states["fused"].items():
+        torch.testing.assert_close(value, states["torch ops"][key], rtol=2e-5, atol=2e-5, msg=key)
