@@ -97,9 +97,13 @@ def per_device_record(per_rank: list) -> dict:
     return {"world_size": world_size(), "ranks": per_rank}
 
 
-def this_device_entry(saved: dict, owner: str, what: str, otherwise: str) -> Any | None:
-    """This device's state from a ``per_device_record``; None, with a warning saying ``otherwise`` happens,
-    when the checkpoint was written by another number of devices (states cannot be matched to ranks)."""
+def this_device_entry(checkpoint: dict, key: str, owner: str, what: str, otherwise: str) -> Any | None:
+    """This device's state from the ``per_device_record`` under ``checkpoint[key]``; None when there is none,
+    or, with a warning saying ``otherwise`` happens, when the checkpoint was written by another number of
+    devices (states cannot be matched to ranks)."""
+    saved = checkpoint.get(key)
+    if saved is None:
+        return None
     if saved["world_size"] != world_size():
         rank_zero_warn(
             f"{owner}: the checkpoint holds the {what} of {saved['world_size']} devices, this run has "

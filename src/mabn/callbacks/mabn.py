@@ -204,11 +204,9 @@ class MABNCallback(pl.Callback):
     def on_load_checkpoint(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
     ) -> None:
-        saved = checkpoint.get(STREAMS_KEY)
-        if saved is None:
-            return
         mine = this_device_entry(
-            saved,
+            checkpoint,
+            STREAMS_KEY,
             "MABNCallback",
             "statistic streams",
             "every device continues from the saved model (device 0's streams, the devices' mean EMA), so the "

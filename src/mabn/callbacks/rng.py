@@ -60,11 +60,9 @@ class RandomStateCallback(pl.Callback):
     def on_load_checkpoint(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
     ) -> None:
-        saved = checkpoint.get(RNG_KEY)
-        if saved is None:
-            return
         mine = this_device_entry(
-            saved,
+            checkpoint,
+            RNG_KEY,
             "RandomStateCallback",
             "random states",
             "random draws after the resume differ from an uninterrupted run",
