@@ -30,12 +30,17 @@ def check_input(layer: str, x: Tensor, num_features: int, norm_batch_size: int |
     return n // b
 
 
+def nonfinite_error(layer: str, what: str) -> FloatingPointError:
+    """The error for a non-finite statistic, which the layer refused to store."""
+    return FloatingPointError(
+        f"{layer}: non-finite {what} (input or gradient holds NaN/inf or overflows); buffers left unchanged"
+    )
+
+
 def check_finite(layer: str, what: str, t: Tensor) -> None:
     """Refuse to store non-finite statistics: one NaN would poison the buffers for good."""
     if not bool(torch.isfinite(t).all()):
-        raise FloatingPointError(
-            f"{layer}: non-finite {what} (input or gradient holds NaN/inf or overflows); buffers left unchanged"
-        )
+        raise nonfinite_error(layer, what)
 
 
 def stat_dtype(x: Tensor) -> torch.dtype:
@@ -47,6 +52,24 @@ def per_sample(t: Tensor, group_size: int) -> Tensor:
     """Expand per-group (G, C) values to per-sample (N, C, 1, 1) for broadcasting over a batch."""
     g, c = t.shape
     return t.unsqueeze(1).expand(g, group_size, c).reshape(g * group_size, c, 1, 1)
+
+
+def per_sample_bn_backward(
+    grad_out: Tensor, x: Tensor, weight: Tensor, mean: Tensor, var: Tensor, eps: float, need_x: bool
+) -> tuple[Tensor | None, Tensor, Tensor]:
+    """PyTorch's fused BN backward in inference mode, on x (N, C, H, W) viewed as N*C channels of one sample,
+    with a weight, mean and variance per (sample, channel) (each N*C): in one pass it gives
+    dL/dout * weight / sqrt(var + eps) (when ``need_x``) and, per (sample, channel), the sums of
+    dL/dout * (x - mean) / sqrt(var + eps) and of dL/dout."""
+    n, c, h, w = x.shape
+
+    def flat(t: Tensor) -> Tensor:
+        return t.contiguous().view(1, n * c, h, w)
+
+    empty = var.new_empty(0)  # no saved batch statistics: inference mode reads the running ones (CUDA needs them)
+    return torch.ops.aten.native_batch_norm_backward(
+        flat(grad_out), flat(x), weight, mean, var, empty, empty, False, eps, [need_x, True, True]
+    )
 
 
 def sync_group() -> bool:

@@ -17,6 +17,7 @@ from ._common import (
     check_finite,
     check_input,
     per_sample,
+    per_sample_bn_backward,
     stat_dtype,
     sync_group,
 )
@@ -75,19 +76,14 @@ class _SyncBRNFunction(torch.autograd.Function):
         b = n // groups
         weight_r = weight.to(mu.dtype) * r
 
-        # The native BN backward in inference mode on x viewed as N*C channels of one sample, with the
-        # shared mean and variance and weight * r of each sample's group, gives dL/dxhat / sigma and the
-        # per-(sample, channel) sums of dL/dout * xhat and of dL/dout in one fused pass.
-        def flat(t: Tensor) -> Tensor:
-            return t.contiguous().view(1, n * c, h, w)
-
+        # With the shared mean and variance and weight * r of each sample's group: dL/dxhat / sigma, and the
+        # per-(sample, channel) sums of dL/dout * xhat and of dL/dout, in one fused pass.
         def sample_channel(t: Tensor) -> Tensor:
             return per_sample(t, b).reshape(n * c)
 
-        empty = mu.new_empty(0)
-        g_scaled, dout_xhat, dout_sum = torch.ops.aten.native_batch_norm_backward(
-            flat(grad_out), flat(x), sample_channel(weight_r), sample_channel(mu), sample_channel(var),
-            empty, empty, False, ctx.eps, [ctx.needs_input_grad[0], True, True],
+        g_scaled, dout_xhat, dout_sum = per_sample_bn_backward(
+            grad_out, x, sample_channel(weight_r), sample_channel(mu), sample_channel(var), ctx.eps,
+            ctx.needs_input_grad[0],
         )  # fmt: skip
         local_dxh = dout_xhat.view(groups, b, c).sum(1)
         local_d = dout_sum.view(groups, b, c).sum(1)

@@ -25,7 +25,15 @@ from types import ModuleType
 import torch
 from torch import Tensor, nn
 
-from ._common import all_reduce_sum_, check_input, per_sample, stat_dtype, sync_group
+from ._common import (
+    all_reduce_sum_,
+    check_input,
+    nonfinite_error,
+    per_sample,
+    per_sample_bn_backward,
+    stat_dtype,
+    sync_group,
+)
 from ._triton import kernels_for
 
 STATS = ("batch", "sma", "ema")
@@ -239,25 +247,11 @@ class _MABNFunction(torch.autograd.Function):
         weight_flat, var_flat, mean_flat, var, r, active = ctx.stats
         n, c, h, w = x.shape
 
-        # The native BN backward in inference mode, run on x viewed as N*C channels of one sample with
-        # running_var = var and weight = weight * r of each sample's group, gives in one fused pass
-        # g / sqrt(var + eps), sum(dL/dout * z) and sum(dL/dout) per sample and channel.
-        def flat(t: Tensor) -> Tensor:
-            return t.contiguous().view(1, n * c, h, w)
-
+        # With mean 0, var and weight * r of each sample's group: g / sqrt(var + eps), and sum(dL/dout * z)
+        # and sum(dL/dout) per sample and channel, in one fused pass.
         need_x = ctx.needs_input_grad[0]
-        empty = var.new_empty(0)
-        g_scaled, dout_z, dout_sum = torch.ops.aten.native_batch_norm_backward(
-            flat(grad_out),
-            flat(x),
-            weight_flat,
-            mean_flat,
-            var_flat,
-            empty,  # no saved batch statistics: inference mode reads the running ones (CUDA needs them defined)
-            empty,
-            False,
-            layer.eps,
-            [need_x, True, True],
+        g_scaled, dout_z, dout_sum = per_sample_bn_backward(
+            grad_out, x, weight_flat, mean_flat, var_flat, layer.eps, need_x
         )
         groups = ctx.groups
         b = n // groups
@@ -441,10 +435,7 @@ class MABN2d(nn.Module):
             if self._host_flags is not None:
                 self._host_flags.zero_()
             what = "batch statistic chi^2" if flags[0] else "gradient statistic psi"
-            raise FloatingPointError(
-                f"{type(self).__name__}: non-finite {what} (input or gradient holds NaN/inf or overflows); "
-                "buffers left unchanged"
-            )
+            raise nonfinite_error(type(self).__name__, what)
 
     def reset_stream(self, reset_ema: bool = False) -> None:
         """Forget the statistic streams (ring buffers, counters) so warm-up starts again, e.g. when
