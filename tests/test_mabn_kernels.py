@@ -17,12 +17,25 @@ from mabn.norm._triton import load
 from test_norm_reference import BATCH_IDS, BATCHES, check_mabn_against_reference
 
 
-@pytest.fixture
-def fused(monkeypatch):
-    """Every MABN2d forward takes the Triton kernels, whatever the device."""
+def _kernels():
     kernels = load("_mabn_kernels")
     assert kernels is not None, "Triton is not importable (or MABN_FUSED=0): the CUDA fast path cannot run"
+    return kernels
+
+
+def _take(monkeypatch, kernels) -> None:
+    """Every MABN2d forward from here on takes ``kernels`` (None: the torch-op steps), whatever the device."""
     monkeypatch.setattr(mabn_module, "_fused_kernels", lambda x: kernels)
+
+
+def _paths():
+    """Both paths, as (name, kernels for _take)."""
+    return (("torch ops", None), ("fused", _kernels()))
+
+
+@pytest.fixture
+def fused(monkeypatch):
+    _take(monkeypatch, _kernels())
 
 
 @pytest.mark.parametrize("n, norm_batch_size", BATCHES, ids=BATCH_IDS)
@@ -71,10 +84,9 @@ def test_fused_equals_torch_ops(name, dtype, device, monkeypatch):
     with torch.no_grad():
         base.weight.uniform_(0.5, 1.5)
         base.bias.uniform_(-0.5, 0.5)
-    kernels = load("_mabn_kernels")
     layers = {}
-    for path, chosen in (("torch ops", None), ("fused", kernels)):
-        monkeypatch.setattr(mabn_module, "_fused_kernels", lambda x, chosen=chosen: chosen)
+    for path, chosen in _paths():
+        _take(monkeypatch, chosen)
         layers[path] = copy.deepcopy(base)
         layers[path].results = _run(layers[path], 14, dtype, device)
     rtol = 1e-12 if dtype == torch.float64 else 2e-5
@@ -118,10 +130,9 @@ def test_fused_low_precision_input_equals_torch_ops(x_dtype, device, monkeypatch
     """Half-precision activations with float32 parameters and statistics (what autocast gives a norm layer):
     the kernels write the per-sample coefficients in the input's dtype and keep every statistic in float32."""
     base = MABN2d(5, norm_batch_size=2, warmup_iters=3, renorm_warmup_iters=5, momentum=0.9).to(device)
-    kernels = load("_mabn_kernels")
     results, states = {}, {}
-    for path, chosen in (("torch ops", None), ("fused", kernels)):
-        monkeypatch.setattr(mabn_module, "_fused_kernels", lambda x, chosen=chosen: chosen)
+    for path, chosen in _paths():
+        _take(monkeypatch, chosen)
         layer = copy.deepcopy(base)
         gen = torch.Generator().manual_seed(11)
         results[path] = []
