@@ -50,9 +50,11 @@ def launch_rank() -> int:
     return 0
 
 
-def _demo_set(root: Path, generate: Callable[[Path], Path], marker: str) -> Path:
+def _demo_set(root: Path, generate: Callable[[Path], Path], marker: str, dry_run: bool) -> Path:
     """Generate the demo set in process 0 only; the other processes of a launch wait for its marker, since
-    several writers would clobber each other's files."""
+    several writers would clobber each other's files. A dry run generates nothing."""
+    if dry_run:
+        return root
     if launch_rank() != 0:
         deadline = time.monotonic() + DEMO_WAIT_S
         while not (root / marker).is_file():
@@ -70,10 +72,8 @@ def _pretrain_profile(data: Path | None, dry_run: bool = False) -> tuple[list[st
     where = f"at {data}" if data is not None else "given (DATA=...)"
     say(f"No ImageNet {where}: expected train/<wnid>/*.JPEG and val/<wnid>/*.JPEG.")
     say("Running the demo profile on generated data (configs/demo/pretrain.yaml).")
-    root = DEMO_DATA / "demo-imagenet"
-    if dry_run:
-        return ["pretrain.yaml", "demo/pretrain.yaml"], root
-    return ["pretrain.yaml", "demo/pretrain.yaml"], _demo_set(root, demo_imagenet.generate, demo_imagenet.MARKER)
+    root = _demo_set(DEMO_DATA / "demo-imagenet", demo_imagenet.generate, demo_imagenet.MARKER, dry_run)
+    return ["pretrain.yaml", "demo/pretrain.yaml"], root
 
 
 def _cityscapes_profile(data: Path | None, dry_run: bool = False) -> tuple[list[str], Path]:
@@ -85,12 +85,8 @@ def _cityscapes_profile(data: Path | None, dry_run: bool = False) -> tuple[list[
     say(f"No Cityscapes {where}: expected leftImg8bit/<split>/<city>/*_leftImg8bit.png and")
     say("gtFine/<split>/<city>/*_gtFine_labelIds.png. Running the demo profile on generated street scenes")
     say("(configs/demo/cityscapes.yaml).")
-    root = DEMO_DATA / "demo-cityscapes"
-    if dry_run:
-        return ["cityscapes.yaml", "demo/cityscapes.yaml"], root
-    return ["cityscapes.yaml", "demo/cityscapes.yaml"], _demo_set(
-        root, demo_cityscapes.generate, demo_cityscapes.MARKER
-    )
+    root = _demo_set(DEMO_DATA / "demo-cityscapes", demo_cityscapes.generate, demo_cityscapes.MARKER, dry_run)
+    return ["cityscapes.yaml", "demo/cityscapes.yaml"], root
 
 
 PROFILES = {"pretrain": _pretrain_profile, "cityscapes": _cityscapes_profile}
