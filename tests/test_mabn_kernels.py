@@ -57,13 +57,20 @@ CONFIGS = {
     "ema-ghost3": dict(norm_batch_size=3, stats="ema"),
     "policy": dict(norm_batch_size=2, policy=(True, True)),
     "policy-off": dict(norm_batch_size=2, policy=(True, False)),
+    # As MABNCallback sets it: batch statistics, then moving statistics, then renormalization too.
+    "policy-switch": dict(norm_batch_size=2, policy={0: (False, False), 4: (True, False), 8: (True, True)}),
 }
 
 
-def _run(layer: MABN2d, steps: int, dtype: torch.dtype, device: torch.device) -> list[tuple[torch.Tensor, ...]]:
+def _run(
+    layer: MABN2d, steps: int, dtype: torch.dtype, device: torch.device, policies: dict | None = None
+) -> list[tuple[torch.Tensor, ...]]:
+    """``steps`` training steps; ``policies`` sets the layer's policy before the steps it names."""
     gen = torch.Generator().manual_seed(7)
     results = []
     for t in range(steps):
+        if policies and t in policies:
+            layer.policy = policies[t]
         scale = 4.0 if t == 9 else 1.0 + 0.1 * t  # one outlier step: r reaches its clip bound
         x = (scale * torch.randn(6, 5, 3, 4, generator=gen, dtype=dtype) + 0.3).to(device).requires_grad_()
         g = torch.randn(6, 5, 3, 4, generator=gen, dtype=dtype).to(device)
@@ -79,8 +86,8 @@ def _run(layer: MABN2d, steps: int, dtype: torch.dtype, device: torch.device) ->
 def test_fused_equals_torch_ops(name, dtype, device, monkeypatch):
     cfg = dict(CONFIGS[name])
     policy = cfg.pop("policy", None)
+    policies = policy if isinstance(policy, dict) else {0: policy}
     base = MABN2d(5, warmup_iters=3, renorm_warmup_iters=5, momentum=0.9, renorm_clip=2.0, **cfg).to(dtype).to(device)
-    base.policy = policy
     with torch.no_grad():
         base.weight.uniform_(0.5, 1.5)
         base.bias.uniform_(-0.5, 0.5)
@@ -88,7 +95,7 @@ def test_fused_equals_torch_ops(name, dtype, device, monkeypatch):
     for path, chosen in _paths():
         _take(monkeypatch, chosen)
         layers[path] = copy.deepcopy(base)
-        layers[path].results = _run(layers[path], 14, dtype, device)
+        layers[path].results = _run(layers[path], 14, dtype, device, policies)
     rtol = 1e-12 if dtype == torch.float64 else 2e-5
     for t, (a, b) in enumerate(zip(layers["torch ops"].results, layers["fused"].results, strict=True)):
         for what, u, v in zip(("output", "grad x", "grad weight", "grad bias"), a, b, strict=True):
@@ -149,3 +156,20 @@ def test_fused_low_precision_input_equals_torch_ops(x_dtype, device, monkeypatch
         torch.testing.assert_close(b_gx, a_gx, rtol=tol, atol=tol)
     for key, value in states["fused"].items():
         torch.testing.assert_close(value, states["torch ops"][key], rtol=2e-5, atol=2e-5, msg=key)
+
+
+def test_policy_changes_reach_the_kernel_in_place(device, fused):
+    """A CUDA graph replays the kernel with the addresses it was captured with: a new policy must be written
+    into the same device tensor the kernel reads, not into a new one (that the kernel follows it: the
+    "policy-switch" case above)."""
+    layer = MABN2d(5, norm_batch_size=2, warmup_iters=100, renorm_warmup_iters=100).to(device)
+    layer.policy = (False, False)
+    _run(layer, 3, torch.float32, device)
+    flags = layer.policy_flags(torch.device(device))
+    address = flags.data_ptr()
+    layer.policy = (True, True)
+    assert flags.data_ptr() == address and flags.tolist() == [1, 1]
+    assert layer.policy_flags(torch.device(device)) is flags
+    layer.policy = None
+    layer.policy = (True, False)
+    assert flags.tolist() == [1, 0]

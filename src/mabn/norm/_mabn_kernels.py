@@ -108,6 +108,7 @@ def forward_kernel(
     vflat_ptr,
     mflat_ptr,
     flags_ptr,
+    policy_ptr,
     C,
     G,
     B,
@@ -117,8 +118,6 @@ def forward_kernel(
     clip_: tl.float64,
     warmup,
     renorm_start,
-    policy_moving,
-    policy_renorm,
     M: tl.constexpr,
     STATS: tl.constexpr,
     RENORM: tl.constexpr,
@@ -145,9 +144,9 @@ def forward_kernel(
     ok = nbad == 0
     t = tl.load(iters_ptr) + 1
     count = tl.load(count_ptr)
-    if POLICY:
-        moving = policy_moving != 0
-        renorm_on = policy_renorm != 0
+    if POLICY:  # read here, not passed by value, so that a captured CUDA graph follows the callback
+        moving = tl.load(policy_ptr) != 0
+        renorm_on = tl.load(policy_ptr + 1) != 0
     else:
         moving = t >= warmup
         renorm_on = t > renorm_start
@@ -287,7 +286,7 @@ def forward_stats(
     chi2, var, r, ema, weight_flat, var_flat, mean_flat, active = outs
     scale = torch.empty(n, c, 1, 1, dtype=x_dtype, device=norm.device)
     ints = (c, groups, n // groups)
-    timeline = (warmup, max(renorm_warmup, warmup), int(bool(policy and policy[0])), int(bool(policy and policy[1])))
+    timeline = (warmup, max(renorm_warmup, warmup))
     consts = dict(M=buffer_size, STATS=STATS_CODE[stats], RENORM=renorm, POLICY=policy is not None, BLOCK=_block(c))
     key = key_of(
         norm, x_dtype, weight.dtype, layer.buffer_x2.dtype, aligned(weight), *ints, *timeline, *consts.values()
@@ -297,7 +296,8 @@ def forward_stats(
         (1, 1, 1),
         (
             *(norm, weight, layer.buffer_x2, layer.running_var, layer.iters, layer.count_x2),
-            *(chi2, var, r, active, ema, scale, weight_flat, var_flat, mean_flat, layer.nonfinite_flags(norm.device)),
+            *(chi2, var, r, active, ema, scale, weight_flat, var_flat, mean_flat),
+            *(layer.nonfinite_flags(norm.device), layer.policy_flags(norm.device)),
             *(*ints, float(hw), momentum, eps, renorm_clip, *timeline),
         ),
         consts,

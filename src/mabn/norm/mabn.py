@@ -202,7 +202,11 @@ class _MABNFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor, layer: MABN2d, groups: int) -> Tensor:
         n, c, h, w = x.shape
-        layer._raise_if_copied_flags_set()
+        # Nothing may wait for the device while a CUDA graph is captured: the verdicts then stay in the
+        # device flags, which MABNCallback reads before every optimizer step.
+        host_checks = not (x.is_cuda and torch.cuda.is_current_stream_capturing())
+        if host_checks:
+            layer._raise_if_copied_flags_set()
         # The one pass over x: per sample and channel, in float32 or better.
         norm = torch.linalg.vector_norm(x, 2, dim=(2, 3), dtype=stat_dtype(x))
         synced = layer.sync_stats and sync_group()
@@ -228,7 +232,7 @@ class _MABNFunction(torch.autograd.Function):
             )
         scale, weight_flat, var_flat, mean_flat, var, r, active, chi2_g, ema, ok = stats
         layer._check(ok, 0)
-        if x.is_cuda:
+        if x.is_cuda and host_checks:
             layer._copy_flags_to_host()
         out = torch.addcmul((bias if bias.dtype == x.dtype else bias.to(x.dtype)).view(1, c, 1, 1), x, scale)
         ctx.save_for_backward(x, weight)
@@ -371,8 +375,8 @@ class MABN2d(nn.Module):
         self.register_buffer("count_x2", torch.zeros((), dtype=torch.long))  # chi^2 stats recorded
         self.register_buffer("count_gz", torch.zeros((), dtype=torch.long))  # psi stats recorded
 
-        # Set by MABNCallback: (use moving statistics, renormalize) instead of the layer's own timeline.
-        self.policy: tuple[bool, bool] | None = None
+        self._policy: tuple[bool, bool] | None = None
+        self._policy_flags: Tensor | None = None  # the policy on the device, for the CUDA kernels
         # When set, each training step leaves its per-channel statistics in last_stats (for logging).
         self.track_stats = False
         self.last_stats: dict[str, Tensor] | None = None
@@ -380,6 +384,26 @@ class MABN2d(nn.Module):
         self._flags: Tensor | None = None
         self._host_flags: Tensor | None = None
         self._copied: torch.cuda.Event | None = None
+
+    @property
+    def policy(self) -> tuple[bool, bool] | None:
+        """Set by MABNCallback: (use moving statistics, renormalize) instead of the layer's own timeline."""
+        return self._policy
+
+    @policy.setter
+    def policy(self, value: tuple[bool, bool] | None) -> None:
+        value = None if value is None else (bool(value[0]), bool(value[1]))
+        if value is not None and value != self._policy and self._policy_flags is not None:
+            # In place: a captured CUDA graph reads the policy from this tensor's address.
+            for i, on in enumerate(value):
+                self._policy_flags[i].fill_(on)
+        self._policy = value
+
+    def policy_flags(self, device: torch.device) -> Tensor:
+        """(2,) int32 on ``device``: the policy (zeros without one), as the CUDA kernels read it at every step."""
+        if self._policy_flags is None or self._policy_flags.device != device:
+            self._policy_flags = torch.tensor(self._policy or (False, False), dtype=torch.int32, device=device)
+        return self._policy_flags
 
     def _cfg(self) -> tuple:
         timeline = (self.policy, self.warmup_iters, self.renorm_warmup_iters)
