@@ -91,7 +91,7 @@ class MABNCallback(pl.Callback):
         self._layers: dict[str, nn.Module] = {}
         self._rules: dict[str, PhaseRule] = {}
         self._logging: list[str] = []
-        self._step = 0
+        self._step, self._log_now, self._graphed = 0, False, False
         self._own_ema: dict[str, Tensor] | None = None  # this device's EMAs while validation uses the mean
 
     # -- setup -------------------------------------------------------------------------------------
@@ -145,10 +145,14 @@ class MABNCallback(pl.Callback):
         for name, rule in self._rules.items():
             self._layers[name].policy = (step >= rule.moving_stats_from, step >= rule.renorm_from)
         log_now = self.log_every_n_steps > 0 and step % self.log_every_n_steps == 0
-        self._step = step
+        self._step, self._log_now = step, log_now
+        # A CUDA-graphed model runs the layers' Python forward once, at capture: the logged layers track from
+        # then on, and every replay refreshes the statistics tensors they captured.
+        self._graphed = getattr(pl_module, "cuda_graph", False) and self.log_every_n_steps > 0
         for name in self._logging:
-            self._layers[name].track_stats = log_now
-            self._layers[name].last_stats = None
+            self._layers[name].track_stats = log_now or self._graphed
+            if not self._graphed:
+                self._layers[name].last_stats = None
 
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
@@ -163,9 +167,9 @@ class MABNCallback(pl.Callback):
         metrics = {}
         for name in self._logging:
             layer = self._layers[name]
-            if layer.track_stats and layer.last_stats is not None:
+            if self._log_now and layer.last_stats is not None:
                 metrics.update({f"norm/{name}/{k}": v for k, v in summarize(layer).items()})
-                layer.track_stats = False
+            layer.track_stats = self._graphed
         if metrics:  # straight to the loggers: the trainer's log_every_n_steps must not thin these out
             for logger in trainer.loggers:
                 logger.log_metrics(metrics, step=self._step)  # the step the statistics were taken at

@@ -31,6 +31,7 @@ class ClassificationTask(NormTask):
     ``mabn.callbacks.MABNCallback``). An optional linear lr warm-up over ``warmup_steps`` (0 in the paper)
     precedes the drops.
     At the end of fitting the best checkpoint's backbone is exported to ``export_dir``.
+    ``cuda_graph``: replay the training forward and backward as CUDA graphs (GPU; see ``mabn.cudagraph``).
     """
 
     def __init__(
@@ -50,6 +51,7 @@ class ClassificationTask(NormTask):
         label_smoothing: float = 0.0,
         norm_policy: dict[str, Any] | None = None,
         export_dir: str | None = "pretrain",
+        cuda_graph: bool = False,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -64,7 +66,7 @@ class ClassificationTask(NormTask):
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         images, labels = batch
-        logits = self(images)
+        logits = self.training_forward(images)
         loss = F.cross_entropy(logits, labels, label_smoothing=self.hparams.label_smoothing)
         self.train_top1(logits, labels)
         self.log("train/loss", loss, prog_bar=True)

@@ -41,6 +41,7 @@ class SegmentationTask(NormTask):
     first ``num_logged_predictions`` images of its first batch to Weights & Biases as ``val/predictions``,
     with the predicted and the ground-truth classes as masks (see ``prediction_masks``); only rank 0 logs,
     and only when a WandbLogger is among the trainer's loggers.
+    ``cuda_graph``: replay the training forward and backward as CUDA graphs (GPU; see ``mabn.cudagraph``).
     """
 
     def __init__(
@@ -64,6 +65,7 @@ class SegmentationTask(NormTask):
         eval_scales: tuple[float, ...] = (1.0,),
         log_predictions_every_n_epochs: int = 1,
         num_logged_predictions: int = 2,
+        cuda_graph: bool = False,
     ) -> None:
         super().__init__()
         if log_predictions_every_n_epochs < 0 or num_logged_predictions < 0:
@@ -89,7 +91,7 @@ class SegmentationTask(NormTask):
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         images, labels = batch
-        out, aux = self.model(images)
+        out, aux = self.training_forward(images)
         main_loss = F.cross_entropy(out, labels, ignore_index=IGNORE_INDEX)
         aux_loss = F.cross_entropy(aux, labels, ignore_index=IGNORE_INDEX)
         loss = main_loss + self.hparams.aux_weight * aux_loss

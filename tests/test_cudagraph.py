@@ -1,0 +1,223 @@
+"""CUDA-graph capture of the training forward and backward (mabn.cudagraph).
+
+On the CPU: what may be captured, the errors, and the wrapper's own logic around the capture (warm-ups leave
+the buffers unchanged, which inputs replay) with a stand-in for ``torch.cuda.make_graphed_callables``. With
+MABN_TEST_DEVICE=cuda: graphed training against eager training, alone and under a Trainer with MABNCallback.
+"""
+
+from __future__ import annotations
+
+import copy
+import csv
+import os
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import pytorch_lightning as pl
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import mabn.cudagraph as cudagraph
+from mabn import BatchRenorm2d, CenConv2d, MABN2d
+from mabn.callbacks import MABNCallback
+from mabn.tasks.base import NormTask
+
+ON_GPU = os.environ.get("MABN_TEST_DEVICE", "cpu") == "cuda"
+needs_gpu = pytest.mark.skipif(not ON_GPU, reason="CUDA graphs need a GPU: run with MABN_TEST_DEVICE=cuda")
+
+
+def small_net(norm: str = "mabn") -> nn.Sequential:
+    """Every layer kind a graphed PSPNet holds: centred conv + MABN2d (ghost batches of 2), BN, GN."""
+    first = MABN2d(8, norm_batch_size=2, buffer_size=3, warmup_iters=2, renorm_warmup_iters=4, momentum=0.9)
+    return nn.Sequential(
+        CenConv2d(3, 8, 3, padding=1, bias=False), first if norm == "mabn" else BatchRenorm2d(8), nn.ReLU(),
+        nn.Conv2d(8, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8), nn.ReLU(),
+        nn.Conv2d(8, 8, 1), nn.GroupNorm(4, 8), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 3),
+    )  # fmt: skip
+
+
+def test_blockers_name_the_layers_that_read_the_host():
+    assert cudagraph.capture_blockers(small_net("mabn")) == []
+    net = small_net("brn")
+    net[4].momentum = None
+    blockers = cudagraph.capture_blockers(net)
+    assert [b.split(" ")[0] for b in blockers] == ["1", "4"]
+    assert "BatchRenorm2d" in blockers[0] and "momentum=None" in blockers[1]
+    with pytest.raises(ValueError, match=r"not possible with these layers: 1 \(BatchRenorm2d"):
+        cudagraph.check_capturable(net, torch.device("cuda"))
+
+
+def test_capture_needs_a_gpu():
+    with pytest.raises(ValueError, match="needs the model on a GPU, got device cpu"):
+        cudagraph.graph_training_forward(small_net(), torch.randn(4, 3, 6, 6))
+
+
+def _stand_in_capture(model, sample_args, num_warmup_iters):
+    """make_graphed_callables' observable behaviour on the CPU: ``num_warmup_iters`` real forwards and backwards
+    (gradients by autograd.grad, none accumulated), then ``forward`` replaced; "replays" run the eager forward."""
+    params = tuple(model.parameters())
+    for _ in range(num_warmup_iters):
+        out = model(*sample_args)
+        torch.autograd.grad(out, params, torch.ones_like(out))
+    eager = model.forward
+    model.replayed = []
+
+    def replay(x):
+        model.replayed.append(tuple(x.shape))
+        return eager(x)
+
+    model.forward = replay
+    return model
+
+
+def test_warmups_leave_buffers_and_other_inputs_run_eagerly(monkeypatch):
+    monkeypatch.setattr(cudagraph, "check_capturable", lambda model, device: None)
+    net = small_net()
+    before = copy.deepcopy(net.state_dict())
+    sample = torch.randn(4, 3, 6, 6)
+    cudagraph.graph_training_forward(net, sample, warmup_iters=3, capture=_stand_in_capture)
+    for key, value in net.state_dict().items():
+        assert torch.equal(value, before[key]), f"{key} changed by the capture's warm-up iterations"
+
+    net(torch.randn(4, 3, 6, 6))  # the captured shape, training, gradients on: replayed
+    net(torch.randn(2, 3, 6, 6))  # another batch
+    with torch.no_grad():
+        net(torch.randn(4, 3, 6, 6))
+    net.eval()
+    net(torch.randn(4, 3, 6, 6))
+    assert net.replayed == [(4, 3, 6, 6)]
+    assert int(net[1].iters) == 3  # the three training forwards since the capture; not its warm-ups
+
+
+def test_capture_refuses_eval_mode(monkeypatch):
+    monkeypatch.setattr(cudagraph, "check_capturable", lambda model, device: None)
+    with pytest.raises(ValueError, match="training mode"):
+        cudagraph.graph_training_forward(small_net().eval(), torch.randn(4, 3, 6, 6), capture=_stand_in_capture)
+
+
+def test_callback_keeps_logged_layers_tracking_under_graphs():
+    """A graphed model's layers run their Python forward only at capture: the callback must keep them tracking
+    and keep the statistics tensors they captured, and still log only every k steps."""
+    task = SimpleNamespace(cuda_graph=True)
+    net = nn.Sequential(small_net())
+    callback = MABNCallback(log_every_n_steps=2, log_layers=["0.1"])
+    logged = []
+    logger = SimpleNamespace(log_metrics=lambda metrics, step: logged.append(step))
+    trainer = SimpleNamespace(global_step=0, strategy=None, loggers=[logger])
+    callback.setup(trainer, net, "fit")
+    layer = net[0][1]
+    for step in range(4):
+        trainer.global_step = step
+        callback.on_train_batch_start(trainer, task, None, 0)
+        assert layer.track_stats
+        if step == 0:
+            net(torch.randn(4, 3, 6, 6)).sum().backward()  # the capture: the only Python forward
+            captured = layer.last_stats
+        assert layer.last_stats is captured
+        callback.on_train_batch_end(trainer, task, None, None, 0)
+    assert logged == [0, 2]
+
+
+class GraphTask(NormTask):
+    """NormTask around ``small_net`` trained by cross-entropy, its MABN2d managed by MABNCallback."""
+
+    def __init__(self, cuda_graph: bool = False, norm_policy=None):
+        super().__init__()
+        self.save_hyperparameters()
+        self.model = small_net()
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.cross_entropy(self.training_forward(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-4)
+
+
+POLICY = {"groups": {"all": {"prefixes": ["model."], "moving_stats_from": 2, "renorm_from": 4}},
+          "log_every_n_steps": 2, "log_layers": ["model.1"]}  # fmt: skip
+
+
+def _fit(tmp_path: Path, cuda_graph: bool, accelerator: str, steps: int = 8) -> tuple[GraphTask, list[dict]]:
+    torch.manual_seed(0)
+    task = GraphTask(cuda_graph, POLICY)
+    gen = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(64, 3, 8, 8, generator=gen) + 0.5, torch.randint(0, 3, (64,), generator=gen))
+    logger = pl.loggers.CSVLogger(tmp_path, name=f"graph{cuda_graph}")
+    trainer = pl.Trainer(
+        accelerator=accelerator, devices=1, max_steps=steps, logger=logger, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path, log_every_n_steps=50,
+    )  # fmt: skip
+    trainer.fit(task, DataLoader(data, batch_size=4, drop_last=True))
+    rows = [r for r in csv.DictReader(open(Path(logger.log_dir) / "metrics.csv")) if r.get("norm/model.1/chi2_batch")]
+    return task, rows
+
+
+def test_task_with_cuda_graph_on_cpu_fails_before_training(tmp_path):
+    with pytest.raises(ValueError, match="needs the model on a GPU"):
+        _fit(tmp_path, cuda_graph=True, accelerator="cpu")
+
+
+@needs_gpu
+def test_graphed_steps_equal_eager_steps(device):
+    """Eight SGD steps through warm-up, moving statistics, renormalization and a policy switch: every loss,
+    gradient-fed parameter and buffer of the graphed model as in eager training."""
+    torch.manual_seed(0)
+    eager = small_net().to(device)
+    eager[1].policy = (False, False)
+    graphed = copy.deepcopy(eager)
+    graphed[1].track_stats = eager[1].track_stats = True
+    gen = torch.Generator().manual_seed(1)
+    batches = [
+        ((torch.randn(4, 3, 8, 8, generator=gen) + 0.5).to(device), torch.randint(0, 3, (4,), generator=gen).to(device))
+        for _ in range(8)
+    ]
+    cudagraph.graph_training_forward(graphed, batches[0][0])
+    opts = [torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) for m in (eager, graphed)]
+    for t, (x, y) in enumerate(batches):
+        if t == 3:
+            for m in (eager, graphed):
+                m[1].policy = (True, t >= 5)
+        losses = []
+        for m, opt in zip((eager, graphed), opts):
+            loss = F.cross_entropy(m(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            losses.append(loss.detach())
+        torch.testing.assert_close(losses[1], losses[0], rtol=1e-5, atol=1e-6, msg=f"loss at step {t}")
+        for key in ("chi2_batch", "chi2_used", "r", "psi_used"):
+            torch.testing.assert_close(graphed[1].last_stats[key], eager[1].last_stats[key], rtol=1e-5, atol=1e-6)
+    expected = eager.state_dict()
+    for key, value in graphed.state_dict().items():
+        torch.testing.assert_close(value, expected[key], rtol=1e-4, atol=1e-6, msg=key)
+    assert int(graphed[1].iters) == 8
+
+
+@needs_gpu
+def test_graphed_non_finite_input_is_reported():
+    net = small_net().cuda()
+    x = torch.randn(4, 3, 8, 8, device="cuda")
+    cudagraph.graph_training_forward(net, x)
+    x[1, 0, 2, 2] = float("nan")
+    net(x).sum().backward()
+    with pytest.raises(FloatingPointError, match="chi"):
+        net[1].raise_if_nonfinite()
+
+
+@needs_gpu
+def test_graphed_fit_equals_eager_fit(tmp_path):
+    """Under a Trainer with MABNCallback (policy switches at steps 2 and 4, statistics logged every 2 steps)."""
+    runs = {graph: _fit(tmp_path, graph, "gpu") for graph in (False, True)}
+    (eager, eager_rows), (graphed, graphed_rows) = runs[False], runs[True]
+    assert [r["step"] for r in graphed_rows] == [r["step"] for r in eager_rows] == ["0", "2", "4", "6"]
+    for a, b in zip(eager_rows, graphed_rows):
+        for key in ("chi2_batch", "chi2_sma", "psi_bar", "phase"):
+            k = f"norm/model.1/{key}"
+            assert float(b[k]) == pytest.approx(float(a[k]), rel=1e-4), (a["step"], key)
+    expected = eager.model.state_dict()
+    for key, value in graphed.model.state_dict().items():
+        torch.testing.assert_close(value, expected[key], rtol=1e-4, atol=1e-6, msg=key)
