@@ -78,3 +78,37 @@ def test_bench_cli_rejects_an_odd_batch(capsys):
         main(["step", "--batch", "3"])
     assert exit_info.value.code == 2
     assert "--batch must be a multiple of 2" in capsys.readouterr().err
+
+
+def test_bench_cli_refuses_cuda_graphs_on_the_cpu(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["step", "--device", "cpu", "--cuda-graph"])
+    assert exit_info.value.code == 2
+    assert "--cuda-graph needs a CUDA device, got --device cpu" in capsys.readouterr().err
+
+
+def test_graphed_step_bench_captures_at_the_measured_shape(monkeypatch):
+    """With --cuda-graph every graphable row replays graphs captured at the measured crop, not at the small
+    crop of the first (momentum-creating) step. On the CPU a stand-in for torch.cuda.make_graphed_callables
+    records what it would capture and replay."""
+    import mabn.cudagraph as cudagraph
+
+    captured, replayed = [], []
+
+    def stand_in(model, sample_args, num_warmup_iters):
+        captured.append(tuple(sample_args[0].shape))
+        eager = model.forward
+
+        def replay(x):
+            replayed.append(tuple(x.shape))
+            return eager(x)
+
+        model.forward = replay
+        return model
+
+    monkeypatch.setattr(cudagraph, "check_capturable", lambda model, device: None)
+    monkeypatch.setattr(torch.cuda, "make_graphed_callables", stand_in)
+    rows = step.run(CPU, repeats=1, crop=72, batch=2, num_classes=4, cuda_graph=True)
+    assert [r.norm for r in rows] == ["bn", "gn", "mabn", "mabn + stats logging"]
+    assert captured == [(2, 3, 72, 72)] * 4
+    assert replayed == [(2, 3, 72, 72)] * 4 * 2  # the memory step and one timed repeat per row

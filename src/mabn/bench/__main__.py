@@ -44,6 +44,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--crop", type=_positive, default=512, help="step: square training crop")
     parser.add_argument("--batch", type=_positive, default=2, help="step: images per step (a multiple of 2)")
     parser.add_argument(
+        "--cuda-graph", action="store_true", help="step: replay each model's forward and backward as CUDA graphs"
+    )
+    parser.add_argument(
         "--size", type=_positive, nargs=2, default=[512, 1024], metavar=("H", "W"), help="infer: image size"
     )
     parser.add_argument(
@@ -59,6 +62,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.batch % step.NORM_BATCH_SIZE:
         parser.error(f"--batch must be a multiple of {step.NORM_BATCH_SIZE}, got {args.batch}")
     device = torch.device(args.device)
+    if args.cuda_graph and device.type != "cuda":
+        parser.error(f"--cuda-graph needs a CUDA device, got --device {args.device}")
     if args.threads:
         torch.set_num_threads(args.threads)
     size = (args.size[0], args.size[1])
@@ -75,8 +80,8 @@ def main(argv: list[str] | None = None) -> None:
         table = norm.run(device, repeats=repeats("norm"), scale=args.scale)
         sections.append(table if args.what == "norm" else f"### Norm layers alone\n\n{table}")
     if args.what in ("step", "all"):
-        step_rows = step.run(device, repeats("step"), args.crop, args.batch)
-        sections.append(step.table(step_rows, repeats("step"), args.crop, args.batch))
+        step_rows = step.run(device, repeats("step"), args.crop, args.batch, cuda_graph=args.cuda_graph)
+        sections.append(step.table(step_rows, repeats("step"), args.crop, args.batch, args.cuda_graph))
     if args.what in ("infer", "all"):
         infer_rows = infer.run(device, repeats("infer"), size)
         sections.append(infer.table(infer_rows, repeats("infer"), size))
@@ -85,7 +90,7 @@ def main(argv: list[str] | None = None) -> None:
 
     out = args.out
     if out is None and args.what != "norm":
-        stem = "bench" if args.what == "all" else f"bench-{args.what}"
+        stem = ("bench" if args.what == "all" else f"bench-{args.what}") + ("-graph" if args.cuda_graph else "")
         out = Path("docs") / f"{stem}-{device.type}.md"
     if out is None:
         return

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from ..callbacks import MABNCallback
+from ..cudagraph import training_call
 from ..data.cityscapes import IGNORE_INDEX
 from ..models import PSPNet
 from .measure import median_times, peak_memory
@@ -18,6 +19,8 @@ from .measure import median_times, peak_memory
 NORMS = ("bn", "gn", "brn", "mabn")
 LOGGED = "mabn + stats logging"  # MABN with MABNCallback's statistics logging at every step
 ROWS = (*NORMS, LOGGED)
+# BatchRenorm2d checks its statistics on the host at every forward, which a CUDA graph cannot hold.
+GRAPHED_ROWS = tuple(r for r in ROWS if r != "brn")
 # The recipe's per-device batch is one ghost batch of 2: BRN and MABN normalize groups of this size.
 NORM_BATCH_SIZE = 2
 # SegmentationTask's defaults: auxiliary loss weight and SGD settings.
@@ -48,14 +51,16 @@ def build(norm: str, num_classes: int = 19) -> PSPNet:
 
 
 class _Trainer:
-    """A model and its optimizer; ``step`` is one training iteration as SegmentationTask runs it."""
+    """A model and its optimizer; ``step`` is one training iteration as SegmentationTask runs it (once
+    ``cuda_graph`` is set, the next step captures the forward and backward for its shape, later ones replay)."""
 
     def __init__(self, model: PSPNet) -> None:
         self.model = model
+        self.cuda_graph = False
         self.optimizer = torch.optim.SGD(model.parameters(), **SGD)
 
     def step(self, images: torch.Tensor, labels: torch.Tensor) -> None:
-        out, aux = self.model(images)
+        out, aux = training_call(self.model, images, self.cuda_graph)
         loss = F.cross_entropy(out, labels, ignore_index=IGNORE_INDEX)
         loss = loss + AUX_WEIGHT * F.cross_entropy(aux, labels, ignore_index=IGNORE_INDEX)
         loss.backward()
@@ -85,9 +90,10 @@ class _LoggingTrainer(_Trainer):
         self.logged = metrics
 
     def step(self, images: torch.Tensor, labels: torch.Tensor) -> None:
-        self.callback.on_train_batch_start(self.trainer, self.model, (images, labels), 0)
+        # The batch hooks read only ``cuda_graph`` of the LightningModule: this object stands in for it.
+        self.callback.on_train_batch_start(self.trainer, self, (images, labels), 0)
         super().step(images, labels)
-        self.callback.on_train_batch_end(self.trainer, self.model, None, (images, labels), 0)
+        self.callback.on_train_batch_end(self.trainer, self, None, (images, labels), 0)
         self.trainer.global_step += 1
 
 
@@ -99,24 +105,33 @@ def _batch(batch: int, crop: int, num_classes: int, device: torch.device) -> tup
 
 
 def run(
-    device: torch.device, repeats: int = 5, crop: int = 512, batch: int = 2, num_classes: int = 19
+    device: torch.device,
+    repeats: int = 5,
+    crop: int = 512,
+    batch: int = 2,
+    num_classes: int = 19,
+    cuda_graph: bool = False,
 ) -> list[StepRow]:
     """Time and peak memory of one training step per norm, all on the same images and labels.
 
     A first step at a small crop creates the optimizer's momentum buffers (so the measured steps do not
     allocate them), then one step per norm is measured for peak memory, then ``repeats`` interleaved
-    rounds are timed (median reported).
+    rounds are timed (median reported). With ``cuda_graph`` (CUDA) every model's training forward and
+    backward are CUDA graphs (BRN is left out, see ``GRAPHED_ROWS``): the memory step is the one that
+    captures them, so its peak includes the capture's.
     """
     if batch % NORM_BATCH_SIZE:
         raise ValueError(f"batch must be a multiple of the normalization batch {NORM_BATCH_SIZE}, got {batch}")
     warmup = _batch(batch, min(crop, 64), num_classes, device)
     images, labels = _batch(batch, crop, num_classes, device)
+    rows = GRAPHED_ROWS if cuda_graph else ROWS
     trainers: dict[str, Any] = {}
-    for name in ROWS:
+    for name in rows:
         torch.manual_seed(0)
         trainer_cls, norm = (_LoggingTrainer, "mabn") if name == LOGGED else (_Trainer, name)
         trainers[name] = trainer_cls(build(norm, num_classes).to(device).train())
         trainers[name].step(*warmup)
+        trainers[name].cuda_graph = cuda_graph  # captured at the measured shape, by the memory step below
     if not trainers[LOGGED].logged:
         raise RuntimeError("MABNCallback logged no statistics: the logging row would measure nothing")
     steps = {norm: partial(t.step, images, labels) for norm, t in trainers.items()}
@@ -125,16 +140,17 @@ def run(
         peaks[norm] = peak_memory(step, device)
         print(f"training step {norm}: peak memory {peaks[norm] / 2**30:.3f} GiB", flush=True)
     times = median_times(steps, device, repeats, warmup=0)
-    rows = [StepRow(n, times[n], peaks[n], times[n] / times["bn"], peaks[n] / peaks["bn"]) for n in ROWS]
-    for row in rows:
-        print(f"training step {row.norm}: {row.seconds:.2f} s, {row.time_ratio:.3f} x BN", flush=True)
-    return rows
+    results = [StepRow(n, times[n], peaks[n], times[n] / times["bn"], peaks[n] / peaks["bn"]) for n in rows]
+    for row in results:
+        print(f"training step {row.norm}: {row.seconds:.3f} s, {row.time_ratio:.3f} x BN", flush=True)
+    return results
 
 
-def table(rows: list[StepRow], repeats: int, crop: int, batch: int) -> str:
+def table(rows: list[StepRow], repeats: int, crop: int, batch: int, cuda_graph: bool = False) -> str:
     """The markdown section for ``rows``."""
+    graphs = ", forward and backward as CUDA graphs" if cuda_graph else ""
     lines = [
-        f"### PSPNet-101 training step: batch {batch}, crop {crop}x{crop}, forward + backward + SGD step",
+        f"### PSPNet-101 training step: batch {batch}, crop {crop}x{crop}, forward + backward + SGD step{graphs}",
         "",
         f"Median of {repeats} interleaved repeats; peak memory above what was allocated before the step (so weights "
         "and momentum buffers are not counted, gradients are). "
@@ -145,11 +161,16 @@ def table(rows: list[StepRow], repeats: int, crop: int, batch: int) -> str:
     ]
     for r in rows:
         lines.append(
-            f"| {r.norm} | {r.seconds:.2f} | {r.time_ratio:.3f} | {r.peak_bytes / 2**30:.3f} | {r.mem_ratio:.3f} |"
+            f"| {r.norm} | {r.seconds:.3f} | {r.time_ratio:.3f} | {r.peak_bytes / 2**30:.3f} | {r.mem_ratio:.3f} |"
         )
     lines += [
         "",
         f"`{LOGGED}`: MABN with `MABNCallback(log_every_n_steps=1)` computing its statistics summary at every step "
         "(the default logs every 50 steps).",
     ]
+    if cuda_graph:
+        lines.append(
+            "Every model's training forward and backward replay CUDA graphs (`mabn.cudagraph`); BRN cannot be "
+            "captured. Peak memory is that of the step which captured the graphs."
+        )
     return "\n".join(lines)
