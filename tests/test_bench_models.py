@@ -95,7 +95,7 @@ def test_graphed_step_bench_captures_at_the_measured_shape(monkeypatch):
 
     captured, replayed = [], []
 
-    def stand_in(model, sample_args, num_warmup_iters):
+    def stand_in(model, sample_args, num_warmup_iters, allow_unused_input):
         captured.append(tuple(sample_args[0].shape))
         eager = model.forward
 

@@ -19,15 +19,13 @@ from the host during its forward or backward, and its training inputs must keep 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import torch
 from torch import Tensor, nn
 
 from .norm import BatchRenorm2d, MABN2d
 from .norm._common import sync_group
-
-Capture = Callable[..., nn.Module]
 
 
 def capture_blockers(model: nn.Module) -> list[str]:
@@ -67,29 +65,28 @@ def _without_autocast_cache() -> Iterator[None]:
         yield
 
 
-def graph_training_forward(
-    model: nn.Module, sample: Tensor, warmup_iters: int = 3, capture: Capture | None = None
-) -> None:
+def graph_training_forward(model: nn.Module, sample: Tensor, warmup_iters: int = 3) -> None:
     """Capture ``model``'s training forward and backward for inputs like ``sample`` (shape, dtype, device).
 
     Afterwards ``model(x)`` replays the graphs for such inputs in training mode with gradients on, and runs
     the model eagerly otherwise. Call it with the model on its GPU, in training mode, with every buffer
-    and parameter in place (the graphs hold their addresses): DDP may wrap it afterwards. ``capture`` is
-    ``torch.cuda.make_graphed_callables`` (replaceable for tests).
+    and parameter in place (the graphs hold their addresses): DDP may wrap it afterwards.
     """
     check_capturable(model, sample.device)
     if not model.training:
         raise ValueError("CUDA-graph capture of the training step needs the model in training mode")
-    capture = capture or torch.cuda.make_graphed_callables
     eager = model.forward
     # The warm-up iterations run the training forward and backward for real: keep what they change.
     buffers = {name: buf.clone() for name, buf in model.named_buffers()}
     # Under DDP the communication threads keep working while this thread captures.
     distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
     options = {"capture_error_mode": "thread_local"} if distributed else {}
-    # The graphs' input is a tensor of their own: each replay copies the batch into it.
+    # The graphs' input is a tensor of their own: each replay copies the batch into it. Parameters the
+    # training forward does not use get no gradient, as in eager training.
     with _without_autocast_cache():
-        capture(model, (sample.clone(),), num_warmup_iters=warmup_iters, **options)
+        torch.cuda.make_graphed_callables(
+            model, (sample.clone(),), num_warmup_iters=warmup_iters, allow_unused_input=True, **options
+        )
     graphed = model.forward
     with torch.no_grad():
         for name, buf in model.named_buffers():
