@@ -21,6 +21,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import mabn.cudagraph as cudagraph
+import mabn.norm.mabn as mabn_module
 from mabn import BatchRenorm2d, CenConv2d, MABN2d
 from mabn.callbacks import MABNCallback
 from mabn.tasks.base import NormTask
@@ -166,9 +167,13 @@ def test_task_with_cuda_graph_on_cpu_fails_before_training(tmp_path):
 
 
 @needs_gpu
-def test_graphed_steps_equal_eager_steps(device):
+@pytest.mark.parametrize("path", ["fused", "torch ops"])
+def test_graphed_steps_equal_eager_steps(path, device, monkeypatch):
     """Eight SGD steps through warm-up, moving statistics, renormalization and a policy switch: every loss,
-    gradient-fed parameter and buffer of the graphed model as in eager training."""
+    gradient-fed parameter and buffer of the graphed model as in eager training, with MABN2d's statistic steps
+    as the Triton kernels and as torch ops (its path without Triton)."""
+    if path == "torch ops":
+        monkeypatch.setattr(mabn_module, "_fused_kernels", lambda x: None)
     torch.manual_seed(0)
     eager = small_net().to(device)
     eager[1].policy = (False, False)

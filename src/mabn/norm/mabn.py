@@ -67,21 +67,12 @@ def _stream_stat(
     return used, seq[-m:], e
 
 
-def _phase(
-    t: Tensor, policy: tuple[bool, bool] | None, warmup_iters: int, renorm_warmup_iters: int
-) -> tuple[Tensor | bool, Tensor | bool]:
+def _phase(t: Tensor, policy: Tensor | None, warmup_iters: int, renorm_warmup_iters: int) -> tuple[Tensor, Tensor]:
     """Whether training forward number t may use moving statistics and renormalize (before the buffer
-    check): the callback's policy when one is set, else the layer's own timeline."""
+    check): the callback's policy (``MABN2d.policy_flags``) when one is set, else the layer's own timeline."""
     if policy is not None:
-        return policy
+        return policy[0] != 0, policy[1] != 0
     return t >= warmup_iters, t > max(renorm_warmup_iters, warmup_iters)
-
-
-def _select(cond: Tensor | bool, a: Tensor, b: Tensor) -> Tensor:
-    """torch.where for a condition that may be a plain bool (a callback's policy): no host-to-device copy."""
-    if isinstance(cond, bool):
-        return a if cond else b
-    return torch.where(cond, a, b)
 
 
 def _group_chi2(norm: Tensor, groups: int, hw: int) -> Tensor:
@@ -121,7 +112,7 @@ def _forward_stats(
     n = groups * b
     ok = torch.isfinite(chi2).all()
     ks = torch.arange(groups, device=chi2.device)
-    active = _select(moving_ok, count_x2 + ks >= buffer_size, torch.zeros_like(ks, dtype=torch.bool))
+    active = moving_ok & (count_x2 + ks >= buffer_size)
     if stats == "batch":
         active = torch.zeros_like(active)
     ema_prev = running_var.to(chi2.dtype)
@@ -130,7 +121,7 @@ def _forward_stats(
     r = torch.ones_like(std)
     if renorm:
         clipped = (std / (ema_prev + eps).sqrt()).clamp(1.0 / renorm_clip, renorm_clip)
-        r = _select(renorm_ok, clipped, r)
+        r = torch.where(renorm_ok, clipped, r)
     if stats == "ema":
         ema = stream_ema
     else:
@@ -212,7 +203,7 @@ class _MABNFunction(torch.autograd.Function):
         synced = layer.sync_stats and sync_group()
         kernels = None if synced else _fused_kernels(x)
         if kernels is not None:
-            stats = kernels.forward_stats(norm, h * w, groups, weight, layer, layer._cfg(), x.dtype)
+            stats = kernels.forward_stats(norm, h * w, groups, weight, layer, layer._cfg(x.device), x.dtype)
         else:
             chi2 = _group_chi2(norm, groups, h * w)
             if synced:  # the chi^2 of group k over every device, weighted by the devices' element counts
@@ -226,7 +217,7 @@ class _MABNFunction(torch.autograd.Function):
                 layer.running_var,
                 layer.iters,
                 layer.count_x2,
-                layer._cfg(),
+                layer._cfg(x.device),
                 n // groups,
                 x.dtype,
             )
@@ -262,7 +253,7 @@ class _MABNFunction(torch.autograd.Function):
         psi_count = b * h * w  # elements behind each group's sum of dL/dout * z
         if ctx.kernels is not None:
             stats = ctx.kernels.backward_stats(
-                dout_z, psi_count, dout_sum, r, var, active, weight, groups, layer, layer._cfg(), x.dtype
+                dout_z, psi_count, dout_sum, r, var, active, weight, groups, layer, layer._cfg(x.device), x.dtype
             )
         else:
             dout_z = dout_z.view(groups, b, c).sum(1)  # per group
@@ -281,7 +272,7 @@ class _MABNFunction(torch.autograd.Function):
                 layer.buffer_gz,
                 layer.running_psi,
                 layer.count_gz,
-                layer._cfg(),
+                layer._cfg(x.device),
                 x.dtype,
                 local_dout_z,
             )
@@ -405,8 +396,10 @@ class MABN2d(nn.Module):
             self._policy_flags = torch.tensor(self._policy or (False, False), dtype=torch.int32, device=device)
         return self._policy_flags
 
-    def _cfg(self) -> tuple:
-        timeline = (self.policy, self.warmup_iters, self.renorm_warmup_iters)
+    def _cfg(self, device: torch.device) -> tuple:
+        # The policy as the device tensor the callback updates in place: a captured CUDA graph follows it.
+        policy = None if self._policy is None else self.policy_flags(device)
+        timeline = (policy, self.warmup_iters, self.renorm_warmup_iters)
         return (self.stats, self.momentum, self.eps, self.renorm, self.renorm_clip, self.buffer_size, timeline)
 
     def nonfinite_flags(self, device: torch.device) -> Tensor:
