@@ -161,6 +161,20 @@ def _fit(tmp_path: Path, cuda_graph: bool, accelerator: str, steps: int = 8) -> 
     return task, rows
 
 
+def test_graphed_fit_on_cpu_captures_once_and_trains_as_eagerly(tmp_path, stand_in, monkeypatch):
+    """The Trainer plumbing with the stand-in capture (whose "replays" are eager forwards): one capture, at the
+    first training batch; the warm-ups leave no trace, so training ends exactly where eager training does."""
+    import mabn.tasks.base
+
+    monkeypatch.setattr(mabn.tasks.base, "check_capturable", lambda model, device: None)
+    (eager, eager_rows), (graphed, graphed_rows) = (_fit(tmp_path, g, "cpu") for g in (False, True))
+    assert graphed.model.replayed == [(4, 3, 8, 8)] * 8
+    assert graphed_rows == eager_rows and len(eager_rows) == 4
+    expected = eager.model.state_dict()
+    for key, value in graphed.model.state_dict().items():
+        assert torch.equal(value, expected[key]), key
+
+
 def test_task_with_cuda_graph_on_cpu_fails_before_training(tmp_path):
     with pytest.raises(ValueError, match="needs the model on a GPU"):
         _fit(tmp_path, cuda_graph=True, accelerator="cpu")
