@@ -416,15 +416,15 @@ class MABN2d(nn.Module):
         device flags, which each training forward copies to host memory without waiting: the next training
         forward raises; so do ``raise_if_nonfinite`` and MABNCallback before every optimizer step.
         """
-        if ok is not None and not ok.is_cuda:  # the torch-op steps on the CPU
+        on_cpu = not self.buffer_x2.is_cuda
+        if ok is None:  # a kernel's verdict, already in the flags
+            if on_cpu:  # a kernel run on CPU tensors (Triton's interpreter, in tests)
+                self._raise(self.nonfinite_flags(self.buffer_x2.device).tolist())
+        elif on_cpu:  # the torch-op steps on the CPU
             if not bool(ok):
                 self._raise([direction == 0, direction == 1])
-            return
-        flags = self.nonfinite_flags(self.buffer_x2.device)
-        if ok is not None:
-            flags[direction : direction + 1].logical_or_(ok.logical_not())
-        elif not flags.is_cuda:  # a kernel run on CPU tensors (Triton's interpreter, in tests)
-            self._raise(flags.tolist())
+        else:
+            self.nonfinite_flags(ok.device)[direction : direction + 1].logical_or_(ok.logical_not())
 
     def _copy_flags_to_host(self) -> None:
         """Start copying the flags to host memory (CUDA), to be read by the next training forward."""
