@@ -49,10 +49,12 @@ def capture_blockers(model: nn.Module) -> list[str]:
 def check_capturable(model: nn.Module, device: torch.device) -> None:
     """Raise ValueError, naming the cause, when ``model`` on ``device`` cannot be trained through CUDA graphs."""
     if device.type != "cuda":
-        raise ValueError(f"CUDA-graph capture needs the model on a GPU, got device {device}")
+        raise ValueError(f"CUDA-graph capture (cuda_graph: true) needs the model on a GPU, got device {device}")
     blockers = capture_blockers(model)
     if blockers:
-        raise ValueError("CUDA-graph capture is not possible with these layers: " + "; ".join(blockers))
+        raise ValueError(
+            "CUDA-graph capture (cuda_graph: true) is not possible with these layers: " + "; ".join(blockers)
+        )
 
 
 @contextlib.contextmanager
