@@ -31,12 +31,13 @@ needs_gpu = pytest.mark.skipif(not ON_GPU, reason="CUDA graphs need a GPU: run w
 
 
 def small_net(norm: str = "mabn") -> nn.Sequential:
-    """Every layer kind a graphed PSPNet holds: centred conv + MABN2d (ghost batches of 2), BN, GN."""
+    """Every layer kind a graphed PSPNet holds: centred conv + MABN2d (ghost batches of 2), BN, GN, dropout."""
     first = MABN2d(8, norm_batch_size=2, buffer_size=3, warmup_iters=2, renorm_warmup_iters=4, momentum=0.9)
     return nn.Sequential(
         CenConv2d(3, 8, 3, padding=1, bias=False), first if norm == "mabn" else BatchRenorm2d(8), nn.ReLU(),
         nn.Conv2d(8, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8), nn.ReLU(),
-        nn.Conv2d(8, 8, 1), nn.GroupNorm(4, 8), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 3),
+        nn.Conv2d(8, 8, 1), nn.GroupNorm(4, 8), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Dropout(0.2),
+        nn.Linear(8, 3),
     )  # fmt: skip
 
 
@@ -84,9 +85,12 @@ def stand_in(monkeypatch):
 def test_warmups_leave_buffers_and_other_inputs_run_eagerly(stand_in):
     net = small_net()
     before = copy.deepcopy(net.state_dict())
-    cudagraph.graph_training_forward(net, torch.randn(4, 3, 6, 6), warmup_iters=3)
+    sample = torch.randn(4, 3, 6, 6)
+    rng = torch.get_rng_state()
+    cudagraph.graph_training_forward(net, sample, warmup_iters=3)
     for key, value in net.state_dict().items():
         assert torch.equal(value, before[key]), f"{key} changed by the capture's warm-up iterations"
+    assert torch.equal(torch.get_rng_state(), rng), "the warm-ups' dropout moved the random state"
 
     net(torch.randn(4, 3, 6, 6))  # the captured shape, training, gradients on: replayed
     net(torch.randn(2, 3, 6, 6))  # another batch

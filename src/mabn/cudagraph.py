@@ -10,7 +10,8 @@ from the host during its forward or backward, and its training inputs must keep 
 
 - other shapes, eval mode and no-grad forwards run the model eagerly, as before capture;
 - layers that read the device from the host or communicate across devices are refused (``capture_blockers``);
-- the capture's warm-up iterations leave every buffer as it was (MABN's streams, BN's running statistics);
+- the capture's warm-up iterations leave every buffer as it was (MABN's streams, BN's running statistics),
+  and the random state too;
 - MABN2d follows MABNCallback's policy through a device tensor the callback updates in place, and its
   non-finite checks are the callback's, before each optimizer step; the logged layers' statistics are the
   captured tensors, which every replay refreshes.
@@ -78,14 +79,16 @@ def graph_training_forward(model: nn.Module, sample: Tensor, warmup_iters: int =
     if not model.training:
         raise ValueError("CUDA-graph capture of the training step needs the model in training mode")
     eager = model.forward
-    # The warm-up iterations run the training forward and backward for real: keep what they change.
+    # The warm-up iterations run the training forward and backward for real: keep what they change (the
+    # buffers, and the random state that dropout draws from, so that the graphs continue the eager stream).
     buffers = {name: buf.clone() for name, buf in model.named_buffers()}
+    rng_devices = [sample.device] if sample.is_cuda else []
     # Under DDP the communication threads keep working while this thread captures.
     distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
     options = {"capture_error_mode": "thread_local"} if distributed else {}
     # The graphs' input is a tensor of their own: each replay copies the batch into it. Parameters the
     # training forward does not use get no gradient, as in eager training.
-    with _without_autocast_cache():
+    with _without_autocast_cache(), torch.random.fork_rng(rng_devices, device_type="cuda"):
         torch.cuda.make_graphed_callables(
             model, (sample.clone(),), num_warmup_iters=warmup_iters, allow_unused_input=True, **options
         )
