@@ -187,9 +187,9 @@ def test_task_with_cuda_graph_on_cpu_fails_before_training(tmp_path):
 @needs_gpu
 @pytest.mark.parametrize("path", ["fused", "torch ops"])
 def test_graphed_steps_equal_eager_steps(path, device, monkeypatch):
-    """Eight SGD steps through warm-up, moving statistics, renormalization and a policy switch: every loss,
-    gradient-fed parameter and buffer of the graphed model as in eager training, with MABN2d's statistic steps
-    as the Triton kernels and as torch ops (its path without Triton)."""
+    """Eight SGD steps through warm-up, moving statistics, renormalization, a policy switch and dropout: every
+    loss, gradient-fed parameter and buffer of the graphed model as in eager training, with MABN2d's statistic
+    steps as the Triton kernels and as torch ops (its path without Triton)."""
     if path == "torch ops":
         monkeypatch.setattr(mabn_module, "_fused_kernels", lambda x: None)
     torch.manual_seed(0)
@@ -208,8 +208,9 @@ def test_graphed_steps_equal_eager_steps(path, device, monkeypatch):
         if t in (3, 5):  # moving statistics from step 3, renormalization from step 5
             for m in (eager, graphed):
                 m[1].policy = (True, t >= 5)
-        losses = []
+        losses, rng = [], torch.cuda.get_rng_state()
         for m, opt in zip((eager, graphed), opts):
+            torch.cuda.set_rng_state(rng)  # the same dropout draws: a replay takes the generator's state as it is
             loss = F.cross_entropy(m(x), y)
             loss.backward()
             opt.step()
