@@ -18,3 +18,17 @@ def test_norm_bench_reports_finite_ratios_for_each_shape():
         ratios = [float(c) for c in cells[1:]]
         assert all(math.isfinite(r) and r > 0 for r in ratios), row
     assert re.search(r"CPU \(\d+ threads\), torch 2\.", table)
+
+
+def test_interleaved_repeats_vary_who_runs_before_whom():
+    """An order effect (a heavy candidate slowing the next one) must not always hit the same candidate."""
+    from mabn.bench.measure import median_times
+
+    calls = []
+    fns = {name: (lambda name=name: calls.append(name)) for name in "abcd"}
+    times = median_times(fns, torch.device("cpu"), repeats=12, warmup=0)
+    assert set(times) == set("abcd") and len(calls) == 48
+    rounds = [calls[i : i + 4] for i in range(0, 48, 4)]
+    assert all(sorted(r) == list("abcd") for r in rounds)  # every round runs each candidate once
+    predecessors = {name: {r[r.index(name) - 1] for r in rounds if r.index(name) > 0} for name in "abcd"}
+    assert all(len(p) >= 2 for p in predecessors.values()), predecessors

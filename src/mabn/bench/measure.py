@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import statistics
 import tempfile
 import time
@@ -19,14 +20,18 @@ def sync(device: torch.device) -> None:
 
 
 def median_times(fns: dict[str, Callable[[], None]], device: torch.device, repeats: int, warmup: int = 3) -> dict:
-    """Median wall time (s) of each callable; repeats are interleaved so all candidates share the noise."""
+    """Median wall time (s) of each callable; repeats are interleaved so all candidates share the noise, in
+    a new order every round (seeded) so that none always runs after the same other one: a heavier predecessor
+    can leave the device's clocks or caches in another state."""
     for fn in fns.values():
         for _ in range(warmup):
             fn()
     sync(device)
+    names, order = list(fns), random.Random(0)
     samples: dict[str, list[float]] = {k: [] for k in fns}
     for _ in range(repeats):
-        for name, fn in fns.items():
+        for name in order.sample(names, len(names)):
+            fn = fns[name]
             sync(device)
             t0 = time.perf_counter()
             fn()
