@@ -109,6 +109,6 @@ def test_graphed_step_bench_captures_at_the_measured_shape(monkeypatch):
     monkeypatch.setattr(cudagraph, "check_capturable", lambda model, device: None)
     monkeypatch.setattr(torch.cuda, "make_graphed_callables", stand_in)
     rows = step.run(CPU, repeats=1, crop=72, batch=2, num_classes=4, cuda_graph=True)
-    assert [r.norm for r in rows] == ["bn", "gn", "mabn", "mabn + stats logging"]
-    assert captured == [(2, 3, 72, 72)] * 4
-    assert replayed == [(2, 3, 72, 72)] * 4 * 2  # the memory step and one timed repeat per row
+    assert [r.norm for r in rows] == ["bn", "gn", "brn", "mabn", "mabn + stats logging"]
+    assert captured == [(2, 3, 72, 72)] * 5
+    assert replayed == [(2, 3, 72, 72)] * 5 * 2  # the memory step and one timed repeat per row

@@ -31,10 +31,14 @@ needs_gpu = pytest.mark.skipif(not ON_GPU, reason="CUDA graphs need a GPU: run w
 
 
 def small_net(norm: str = "mabn") -> nn.Sequential:
-    """Every layer kind a graphed PSPNet holds: centred conv + MABN2d (ghost batches of 2), BN, GN, dropout."""
-    first = MABN2d(8, norm_batch_size=2, buffer_size=3, warmup_iters=2, renorm_warmup_iters=4, momentum=0.9)
+    """Every layer kind a graphed PSPNet holds: centred conv + MABN2d or BRN (ghost batches of 2, short
+    timelines), BN, GN, dropout."""
+    if norm == "mabn":
+        first = MABN2d(8, norm_batch_size=2, buffer_size=3, warmup_iters=2, renorm_warmup_iters=4, momentum=0.9)
+    else:
+        first = BatchRenorm2d(8, norm_batch_size=2, r_ramp=(1, 4), d_ramp=(1, 4), momentum=0.9)
     return nn.Sequential(
-        CenConv2d(3, 8, 3, padding=1, bias=False), first if norm == "mabn" else BatchRenorm2d(8), nn.ReLU(),
+        CenConv2d(3, 8, 3, padding=1, bias=False), first, nn.ReLU(),
         nn.Conv2d(8, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8), nn.ReLU(),
         nn.Conv2d(8, 8, 1), nn.GroupNorm(4, 8), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Dropout(0.2),
         nn.Linear(8, 3),
@@ -42,13 +46,11 @@ def small_net(norm: str = "mabn") -> nn.Sequential:
 
 
 def test_blockers_name_the_layers_that_read_the_host():
-    assert cudagraph.capture_blockers(small_net("mabn")) == []
+    assert cudagraph.capture_blockers(small_net("mabn")) == cudagraph.capture_blockers(small_net("brn")) == []
     net = small_net("brn")
     net[4].momentum = None
-    blockers = cudagraph.capture_blockers(net)
-    assert [b.split(" ")[0] for b in blockers] == ["1", "4"]
-    assert "BatchRenorm2d" in blockers[0] and "momentum=None" in blockers[1]
-    with pytest.raises(ValueError, match=r"not possible with these layers: 1 \(BatchRenorm2d"):
+    assert cudagraph.capture_blockers(net) == ["4 (BatchNorm with momentum=None reads its batch count on the host)"]
+    with pytest.raises(ValueError, match=r"not possible with these layers: 4 \(BatchNorm with momentum=None"):
         cudagraph.check_capturable(net, torch.device("cuda"))
 
 
@@ -82,8 +84,9 @@ def stand_in(monkeypatch):
     monkeypatch.setattr(torch.cuda, "make_graphed_callables", _stand_in_capture)
 
 
-def test_warmups_leave_buffers_and_other_inputs_run_eagerly(stand_in):
-    net = small_net()
+@pytest.mark.parametrize("norm", ["mabn", "brn"])
+def test_warmups_leave_buffers_and_other_inputs_run_eagerly(norm, stand_in):
+    net = small_net(norm)
     before = copy.deepcopy(net.state_dict())
     sample = torch.randn(4, 3, 6, 6)
     rng = torch.get_rng_state()
@@ -99,7 +102,8 @@ def test_warmups_leave_buffers_and_other_inputs_run_eagerly(stand_in):
     net.eval()
     net(torch.randn(4, 3, 6, 6))
     assert net.replayed == [(4, 3, 6, 6)]
-    assert int(net[1].iters) == 3  # the three training forwards since the capture; not its warm-ups
+    # The three training forwards since the capture; not its warm-ups.
+    assert int(net[1].iters if norm == "mabn" else net[1].num_batches_tracked) == 3
 
 
 def test_capture_refuses_eval_mode(stand_in):
@@ -184,16 +188,20 @@ def test_task_with_cuda_graph_on_cpu_fails_before_training(tmp_path):
         _fit(tmp_path, cuda_graph=True, accelerator="cpu")
 
 
+# What each norm's last_stats holds that the graphed step must reproduce.
+STATS = {"mabn": ("chi2_batch", "chi2_used", "r", "psi_used"), "brn": ("mu_batch", "sigma_batch", "r", "d")}
+
+
 @needs_gpu
-@pytest.mark.parametrize("path", ["fused", "torch ops"])
-def test_graphed_steps_equal_eager_steps(path, device, monkeypatch):
+@pytest.mark.parametrize("norm, path", [("mabn", "fused"), ("mabn", "torch ops"), ("brn", "torch ops")])
+def test_graphed_steps_equal_eager_steps(norm, path, device, monkeypatch):
     """Eight SGD steps through warm-up, moving statistics, renormalization, a policy switch and dropout: every
     loss, gradient-fed parameter and buffer of the graphed model as in eager training, with MABN2d's statistic
-    steps as the Triton kernels and as torch ops (its path without Triton)."""
+    steps as the Triton kernels and as torch ops (its path without Triton), and with BatchRenorm2d."""
     if path == "torch ops":
         monkeypatch.setattr(mabn_module, "_fused_kernels", lambda x: None)
     torch.manual_seed(0)
-    eager = small_net().to(device)
+    eager = small_net(norm).to(device)
     eager[1].policy = (False, False)
     graphed = copy.deepcopy(eager)
     graphed[1].track_stats = eager[1].track_stats = True
@@ -217,23 +225,27 @@ def test_graphed_steps_equal_eager_steps(path, device, monkeypatch):
             opt.zero_grad(set_to_none=True)
             losses.append(loss.detach())
         torch.testing.assert_close(losses[1], losses[0], rtol=1e-5, atol=1e-6, msg=f"loss at step {t}")
-        for key in ("chi2_batch", "chi2_used", "r", "psi_used"):
+        for key in STATS[norm]:
             torch.testing.assert_close(graphed[1].last_stats[key], eager[1].last_stats[key], rtol=1e-5, atol=1e-6)
     expected = eager.state_dict()
     for key, value in graphed.state_dict().items():
         torch.testing.assert_close(value, expected[key], rtol=1e-4, atol=1e-6, msg=key)
-    assert int(graphed[1].iters) == 8
+    assert int(graphed[1].iters if norm == "mabn" else graphed[1].num_batches_tracked) == 8
 
 
 @needs_gpu
-def test_graphed_non_finite_input_is_reported():
-    net = small_net().cuda()
+@pytest.mark.parametrize("norm, what", [("mabn", "chi"), ("brn", "batch statistics")])
+def test_graphed_non_finite_input_is_reported(norm, what):
+    net = small_net(norm).cuda()
     x = torch.randn(4, 3, 8, 8, device="cuda")
     cudagraph.graph_training_forward(net, x)
+    before = copy.deepcopy(net[1].state_dict())
     x[1, 0, 2, 2] = float("nan")
     net(x).sum().backward()
-    with pytest.raises(FloatingPointError, match="chi"):
+    with pytest.raises(FloatingPointError, match=what):
         net[1].raise_if_nonfinite()
+    for key, value in net[1].state_dict().items():
+        assert torch.equal(value, before[key]), f"{key} changed by a non-finite batch"
 
 
 @needs_gpu

@@ -35,9 +35,8 @@ def _train_step(layer, x, g):
 
 
 def _raise_if_nonfinite(layer):
-    """Where MABN2d reports late (CUDA), collect the verdict; on the CPU the step itself has raised."""
-    if isinstance(layer, MABN2d):
-        layer.raise_if_nonfinite()
+    """Where MABN2d and BatchRenorm2d report late (CUDA), collect the verdict; on the CPU the step has raised."""
+    layer.raise_if_nonfinite()
     assert layer.weight.device.type == "cuda", "the CPU must raise within the step"
 
 
@@ -160,3 +159,22 @@ def test_float16_input_squares_do_not_overflow():
     assert torch.isfinite(layer.buffer_x2).all() and torch.isfinite(layer.buffer_gz).all()
     chi2 = x.detach().double().square().mean(dim=(0, 2, 3))
     torch.testing.assert_close(layer.buffer_x2[-1].double(), chi2, rtol=1e-3, atol=0)
+
+
+def test_brn_follows_a_policy_switched_in_place():
+    """MABNCallback's renormalization switch reaches BatchRenorm2d through the device tensor that the policy
+    setter updates in place (what a captured CUDA graph reads): off, r = 1 and d = 0 (plain BN); on, the
+    ramped clipping applies."""
+    layer = LAYERS["brn_ghost"]()
+    layer.track_stats = True
+    layer.policy = (True, False)
+    steps = list(_stream(12))
+    for x, g in steps[:8]:
+        _train_step(layer, x, g)
+        assert bool((layer.last_stats["r"] == 1).all() and (layer.last_stats["d"] == 0).all())
+    flags = layer.policy_flags(torch.device("cpu"))
+    layer.policy = (True, True)
+    assert layer.policy_flags(torch.device("cpu")) is flags and flags.tolist() == [1, 1]
+    for x, g in steps[8:]:
+        _train_step(layer, x, g)
+    assert bool((layer.last_stats["r"] != 1).any() or (layer.last_stats["d"] != 0).any())

@@ -12,9 +12,9 @@ from the host during its forward or backward, and its training inputs must keep 
 - layers that read the device from the host or communicate across devices are refused (``capture_blockers``);
 - the capture's warm-up iterations leave every buffer as it was (MABN's streams, BN's running statistics),
   and the random state too;
-- MABN2d follows MABNCallback's policy through a device tensor the callback updates in place, and its
-  non-finite checks are the callback's, before each optimizer step; the logged layers' statistics are the
-  captured tensors, which every replay refreshes.
+- MABN2d and BatchRenorm2d follow MABNCallback's policy through a device tensor the callback updates in
+  place, and their non-finite checks are the callback's, before each optimizer step; the logged layers'
+  statistics are the captured tensors, which every replay refreshes.
 """
 
 from __future__ import annotations
@@ -34,12 +34,10 @@ def capture_blockers(model: nn.Module) -> list[str]:
     blockers = []
     for name, m in model.named_modules():
         why = None
-        if isinstance(m, BatchRenorm2d):
-            why = "BatchRenorm2d checks its statistics on the host at every forward"
-        elif isinstance(m, nn.SyncBatchNorm) and sync_group():
+        if isinstance(m, nn.SyncBatchNorm) and sync_group():
             why = "SyncBatchNorm communicates across devices inside the forward"
-        elif isinstance(m, MABN2d) and m.sync_stats and sync_group():
-            why = "MABN2d(sync_stats=True) communicates across devices inside the forward"
+        elif isinstance(m, (MABN2d, BatchRenorm2d)) and m.sync_stats and sync_group():
+            why = f"{type(m).__name__}(sync_stats=True) communicates across devices inside the forward"
         elif isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training and m.momentum is None:
             why = "BatchNorm with momentum=None reads its batch count on the host"
         if why:

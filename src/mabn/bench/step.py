@@ -19,8 +19,6 @@ from .measure import median_times, peak_memory
 NORMS = ("bn", "gn", "brn", "mabn")
 LOGGED = "mabn + stats logging"  # MABN with MABNCallback's statistics logging at every step
 ROWS = (*NORMS, LOGGED)
-# BatchRenorm2d checks its statistics on the host at every forward, which a CUDA graph cannot hold.
-GRAPHED_ROWS = tuple(r for r in ROWS if r != "brn")
 # The recipe's per-device batch is one ghost batch of 2: BRN and MABN normalize groups of this size.
 NORM_BATCH_SIZE = 2
 # SegmentationTask's defaults: auxiliary loss weight and SGD settings.
@@ -117,16 +115,15 @@ def run(
     A first step at a small crop creates the optimizer's momentum buffers (so the measured steps do not
     allocate them), then one step per norm is measured for peak memory, then ``repeats`` interleaved
     rounds are timed (median reported). With ``cuda_graph`` (CUDA) every model's training forward and
-    backward are CUDA graphs (BRN is left out, see ``GRAPHED_ROWS``): the memory step is the one that
-    captures them, so its peak includes the capture's.
+    backward are CUDA graphs: the memory step is the one that captures them, so its peak includes the
+    capture's.
     """
     if batch % NORM_BATCH_SIZE:
         raise ValueError(f"batch must be a multiple of the normalization batch {NORM_BATCH_SIZE}, got {batch}")
     warmup = _batch(batch, min(crop, 64), num_classes, device)
     images, labels = _batch(batch, crop, num_classes, device)
-    rows = GRAPHED_ROWS if cuda_graph else ROWS
     trainers: dict[str, Any] = {}
-    for name in rows:
+    for name in ROWS:
         torch.manual_seed(0)
         trainer_cls, norm = (_LoggingTrainer, "mabn") if name == LOGGED else (_Trainer, name)
         trainers[name] = trainer_cls(build(norm, num_classes).to(device).train())
@@ -140,7 +137,7 @@ def run(
         peaks[norm] = peak_memory(step, device)
         print(f"training step {norm}: peak memory {peaks[norm] / 2**30:.3f} GiB", flush=True)
     times = median_times(steps, device, repeats, warmup=0)
-    results = [StepRow(n, times[n], peaks[n], times[n] / times["bn"], peaks[n] / peaks["bn"]) for n in rows]
+    results = [StepRow(n, times[n], peaks[n], times[n] / times["bn"], peaks[n] / peaks["bn"]) for n in ROWS]
     for row in results:
         print(f"training step {row.norm}: {row.seconds:.3f} s, {row.time_ratio:.3f} x BN", flush=True)
     return results
@@ -170,7 +167,7 @@ def table(rows: list[StepRow], repeats: int, crop: int, batch: int, cuda_graph: 
     ]
     if cuda_graph:
         lines.append(
-            "Every model's training forward and backward replay CUDA graphs (`mabn.cudagraph`); BRN cannot be "
-            "captured. Peak memory is that of the step which captured the graphs."
+            "Every model's training forward and backward replay CUDA graphs (`mabn.cudagraph`). Peak memory is "
+            "that of the step which captured the graphs."
         )
     return "\n".join(lines)

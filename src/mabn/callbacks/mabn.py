@@ -25,7 +25,7 @@ from pytorch_lightning.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor, nn
 
 from ..norm import BatchRenorm2d, MABN2d
-from ..norm.mabn import raise_if_any_nonfinite
+from ..norm._managed import raise_if_any_nonfinite
 from .distributed import (
     device_mean,
     end_process_group_at_exit,
@@ -157,9 +157,9 @@ class MABNCallback(pl.Callback):
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
     ) -> None:
-        # On CUDA, MABN2d reports non-finite statistics late (reading them at once would stall the GPU at
+        # On CUDA the layers report non-finite statistics late (reading them at once would stall the GPU at
         # every layer): collect the verdicts here, before a NaN gradient can reach the weights.
-        raise_if_any_nonfinite(layer for layer in self._layers.values() if isinstance(layer, MABN2d))
+        raise_if_any_nonfinite(self._layers.values())
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, idx: int

@@ -37,12 +37,6 @@ def nonfinite_error(layer: str, what: str) -> FloatingPointError:
     )
 
 
-def check_finite(layer: str, what: str, t: Tensor) -> None:
-    """Refuse to store non-finite statistics: one NaN would poison the buffers for good."""
-    if not bool(torch.isfinite(t).all()):
-        raise nonfinite_error(layer, what)
-
-
 def stat_dtype(x: Tensor) -> torch.dtype:
     """Statistics are kept in float32 or better, whatever the activation dtype."""
     return torch.promote_types(x.dtype, torch.float32)

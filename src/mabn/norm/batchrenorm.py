@@ -14,13 +14,13 @@ from torch import Tensor, nn
 from ._common import (
     all_gather_stacked,
     all_reduce_sum_,
-    check_finite,
     check_input,
     per_sample,
     per_sample_bn_backward,
     stat_dtype,
     sync_group,
 )
+from ._managed import ManagedNorm
 
 
 def _ramp(t: Tensor, start: float, end: float, low: float, high: float) -> Tensor:
@@ -104,7 +104,7 @@ class _SyncBRNFunction(torch.autograd.Function):
         return grad_x, grad_weight, grad_bias, None, None, None, None, None
 
 
-class BatchRenorm2d(nn.Module):
+class BatchRenorm2d(ManagedNorm):
     """Batch Renormalization: BN whose training output is corrected towards the moving averages.
 
     Per normalization batch: xhat = (x - mu_B) / sigma_B with the exact BN gradient, then
@@ -119,6 +119,7 @@ class BatchRenorm2d(nn.Module):
     them), so every device holds the same running statistics; every device must run the same number of
     groups. Off: each device normalizes and keeps statistics on its own. Without a process group it
     changes nothing.
+    On CUDA non-finite batch statistics are reported without stalling the GPU (see ``ManagedNorm``).
     """
 
     def __init__(
@@ -154,11 +155,6 @@ class BatchRenorm2d(nn.Module):
         self.register_buffer("running_mean", torch.zeros(num_features))
         self.register_buffer("running_std", torch.ones(num_features))  # includes eps, as sigma_B does
         self.register_buffer("num_batches_tracked", torch.zeros((), dtype=torch.long))
-        # Set by MABNCallback: (unused, renormalize); without renormalization r = 1 and d = 0 (plain BN).
-        self.policy: tuple[bool, bool] | None = None
-        # When set, each training step leaves its per-channel statistics in last_stats (for logging).
-        self.track_stats = False
-        self.last_stats: dict[str, Tensor] | None = None
 
     def reset_stream(self, reset_ema: bool = False) -> None:
         """Restart the rmax/dmax ramps; ``reset_ema`` also returns the running statistics to their start."""
@@ -188,6 +184,7 @@ class BatchRenorm2d(nn.Module):
         n, _, h, w = x.shape
         b, sdt = n // groups, stat_dtype(x)
         synced = self.sync_stats and sync_group()
+        host = self._begin_training_forward(x)
         with torch.no_grad():
             if synced:
                 mu, var = _moments_across_devices(x, groups)
@@ -198,12 +195,16 @@ class BatchRenorm2d(nn.Module):
                 mu = torch.sum(x, dim=(2, 3), dtype=sdt).view(groups, b, c).sum(1) / count
                 ex2 = torch.linalg.vector_norm(x, 2, dim=(2, 3), dtype=sdt).square().view(groups, b, c).sum(1) / count
                 var = (ex2 - mu * mu).clamp_min(0.0)
-            check_finite(type(self).__name__, "batch statistics", var + mu)
+            ok = torch.isfinite(var + mu).all()
+            self._check(ok, 0, x.device)  # the CPU raises here; CUDA commits nothing below when not ok
             sigma = (var + self.eps).sqrt()
             run_mean, run_std = self.running_mean.to(sdt), self.running_std.to(sdt)
             rmax, dmax = self.limits(self.num_batches_tracked + 1)
-            if self.policy is not None and not self.policy[1]:
-                rmax, dmax = torch.ones_like(rmax), torch.zeros_like(dmax)
+            if self.policy is not None:
+                # MABNCallback's (unused, renormalize): without renormalization r = 1 and d = 0 (plain BN). Read
+                # from the device tensor, so that a captured CUDA graph follows the callback.
+                renorm_on = self.policy_flags(x.device)[1] != 0
+                rmax, dmax = torch.where(renorm_on, rmax, 1.0), torch.where(renorm_on, dmax, 0.0)
             r = torch.minimum(torch.maximum(sigma / run_std, 1.0 / rmax), rmax).to(sdt)
             d = torch.minimum(torch.maximum((mu - run_mean) / run_std, -dmax), dmax).to(sdt)
             if self.track_stats:
@@ -211,9 +212,11 @@ class BatchRenorm2d(nn.Module):
                 self.last_stats = {"mu_batch": mu, "sigma_batch": sigma, "mu_ema": run_mean.clone(),
                                    "sigma_ema": run_std.clone(), "r": r, "d": d,
                                    "rmax": rmax, "dmax": dmax}  # fmt: skip
-            self.num_batches_tracked.add_(1)
-            self.running_mean.lerp_(mu.mean(0).to(self.running_mean.dtype), 1.0 - self.momentum)
-            self.running_std.lerp_(sigma.mean(0).to(self.running_std.dtype), 1.0 - self.momentum)
+            self.num_batches_tracked.add_(ok.to(self.num_batches_tracked.dtype))
+            for running, batch in ((self.running_mean, mu), (self.running_std, sigma)):
+                updated = running.lerp(batch.mean(0).to(running.dtype), 1.0 - self.momentum)
+                running.copy_(torch.where(ok, updated, running))
+        self._end_training_forward(x, host)
 
         if synced:
             return _SyncBRNFunction.apply(x, self.weight, self.bias, mu, var, r, d, self.eps)

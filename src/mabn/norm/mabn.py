@@ -19,7 +19,6 @@ group k are combined over the devices' group k before they enter the streams, a 
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from types import ModuleType
 
 import torch
@@ -28,12 +27,12 @@ from torch import Tensor, nn
 from ._common import (
     all_reduce_sum_,
     check_input,
-    nonfinite_error,
     per_sample,
     per_sample_bn_backward,
     stat_dtype,
     sync_group,
 )
+from ._managed import ManagedNorm
 from ._triton import kernels_for
 
 STATS = ("batch", "sma", "ema")
@@ -193,11 +192,7 @@ class _MABNFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor, layer: MABN2d, groups: int) -> Tensor:
         n, c, h, w = x.shape
-        # Nothing may wait for the device while a CUDA graph is captured: the verdicts then stay in the
-        # device flags, which MABNCallback reads before every optimizer step.
-        host_checks = not (x.is_cuda and torch.cuda.is_current_stream_capturing())
-        if host_checks:
-            layer._raise_if_copied_flags_set()
+        host = layer._begin_training_forward(x)
         # The one pass over x: per sample and channel, in float32 or better.
         norm = torch.linalg.vector_norm(x, 2, dim=(2, 3), dtype=stat_dtype(x))
         synced = layer.sync_stats and sync_group()
@@ -222,9 +217,8 @@ class _MABNFunction(torch.autograd.Function):
                 x.dtype,
             )
         scale, weight_flat, var_flat, mean_flat, var, r, active, chi2_g, ema, ok = stats
-        layer._check(ok, 0)
-        if x.is_cuda and host_checks:
-            layer._copy_flags_to_host()
+        layer._check(ok, 0, x.device)
+        layer._end_training_forward(x, host)
         out = torch.addcmul((bias if bias.dtype == x.dtype else bias.to(x.dtype)).view(1, c, 1, 1), x, scale)
         ctx.save_for_backward(x, weight)
         ctx.layer, ctx.synced, ctx.kernels, ctx.groups = layer, synced, kernels, groups
@@ -277,25 +271,17 @@ class _MABNFunction(torch.autograd.Function):
                 local_dout_z,
             )
         coef, grad_weight, grad_bias, psi, psi_bar, ok = stats
-        layer._check(ok, 1)
+        layer._check(ok, 1, x.device)
         if layer.track_stats and layer.last_stats is not None:
             layer.last_stats.update(psi_batch=psi.view(groups, c), psi_used=psi_bar.view(groups, c))
         grad_x = g_scaled.view(n, c, h, w).addcmul_(x, coef) if need_x else None
         return grad_x, grad_weight, grad_bias, None, None
 
 
-def raise_if_any_nonfinite(layers: Iterable[MABN2d]) -> None:
-    """``raise_if_nonfinite`` of every layer, with one read of the device for all of them."""
-    flagged = [layer for layer in layers if layer._flags is not None]
-    if flagged and bool(torch.stack([layer._flags for layer in flagged]).any()):
-        for layer in flagged:
-            layer.raise_if_nonfinite()
-
-
-class MABN2d(nn.Module):
+class MABN2d(ManagedNorm):
     """Moving Average Batch Normalization for NCHW input.
 
-    On CUDA a non-finite statistic is reported without stalling the GPU, by ``raise_if_nonfinite``.
+    On CUDA a non-finite statistic is reported without stalling the GPU (see ``ManagedNorm``).
 
     Args:
         num_features: channels C.
@@ -316,6 +302,8 @@ class MABN2d(nn.Module):
             Off (the paper's setting): each device keeps its own streams. Without a process group it
             changes nothing.
     """
+
+    NONFINITE = ("batch statistic chi^2", "gradient statistic psi")
 
     def __init__(
         self,
@@ -366,93 +354,11 @@ class MABN2d(nn.Module):
         self.register_buffer("count_x2", torch.zeros((), dtype=torch.long))  # chi^2 stats recorded
         self.register_buffer("count_gz", torch.zeros((), dtype=torch.long))  # psi stats recorded
 
-        self._policy: tuple[bool, bool] | None = None
-        self._policy_flags: Tensor | None = None  # the policy on the device, for the CUDA kernels
-        # When set, each training step leaves its per-channel statistics in last_stats (for logging).
-        self.track_stats = False
-        self.last_stats: dict[str, Tensor] | None = None
-        # Non-finite statistics met (see _check); on CUDA also their copy in host memory and the copy's event.
-        self._flags: Tensor | None = None
-        self._host_flags: Tensor | None = None
-        self._copied: torch.cuda.Event | None = None
-
-    @property
-    def policy(self) -> tuple[bool, bool] | None:
-        """Set by MABNCallback: (use moving statistics, renormalize) instead of the layer's own timeline."""
-        return self._policy
-
-    @policy.setter
-    def policy(self, value: tuple[bool, bool] | None) -> None:
-        value = None if value is None else (bool(value[0]), bool(value[1]))
-        if value is not None and value != self._policy and self._policy_flags is not None:
-            # In place: a captured CUDA graph reads the policy from this tensor's address.
-            for i, on in enumerate(value):
-                self._policy_flags[i].fill_(on)
-        self._policy = value
-
-    def policy_flags(self, device: torch.device) -> Tensor:
-        """(2,) int32 on ``device``: the policy (zeros without one), as the CUDA kernels read it at every step."""
-        if self._policy_flags is None or self._policy_flags.device != device:
-            self._policy_flags = torch.tensor(self._policy or (False, False), dtype=torch.int32, device=device)
-        return self._policy_flags
-
     def _cfg(self, device: torch.device) -> tuple:
         # The policy as the device tensor the callback updates in place: a captured CUDA graph follows it.
         policy = None if self._policy is None else self.policy_flags(device)
         timeline = (policy, self.warmup_iters, self.renorm_warmup_iters)
         return (self.stats, self.momentum, self.eps, self.renorm, self.renorm_clip, self.buffer_size, timeline)
-
-    def nonfinite_flags(self, device: torch.device) -> Tensor:
-        """(2,) bool on ``device``: a non-finite chi^2 / psi was met. Sticky until reported."""
-        if self._flags is None or self._flags.device != device:
-            self._flags = torch.zeros(2, dtype=torch.bool, device=device)
-        return self._flags
-
-    def _check(self, ok: Tensor | None, direction: int) -> None:
-        """Record a statistic step's verdict (``ok``; None where a kernel wrote it into the flags already).
-
-        The statistic steps leave every buffer unchanged on a non-finite statistic. On the CPU the verdict is
-        read at once. On CUDA reading it would stall the GPU at every layer and direction, so it stays in the
-        device flags, which each training forward copies to host memory without waiting: the next training
-        forward raises; so do ``raise_if_nonfinite`` and MABNCallback before every optimizer step.
-        """
-        on_cpu = not self.buffer_x2.is_cuda
-        if ok is None:  # a kernel's verdict, already in the flags
-            if on_cpu:  # a kernel run on CPU tensors (Triton's interpreter, in tests)
-                self._raise(self.nonfinite_flags(self.buffer_x2.device).tolist())
-        elif on_cpu:  # the torch-op steps on the CPU
-            if not bool(ok):
-                self._raise([direction == 0, direction == 1])
-        else:
-            self.nonfinite_flags(ok.device)[direction : direction + 1].logical_or_(ok.logical_not())
-
-    def _copy_flags_to_host(self) -> None:
-        """Start copying the flags to host memory (CUDA), to be read by the next training forward."""
-        if self._host_flags is None:
-            self._host_flags = torch.zeros(2, dtype=torch.bool, pin_memory=True)
-            self._copied = torch.cuda.Event()
-        self._host_flags.copy_(self._flags, non_blocking=True)
-        self._copied.record()
-
-    def _raise_if_copied_flags_set(self) -> None:
-        """At a training forward: raise if the flags copied by the previous one were set (waits for that copy)."""
-        if self._host_flags is not None:
-            self._copied.synchronize()
-            self._raise(self._host_flags.tolist())
-
-    def raise_if_nonfinite(self) -> None:
-        """Raise if a step since the last report met a non-finite statistic (on CUDA: waits for the device)."""
-        if self._flags is not None:
-            self._raise(self._flags.tolist())
-
-    def _raise(self, flags: list[bool]) -> None:
-        if any(flags):
-            if self._flags is not None:
-                self._flags.zero_()
-            if self._host_flags is not None:
-                self._host_flags.zero_()
-            what = "batch statistic chi^2" if flags[0] else "gradient statistic psi"
-            raise nonfinite_error(type(self).__name__, what)
 
     def reset_stream(self, reset_ema: bool = False) -> None:
         """Forget the statistic streams (ring buffers, counters) so warm-up starts again, e.g. when

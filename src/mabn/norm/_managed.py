@@ -1,0 +1,117 @@
+"""What MABN2d and BatchRenorm2d share as layers that MABNCallback manages: a phase policy that also lives on the
+device, statistics logging, and non-finite statistics reported without stalling a GPU.
+
+Both layers refuse to store a non-finite statistic (one NaN would poison their moving averages for good). On
+the CPU the verdict is read at once and the step raises. On CUDA reading it would stall the GPU at every layer,
+so it is kept in sticky device flags, which each training forward copies to host memory without waiting: the
+next training forward raises; so do ``raise_if_nonfinite`` and MABNCallback before every optimizer step. While
+a CUDA graph is captured nothing may wait for the device: the copy is skipped and the callback's check remains.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import Tensor, nn
+
+from ._common import nonfinite_error
+
+
+class ManagedNorm(nn.Module):
+    """Base of the callback-managed norms. ``NONFINITE`` names the statistic of each checked direction."""
+
+    NONFINITE: tuple[str, ...] = ("batch statistics",)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._policy: tuple[bool, bool] | None = None
+        self._policy_flags: Tensor | None = None  # the policy on the device, read by every training step there
+        # When set, each training step leaves its per-channel statistics in last_stats (for logging).
+        self.track_stats = False
+        self.last_stats: dict[str, Tensor] | None = None
+        # Non-finite statistics met (see _check); on CUDA also their copy in host memory and the copy's event.
+        self._flags: Tensor | None = None
+        self._host_flags: Tensor | None = None
+        self._copied: torch.cuda.Event | None = None
+
+    # -- the callback's policy -------------------------------------------------------------------------
+    @property
+    def policy(self) -> tuple[bool, bool] | None:
+        """Set by MABNCallback: (use moving statistics, renormalize) instead of the layer's own timeline."""
+        return self._policy
+
+    @policy.setter
+    def policy(self, value: tuple[bool, bool] | None) -> None:
+        value = None if value is None else (bool(value[0]), bool(value[1]))
+        if value is not None and value != self._policy and self._policy_flags is not None:
+            # In place: a captured CUDA graph reads the policy from this tensor's address.
+            for i, on in enumerate(value):
+                self._policy_flags[i].fill_(on)
+        self._policy = value
+
+    def policy_flags(self, device: torch.device) -> Tensor:
+        """(2,) int32 on ``device``: the policy (zeros without one), as a training step reads it."""
+        if self._policy_flags is None or self._policy_flags.device != device:
+            self._policy_flags = torch.tensor(self._policy or (False, False), dtype=torch.int32, device=device)
+        return self._policy_flags
+
+    # -- non-finite statistics -------------------------------------------------------------------------
+    def nonfinite_flags(self, device: torch.device) -> Tensor:
+        """(len(NONFINITE),) bool on ``device``: a non-finite statistic was met, per direction. Sticky until
+        reported."""
+        if self._flags is None or self._flags.device != device:
+            self._flags = torch.zeros(len(self.NONFINITE), dtype=torch.bool, device=device)
+        return self._flags
+
+    def _check(self, ok: Tensor | None, direction: int, device: torch.device) -> None:
+        """Record a statistic step's verdict: ``ok`` (a bool tensor), or None where a kernel wrote it into the
+        flags already. The caller leaves every buffer unchanged when it is false."""
+        if ok is None:  # a kernel's verdict, already in the flags
+            if device.type == "cpu":  # a kernel run on CPU tensors (Triton's interpreter, in tests)
+                self._raise(self.nonfinite_flags(device).tolist())
+        elif device.type == "cpu":
+            if not bool(ok):
+                self._raise([i == direction for i in range(len(self.NONFINITE))])
+        else:
+            self.nonfinite_flags(device)[direction : direction + 1].logical_or_(ok.logical_not())
+
+    def _begin_training_forward(self, x: Tensor) -> bool:
+        """Raise what the previous training forward's copied flags hold (waits for that copy only); returns
+        whether this forward may touch the host (False while a CUDA graph is captured)."""
+        host = not (x.is_cuda and torch.cuda.is_current_stream_capturing())
+        if host and self._host_flags is not None:
+            self._copied.synchronize()
+            self._raise(self._host_flags.tolist())
+        return host
+
+    def _end_training_forward(self, x: Tensor, host: bool) -> None:
+        """On CUDA, start copying the flags to host memory, to be read by the next training forward."""
+        if not (x.is_cuda and host):
+            return
+        if self._host_flags is None:
+            self._host_flags = torch.zeros(len(self.NONFINITE), dtype=torch.bool, pin_memory=True)
+            self._copied = torch.cuda.Event()
+        self._host_flags.copy_(self.nonfinite_flags(x.device), non_blocking=True)
+        self._copied.record()
+
+    def raise_if_nonfinite(self) -> None:
+        """Raise if a step since the last report met a non-finite statistic (on CUDA: waits for the device)."""
+        if self._flags is not None:
+            self._raise(self._flags.tolist())
+
+    def _raise(self, flags: list[bool]) -> None:
+        if any(flags):
+            if self._flags is not None:
+                self._flags.zero_()
+            if self._host_flags is not None:
+                self._host_flags.zero_()
+            raise nonfinite_error(type(self).__name__, self.NONFINITE[flags.index(True)])
+
+
+def raise_if_any_nonfinite(layers: Iterable[ManagedNorm]) -> None:
+    """``raise_if_nonfinite`` of every layer, with one read of the device for all of them."""
+    flagged = [layer for layer in layers if layer._flags is not None]
+    if flagged and bool(torch.cat([layer._flags for layer in flagged]).any()):
+        for layer in flagged:
+            layer.raise_if_nonfinite()
