@@ -23,7 +23,7 @@ STAGE_ARGS = $(NORM_ARGS) --gpus $(GPUS) --nodes $(NODES) $(if $(RESUME),--resum
 STAGE    ?= cityscapes
 DRY_RUN  ?=
 
-.PHONY: venv test lint pretrain cityscapes slurm export plots bench bench-norm ablation clean
+.PHONY: venv test test-gpu lint pretrain cityscapes slurm export plots bench bench-norm ablation clean
 
 venv: $(STAMP)
 
@@ -37,6 +37,12 @@ $(STAMP): pyproject.toml
 # The default suite (what CI runs): lint, then every test not marked slow.
 test: lint
 	$(PY) -m pytest -q -m "not slow"
+
+# On a machine with a GPU: the CUDA kernels held to the float64 references, and CUDA-graph training against eager.
+GPU_TESTS = tests/test_mabn_kernels.py tests/test_norm_reference.py tests/test_norm_state.py tests/test_cenconv.py \
+	tests/test_cudagraph.py
+test-gpu: $(STAMP)
+	MABN_TEST_DEVICE=cuda $(PY) -m pytest -q $(GPU_TESTS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests
