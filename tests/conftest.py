@@ -31,3 +31,44 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+class GraphStandIn:
+    """``torch.cuda.make_graphed_callables`` as a CPU can act it out: ``num_warmup_iters`` real training forwards
+    and backwards (gradients by autograd.grad, none accumulated), then the model's forward replaced by a
+    "replay" that runs the eager forward. Records the shapes it captured and replayed, over all models."""
+
+    def __init__(self) -> None:
+        self.captured: list[tuple[int, ...]] = []
+        self.replayed: list[tuple[int, ...]] = []
+
+    def __call__(self, model, sample_args, num_warmup_iters, allow_unused_input):
+        params = [p for p in model.parameters() if p.requires_grad]
+        for _ in range(num_warmup_iters):
+            outs = torch.utils._pytree.tree_leaves(model(*sample_args))
+            torch.autograd.grad(outs, params, [torch.ones_like(o) for o in outs], allow_unused=allow_unused_input)
+        self.captured.append(tuple(sample_args[0].shape))
+        eager = model.forward
+
+        def replay(x):
+            self.replayed.append(tuple(x.shape))
+            return eager(x)
+
+        model.forward = replay
+        return model
+
+
+@pytest.fixture
+def graph_stand_in(monkeypatch) -> GraphStandIn:
+    """CUDA-graph capture on the CPU: the GPU checks pass and a ``GraphStandIn`` replaces torch's capture."""
+    import mabn.cudagraph
+    import mabn.tasks.base
+
+    def no_check(model, device):
+        return None
+
+    monkeypatch.setattr(mabn.cudagraph, "check_capturable", no_check)
+    monkeypatch.setattr(mabn.tasks.base, "check_capturable", no_check)
+    stand_in = GraphStandIn()
+    monkeypatch.setattr(torch.cuda, "make_graphed_callables", stand_in)
+    return stand_in

@@ -87,28 +87,10 @@ def test_bench_cli_refuses_cuda_graphs_on_the_cpu(capsys):
     assert "--cuda-graph needs a CUDA device, got --device cpu" in capsys.readouterr().err
 
 
-def test_graphed_step_bench_captures_at_the_measured_shape(monkeypatch):
-    """With --cuda-graph every graphable row replays graphs captured at the measured crop, not at the small
-    crop of the first (momentum-creating) step. On the CPU a stand-in for torch.cuda.make_graphed_callables
-    records what it would capture and replay."""
-    import mabn.cudagraph as cudagraph
-
-    captured, replayed = [], []
-
-    def stand_in(model, sample_args, num_warmup_iters, allow_unused_input):
-        captured.append(tuple(sample_args[0].shape))
-        eager = model.forward
-
-        def replay(x):
-            replayed.append(tuple(x.shape))
-            return eager(x)
-
-        model.forward = replay
-        return model
-
-    monkeypatch.setattr(cudagraph, "check_capturable", lambda model, device: None)
-    monkeypatch.setattr(torch.cuda, "make_graphed_callables", stand_in)
+def test_graphed_step_bench_captures_at_the_measured_shape(graph_stand_in):
+    """With --cuda-graph every row replays graphs captured at the measured crop, not at the small crop of the
+    first (momentum-creating) step (on the CPU with the stand-in capture of conftest.py)."""
     rows = step.run(CPU, repeats=1, crop=72, batch=2, num_classes=4, cuda_graph=True)
     assert [r.norm for r in rows] == ["bn", "gn", "brn", "mabn", "mabn + stats logging"]
-    assert captured == [(2, 3, 72, 72)] * 5
-    assert replayed == [(2, 3, 72, 72)] * 5 * 2  # the memory step and one timed repeat per row
+    assert graph_stand_in.captured == [(2, 3, 72, 72)] * 5
+    assert graph_stand_in.replayed == [(2, 3, 72, 72)] * 5 * 2  # the memory step and one timed repeat per row

@@ -59,33 +59,8 @@ def test_capture_needs_a_gpu():
         cudagraph.graph_training_forward(small_net(), torch.randn(4, 3, 6, 6))
 
 
-def _stand_in_capture(model, sample_args, num_warmup_iters, allow_unused_input):
-    """make_graphed_callables' observable behaviour on the CPU: ``num_warmup_iters`` real forwards and backwards
-    (gradients by autograd.grad, none accumulated), then ``forward`` replaced; "replays" run the eager forward."""
-    params = tuple(model.parameters())
-    for _ in range(num_warmup_iters):
-        out = model(*sample_args)
-        torch.autograd.grad(out, params, torch.ones_like(out))
-    eager = model.forward
-    model.replayed = []
-
-    def replay(x):
-        model.replayed.append(tuple(x.shape))
-        return eager(x)
-
-    model.forward = replay
-    return model
-
-
-@pytest.fixture
-def stand_in(monkeypatch):
-    """Capture on the CPU: the device check passes and ``_stand_in_capture`` replaces the real one."""
-    monkeypatch.setattr(cudagraph, "check_capturable", lambda model, device: None)
-    monkeypatch.setattr(torch.cuda, "make_graphed_callables", _stand_in_capture)
-
-
 @pytest.mark.parametrize("norm", ["mabn", "brn"])
-def test_warmups_leave_buffers_and_other_inputs_run_eagerly(norm, stand_in):
+def test_warmups_leave_buffers_and_other_inputs_run_eagerly(norm, graph_stand_in):
     net = small_net(norm)
     before = copy.deepcopy(net.state_dict())
     sample = torch.randn(4, 3, 6, 6)
@@ -101,12 +76,12 @@ def test_warmups_leave_buffers_and_other_inputs_run_eagerly(norm, stand_in):
         net(torch.randn(4, 3, 6, 6))
     net.eval()
     net(torch.randn(4, 3, 6, 6))
-    assert net.replayed == [(4, 3, 6, 6)]
+    assert graph_stand_in.captured == graph_stand_in.replayed == [(4, 3, 6, 6)]
     # The three training forwards since the capture; not its warm-ups.
     assert int(net[1].iters if norm == "mabn" else net[1].num_batches_tracked) == 3
 
 
-def test_capture_refuses_eval_mode(stand_in):
+def test_capture_refuses_eval_mode(graph_stand_in):
     with pytest.raises(ValueError, match="training mode"):
         cudagraph.graph_training_forward(small_net().eval(), torch.randn(4, 3, 6, 6))
 
@@ -169,14 +144,11 @@ def _fit(tmp_path: Path, cuda_graph: bool, accelerator: str, steps: int = 8) -> 
     return task, rows
 
 
-def test_graphed_fit_on_cpu_captures_once_and_trains_as_eagerly(tmp_path, stand_in, monkeypatch):
+def test_graphed_fit_on_cpu_captures_once_and_trains_as_eagerly(tmp_path, graph_stand_in):
     """The Trainer plumbing with the stand-in capture (whose "replays" are eager forwards): one capture, at the
     first training batch; the warm-ups leave no trace, so training ends exactly where eager training does."""
-    import mabn.tasks.base
-
-    monkeypatch.setattr(mabn.tasks.base, "check_capturable", lambda model, device: None)
     (eager, eager_rows), (graphed, graphed_rows) = (_fit(tmp_path, g, "cpu") for g in (False, True))
-    assert graphed.model.replayed == [(4, 3, 8, 8)] * 8
+    assert graph_stand_in.captured == [(4, 3, 8, 8)] and graph_stand_in.replayed == [(4, 3, 8, 8)] * 8
     assert graphed_rows == eager_rows and len(eager_rows) == 4
     expected = eager.model.state_dict()
     for key, value in graphed.model.state_dict().items():
