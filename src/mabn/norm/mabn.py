@@ -197,8 +197,9 @@ class _MABNFunction(torch.autograd.Function):
         norm = torch.linalg.vector_norm(x, 2, dim=(2, 3), dtype=stat_dtype(x))
         synced = layer.sync_stats and sync_group()
         kernels = None if synced else _fused_kernels(x)
+        cfg = layer._cfg(x.device)
         if kernels is not None:
-            stats = kernels.forward_stats(norm, h * w, groups, weight, layer, layer._cfg(x.device), x.dtype)
+            stats = kernels.forward_stats(norm, h * w, groups, weight, layer, cfg, x.dtype)
         else:
             chi2 = _group_chi2(norm, groups, h * w)
             if synced:  # the chi^2 of group k over every device, weighted by the devices' element counts
@@ -212,7 +213,7 @@ class _MABNFunction(torch.autograd.Function):
                 layer.running_var,
                 layer.iters,
                 layer.count_x2,
-                layer._cfg(x.device),
+                cfg,
                 n // groups,
                 x.dtype,
             )
@@ -245,9 +246,10 @@ class _MABNFunction(torch.autograd.Function):
         groups = ctx.groups
         b = n // groups
         psi_count = b * h * w  # elements behind each group's sum of dL/dout * z
+        cfg = layer._cfg(x.device)
         if ctx.kernels is not None:
             stats = ctx.kernels.backward_stats(
-                dout_z, psi_count, dout_sum, r, var, active, weight, groups, layer, layer._cfg(x.device), x.dtype
+                dout_z, psi_count, dout_sum, r, var, active, weight, groups, layer, cfg, x.dtype
             )
         else:
             dout_z = dout_z.view(groups, b, c).sum(1)  # per group
@@ -266,7 +268,7 @@ class _MABNFunction(torch.autograd.Function):
                 layer.buffer_gz,
                 layer.running_psi,
                 layer.count_gz,
-                layer._cfg(x.device),
+                cfg,
                 x.dtype,
                 local_dout_z,
             )
