@@ -11,6 +11,10 @@ Under DDP each device keeps its own statistic streams, as in the paper (layers b
 ``sync_stats=True`` share them instead): the callback stops DDP from overwriting them with device 0's at
 every forward, evaluates and saves the model with the devices' mean EMA, and stores every device's streams
 in the checkpoint so that a resume on as many devices continues each one exactly.
+
+Under a loss scaler (``precision="16-mixed"``) the callback hands the scale of every backward to the MABN2d
+layers (``MABN2d.loss_scale``), so psi's moving average stays in the loss's units when the scaler changes the
+scale, and an overflowing backward is skipped by the scaler as with any other layer rather than refused.
 """
 
 from __future__ import annotations
@@ -93,6 +97,8 @@ class MABNCallback(pl.Callback):
         self._logging: list[str] = []
         self._step, self._log_now, self._graphed = 0, False, False
         self._own_ema: dict[str, Tensor] | None = None  # this device's EMAs while validation uses the mean
+        self._scaler: torch.amp.GradScaler | None = None  # the fit's loss scaler, and its scale on the device
+        self._loss_scale: Tensor | None = None
 
     # -- setup -------------------------------------------------------------------------------------
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -131,6 +137,19 @@ class MABNCallback(pl.Callback):
         resuming = trainer.ckpt_path is not None
         if self.reset_from_pretrained and not resuming and pl_module.hparams.get("backbone"):
             self._reset(trainer.global_step)
+        scaler = getattr(trainer.precision_plugin, "scaler", None)
+        self._scaler = scaler if scaler is not None and scaler.is_enabled() else None
+        # One tensor for the whole fit: a captured CUDA graph reads the scale from its address.
+        self._loss_scale = None if self._scaler is None else torch.ones((), device=pl_module.device)
+        self._set_loss_scale(self._loss_scale)
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._set_loss_scale(None)  # the model's later backward passes (outside this fit) are unscaled
+
+    def _set_loss_scale(self, scale: Tensor | None) -> None:
+        for layer in self._layers.values():
+            if isinstance(layer, MABN2d):
+                layer.loss_scale = scale
 
     def _reset(self, step: int) -> None:
         for layer in self._layers.values():
@@ -153,6 +172,12 @@ class MABNCallback(pl.Callback):
             self._layers[name].track_stats = log_now or self._graphed
             if not self._graphed:
                 self._layers[name].last_stats = None
+
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
+        if self._scaler is not None:
+            # The scale this backward's gradients carry, copied on the device: the scaler's public get_scale()
+            # would wait for the GPU at every step.
+            self._loss_scale.copy_(self._scaler._get_scale_async())
 
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer

@@ -208,6 +208,7 @@ def backward_kernel(
     grad_weight_ptr,
     grad_bias_ptr,
     flags_ptr,
+    scale_ptr,
     C,
     G,
     B,
@@ -216,13 +217,17 @@ def backward_kernel(
     eps_: tl.float64,
     M: tl.constexpr,
     STATS: tl.constexpr,
+    SCALED: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     """Per-(sample, channel) sums of dL/dout * z and of dL/dout (N, C) -> ``_backward_stats``'s outputs; a
-    non-finite psi sets flags[1]."""
+    non-finite psi sets flags[1], except under a loss scale (SCALED: read from scale_ptr, as the policy is)."""
     offs = tl.arange(0, BLOCK)
     dt = var_ptr.dtype.element_ty
     momentum, eps = tl.full((), momentum_, dt), tl.full((), eps_, dt)
+    loss_scale = tl.full((), 1.0, dt)
+    if SCALED:
+        loss_scale = tl.load(scale_ptr).to(dt)
     nbad = 0
     for c0 in range(0, C, BLOCK):
         cols = c0 + offs
@@ -238,6 +243,8 @@ def backward_kernel(
                 grad_bias += tl.load(dsum_ptr + n * C + cols, mask=cmask, other=0.0).to(dt)
             r = tl.load(r_ptr + k * C + cols, mask=cmask, other=1.0)
             psi = _div(w * r * dz, tl.full((BLOCK,), psi_count, dt))
+            if SCALED:
+                psi = _div(psi, tl.full((BLOCK,), loss_scale, dt))
             nbad += tl.sum((cmask & ~_finite(psi)).to(tl.int32), axis=0)
             tl.store(psi_ptr + k * C + cols, psi, mask=cmask)
             grad_weight += r * dz
@@ -257,12 +264,15 @@ def backward_kernel(
         for k in range(G):
             psi_bar = tl.load(psi_bar_ptr + k * C + cols, mask=cmask, other=0.0)
             var = tl.load(var_ptr + k * C + cols, mask=cmask, other=1.0)
+            if SCALED:
+                psi_bar = psi_bar * loss_scale
             coef = _div(-psi_bar, var + eps)
             for j in range(B):
                 tl.store(coef_ptr + (k * B + j) * C + cols, coef, mask=cmask)
         tl.store(running_ptr + cols, e, mask=cmask & ok)
     tl.store(count_ptr, count + ok.to(tl.int64) * G)
-    tl.store(flags_ptr + 1, True, mask=nbad != 0)
+    if not SCALED:
+        tl.store(flags_ptr + 1, True, mask=nbad != 0)
 
 
 def _block(channels: int) -> int:
@@ -317,6 +327,7 @@ def backward_stats(
     layer: nn.Module,
     cfg: tuple,
     x_dtype: torch.dtype,
+    loss_scale: Tensor | None = None,
 ) -> tuple[Tensor, ...]:
     """``_backward_stats`` of mabn.py in one launch, from per-(sample, channel) sums ``dout_z`` (N * C) instead
     of per-group ones and ``forward_stats``'s flat outputs; the same outputs, flat, the verdict in the flags."""
@@ -328,14 +339,25 @@ def backward_stats(
     coef = torch.empty(n, c, 1, 1, dtype=x_dtype, device=var.device)
     grad_weight, grad_bias = weight.new_empty(c), weight.new_empty(c)
     ints = (c, groups, n // groups)
-    consts = dict(M=buffer_size, STATS=STATS_CODE[stats], BLOCK=_block(c))
-    key = key_of(var, x_dtype, weight.dtype, layer.buffer_gz.dtype, aligned(weight), *ints, *consts.values())
+    consts = dict(M=buffer_size, STATS=STATS_CODE[stats], SCALED=loss_scale is not None, BLOCK=_block(c))
+    scale = layer.nonfinite_flags(var.device) if loss_scale is None else loss_scale  # any pointer when unscaled
+    key = key_of(
+        var,
+        x_dtype,
+        weight.dtype,
+        layer.buffer_gz.dtype,
+        scale.dtype,
+        aligned(weight),
+        aligned(scale),
+        *ints,
+        *consts.values(),
+    )
     _backward(
         key,
         (1, 1, 1),
         (
             *(dout_z, dout_sum, r, var, active, weight, layer.buffer_gz, layer.running_psi, layer.count_gz),
-            *(psi, psi_bar, psi_active, coef, grad_weight, grad_bias, layer.nonfinite_flags(var.device)),
+            *(psi, psi_bar, psi_active, coef, grad_weight, grad_bias, layer.nonfinite_flags(var.device), scale),
             *(*ints, float(psi_count), momentum, eps),
         ),
         consts,

@@ -153,24 +153,30 @@ def _backward_stats(
     cfg: tuple,
     x_dtype: torch.dtype,
     local_dout_z: Tensor | None = None,
+    loss_scale: Tensor | None = None,
 ) -> tuple[Tensor, ...]:
     """The per-channel part of the backward, from the sums of dL/dout * z per group (G, C), over
     ``psi_count`` elements each, and the native kernel's per-(sample, channel) sums of dL/dout.
 
-    Commits psi to its buffers only when it is finite, like ``_forward_stats``.
+    With ``loss_scale`` S (a 0-d tensor) the incoming gradients are S times the loss's: psi enters the
+    streams as psi / S, and psi_bar * S meets the scaled gradient. Commits psi to its buffers only when it
+    is finite, like ``_forward_stats``.
     """
     stats, momentum, eps, _, _, buffer_size, _ = cfg
     groups, c = var.shape
     b = dout_sum.numel() // (groups * c)
     weight_r = weight.to(var.dtype) * r
     psi = weight_r * dout_z / psi_count
+    if loss_scale is not None:
+        psi = psi / loss_scale.to(var.dtype)
     ok = torch.isfinite(psi).all()
     ks = torch.arange(groups, device=var.device)
     psi_active = active & (count_gz + ks >= buffer_size)
     psi_bar, history, psi_ema = _stream_stat(
         buffer_gz.to(var.dtype), psi, psi_active, stats, momentum, running_psi.to(var.dtype)
     )
-    coef = per_sample((-psi_bar / (var + eps)).to(x_dtype), b)  # dL/dx = g / sqrt(var + eps) + x * coef
+    psi_bar_g = psi_bar if loss_scale is None else psi_bar * loss_scale.to(var.dtype)  # in the gradient's scale
+    coef = per_sample((-psi_bar_g / (var + eps)).to(x_dtype), b)  # dL/dx = g / sqrt(var + eps) + x * coef
     # The weight's gradient is this device's share; DDP averages it like any other parameter's.
     local = dout_z if local_dout_z is None else local_dout_z
     grad_weight = (r * local).sum(0).to(weight.dtype)
@@ -249,7 +255,7 @@ class _MABNFunction(torch.autograd.Function):
         cfg = layer._cfg(x.device)
         if ctx.kernels is not None:
             stats = ctx.kernels.backward_stats(
-                dout_z, psi_count, dout_sum, r, var, active, weight, groups, layer, cfg, x.dtype
+                dout_z, psi_count, dout_sum, r, var, active, weight, groups, layer, cfg, x.dtype, layer.loss_scale
             )
         else:
             dout_z = dout_z.view(groups, b, c).sum(1)  # per group
@@ -271,9 +277,11 @@ class _MABNFunction(torch.autograd.Function):
                 cfg,
                 x.dtype,
                 local_dout_z,
+                layer.loss_scale,
             )
         coef, grad_weight, grad_bias, psi, psi_bar, ok = stats
-        layer._check(ok, 1, x.device)
+        if layer.loss_scale is None:  # under a loss scaler a non-finite gradient skips the step instead
+            layer._check(ok, 1, x.device)
         if layer.track_stats and layer.last_stats is not None:
             layer.last_stats.update(psi_batch=psi.view(groups, c), psi_used=psi_bar.view(groups, c))
         grad_x = g_scaled.view(n, c, h, w).addcmul_(x, coef) if need_x else None
@@ -284,6 +292,11 @@ class MABN2d(ManagedNorm):
     """Moving Average Batch Normalization for NCHW input.
 
     On CUDA a non-finite statistic is reported without stalling the GPU (see ``ManagedNorm``).
+
+    ``loss_scale`` (set by MABNCallback under a GradScaler, e.g. ``precision="16-mixed"``): a 0-d float tensor
+    on the layer's device holding the scale S of the gradients that backward receives. psi is kept in the
+    loss's own units (psi / S), so its moving average stays exact when the scaler changes S, and a non-finite
+    psi is left out of the streams without an error: the scaler skips that optimizer step.
 
     Args:
         num_features: channels C.
@@ -355,6 +368,7 @@ class MABN2d(ManagedNorm):
         self.register_buffer("iters", torch.zeros((), dtype=torch.long))  # training forwards t
         self.register_buffer("count_x2", torch.zeros((), dtype=torch.long))  # chi^2 stats recorded
         self.register_buffer("count_gz", torch.zeros((), dtype=torch.long))  # psi stats recorded
+        self.loss_scale: Tensor | None = None
 
     def _cfg(self, device: torch.device) -> tuple:
         # The policy as the device tensor the callback updates in place: a captured CUDA graph follows it.
