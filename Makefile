@@ -40,7 +40,7 @@ test: lint
 
 # On a machine with a GPU: the CUDA kernels held to the float64 references, and CUDA-graph training against eager.
 GPU_TESTS = tests/test_mabn_kernels.py tests/test_norm_reference.py tests/test_norm_state.py tests/test_cenconv.py \
-	tests/test_cudagraph.py
+	tests/test_cudagraph.py tests/test_loss_scale.py
 test-gpu: $(STAMP)
 	MABN_TEST_DEVICE=cuda $(PY) -m pytest -q $(GPU_TESTS)
 
