@@ -303,7 +303,6 @@ def forward_stats(
     )
     _forward(
         key,
-        (1, 1, 1),
         (
             *(norm, weight, layer.buffer_x2, layer.running_var, layer.iters, layer.count_x2),
             *(chi2, var, r, active, ema, scale, weight_flat, var_flat, mean_flat),
@@ -354,7 +353,6 @@ def backward_stats(
     )
     _backward(
         key,
-        (1, 1, 1),
         (
             *(dout_z, dout_sum, r, var, active, weight, layer.buffer_gz, layer.running_psi, layer.count_gz),
             *(psi, psi_bar, psi_active, coef, grad_weight, grad_bias, layer.nonfinite_flags(var.device), scale),

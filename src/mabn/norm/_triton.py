@@ -32,9 +32,13 @@ def kernels_for(t: Tensor, name: str) -> ModuleType | None:
     return load(name) if t.is_cuda else None
 
 
+GRID = (1, 1, 1)  # every launch is one program
+
+
 class Launcher:
-    """``kernel[grid](*args, **constexprs)``, with later launches of a configuration seen before going
-    straight to its compiled kernel: Triton's per-call argument binding and specialization cost tens of
+    """``kernel[GRID](*args, **constexprs)``: one program, as the norms' statistic steps run (their channels are
+    few, and one program sees all of them before it commits anything). Later launches of a configuration seen
+    before go straight to its compiled kernel: Triton's per-call argument binding and specialization cost tens of
     microseconds of host time, and a training step launches a few hundred of these kernels.
 
     ``key`` must determine all that Triton specializes on: the arguments' dtypes, the integer arguments'
@@ -51,10 +55,10 @@ class Launcher:
         self.compiled: dict[tuple, object] = {}
         self.direct = os.environ.get("MABN_TRITON_DIRECT", "1") != "0" and not self.knobs.interpret
 
-    def __call__(self, key: tuple, grid: tuple[int, int, int], args: tuple, constexprs: dict) -> None:
+    def __call__(self, key: tuple, args: tuple, constexprs: dict) -> None:
         compiled = self.compiled.get(key)
         if compiled is None:
-            compiled = self.kernel[grid](*args, **constexprs)
+            compiled = self.kernel[GRID](*args, **constexprs)
             if self.direct:
                 self.compiled[key] = compiled
             return
@@ -62,8 +66,8 @@ class Launcher:
         # Pointers as plain integers: the launcher then skips its per-pointer data_ptr() call and driver query.
         args = (*(a.data_ptr() if isinstance(a, Tensor) else a for a in args), *constexprs.values())
         compiled.run(
-            *grid, stream, compiled.function, compiled.packed_metadata,
-            compiled.launch_metadata(grid, stream, *args),
+            *GRID, stream, compiled.function, compiled.packed_metadata,
+            compiled.launch_metadata(GRID, stream, *args),
             self.knobs.launch_enter_hook, self.knobs.launch_exit_hook, *args,
         )  # fmt: skip
 
