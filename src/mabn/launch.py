@@ -15,11 +15,13 @@ against the SLURM or torchrun environment without training.
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import shlex
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -64,32 +66,43 @@ def _demo_set(root: Path, generate: Callable[[Path], Path], marker: str, dry_run
     return generate(root)
 
 
-def _pretrain_profile(data: Path | None, dry_run: bool = False) -> tuple[list[str], Path]:
-    from .data import demo_imagenet
+@dataclass(frozen=True)
+class Profile:
+    """A stage's data: the folders that make ``--data`` the real dataset (then the recipe ``config`` runs), and
+    otherwise the message (``{where}``: where the dataset was looked for) and the demo set that replaces it."""
 
-    if data is not None and (data / "train").is_dir() and (data / "val").is_dir():
-        return ["pretrain.yaml"], data
-    where = f"at {data}" if data is not None else "given (DATA=...)"
-    say(f"No ImageNet {where}: expected train/<wnid>/*.JPEG and val/<wnid>/*.JPEG.")
-    say("Running the demo profile on generated data (configs/demo/pretrain.yaml).")
-    root = _demo_set(DEMO_DATA / "demo-imagenet", demo_imagenet.generate, demo_imagenet.MARKER, dry_run)
-    return ["pretrain.yaml", "demo/pretrain.yaml"], root
+    config: str
+    layout: tuple[str, ...]
+    demo: str  # the module of mabn.data that generates the demo set, named like its folder under data/
+    missing: str
 
-
-def _cityscapes_profile(data: Path | None, dry_run: bool = False) -> tuple[list[str], Path]:
-    from .data import demo_cityscapes
-
-    if data is not None and (data / "leftImg8bit").is_dir() and (data / "gtFine").is_dir():
-        return ["cityscapes.yaml"], data
-    where = f"at {data}" if data is not None else "given (DATA=...)"
-    say(f"No Cityscapes {where}: expected leftImg8bit/<split>/<city>/*_leftImg8bit.png and")
-    say("gtFine/<split>/<city>/*_gtFine_labelIds.png. Running the demo profile on generated street scenes")
-    say("(configs/demo/cityscapes.yaml).")
-    root = _demo_set(DEMO_DATA / "demo-cityscapes", demo_cityscapes.generate, demo_cityscapes.MARKER, dry_run)
-    return ["cityscapes.yaml", "demo/cityscapes.yaml"], root
+    def resolve(self, data: Path | None, dry_run: bool = False) -> tuple[list[str], Path]:
+        """(the configs to run, the data root)."""
+        if data is not None and all((data / folder).is_dir() for folder in self.layout):
+            return [self.config], data
+        say(self.missing.format(where=f"at {data}" if data is not None else "given (DATA=...)"))
+        generator = importlib.import_module(f"{__package__}.data.{self.demo}")
+        root = _demo_set(DEMO_DATA / self.demo.replace("_", "-"), generator.generate, generator.MARKER, dry_run)
+        return [self.config, f"demo/{self.config}"], root
 
 
-PROFILES = {"pretrain": _pretrain_profile, "cityscapes": _cityscapes_profile}
+PROFILES = {
+    "pretrain": Profile(
+        "pretrain.yaml",
+        ("train", "val"),
+        "demo_imagenet",
+        "No ImageNet {where}: expected train/<wnid>/*.JPEG and val/<wnid>/*.JPEG.\n"
+        "Running the demo profile on generated data (configs/demo/pretrain.yaml).",
+    ),
+    "cityscapes": Profile(
+        "cityscapes.yaml",
+        ("leftImg8bit", "gtFine"),
+        "demo_cityscapes",
+        "No Cityscapes {where}: expected leftImg8bit/<split>/<city>/*_leftImg8bit.png and\n"
+        "gtFine/<split>/<city>/*_gtFine_labelIds.png. Running the demo profile on generated street scenes\n"
+        "(configs/demo/cityscapes.yaml).",
+    ),
+}
 
 
 def trainer_args(gpus: int, nodes: int, cuda: bool | None = None) -> list[str]:
@@ -176,7 +189,7 @@ def build_args(
     cuda = True if dry_run else None
     syncbn = norm_args(norm, gpus, nodes, cuda)  # first: a refused syncbn run says nothing else
     hardware = trainer_args(gpus, nodes, cuda) + syncbn
-    configs, data_dir = PROFILES[stage](data, dry_run)
+    configs, data_dir = PROFILES[stage].resolve(data, dry_run)
     args = ["fit"]
     for name in configs:
         args += ["--config", str(CONFIGS / name)]
