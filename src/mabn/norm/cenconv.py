@@ -97,19 +97,24 @@ class CenConv2d(nn.Conv2d):
     @classmethod
     def from_conv(cls, conv: nn.Conv2d) -> CenConv2d:
         """A CenConv2d with the same configuration, sharing ``conv``'s weight and bias tensors."""
-        new = cls(
-            conv.in_channels,
-            conv.out_channels,
-            conv.kernel_size,
-            stride=conv.stride,
-            padding=conv.padding,
-            dilation=conv.dilation,
-            groups=conv.groups,
-            bias=conv.bias is not None,
-            padding_mode=conv.padding_mode,
-            device=conv.weight.device,
-            dtype=conv.weight.dtype,
-        )
+        new = conv_like(cls, conv, bias=conv.bias is not None)
         new.weight = conv.weight
         new.bias = conv.bias
         return new
+
+
+def conv_like(cls: type[nn.Conv2d], conv: nn.Conv2d, bias: bool) -> nn.Conv2d:
+    """A new ``cls`` (fresh parameters) with ``conv``'s configuration, device and dtype."""
+    return cls(
+        conv.in_channels,
+        conv.out_channels,
+        conv.kernel_size,
+        stride=conv.stride,
+        padding=conv.padding,
+        dilation=conv.dilation,
+        groups=conv.groups,
+        bias=bias,
+        padding_mode=conv.padding_mode,
+        device=conv.weight.device,
+        dtype=conv.weight.dtype,
+    )

@@ -12,7 +12,7 @@ import torch
 from torch import Tensor, nn
 
 from .batchrenorm import BatchRenorm2d
-from .cenconv import CenConv2d
+from .cenconv import CenConv2d, conv_like
 from .mabn import MABN2d
 
 
@@ -156,19 +156,7 @@ def _inference_affine(norm: nn.Module) -> tuple[Tensor, Tensor]:
 
 
 def _plain_conv(conv: nn.Conv2d, weight: Tensor, bias: Tensor | None) -> nn.Conv2d:
-    new = nn.Conv2d(
-        conv.in_channels,
-        conv.out_channels,
-        conv.kernel_size,
-        stride=conv.stride,
-        padding=conv.padding,
-        dilation=conv.dilation,
-        groups=conv.groups,
-        bias=bias is not None,
-        padding_mode=conv.padding_mode,
-        device=conv.weight.device,
-        dtype=conv.weight.dtype,
-    )
+    new = conv_like(nn.Conv2d, conv, bias=bias is not None)
     with torch.no_grad():
         new.weight.copy_(weight)
         if bias is not None:
