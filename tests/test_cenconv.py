@@ -68,7 +68,8 @@ def test_autocast_runs_the_convolution_in_low_precision_like_conv2d(device):
 
 
 def test_training_peak_memory_is_that_of_conv2d():
-    """Autograd would keep each centred weight alive for backward: one extra weight per layer."""
+    """Autograd would keep each centred weight alive for backward: one extra weight per layer. CenConv2d
+    keeps one float per filter (its mean) and, during a backward, one recomputed weight."""
     torch.manual_seed(0)
     layers = 6
     x = torch.randn(1, 64, 8, 8)
@@ -80,8 +81,9 @@ def test_training_peak_memory_is_that_of_conv2d():
     plain = nn.Sequential(*[nn.Conv2d(64, 64, 3, padding=1, bias=False) for _ in range(layers)])
     centred = nn.Sequential(*[CenConv2d.from_conv(c) for c in plain])
     weight_bytes = plain[0].weight.numel() * 4
+    mean_bytes = layers * 64 * 4
     for model in (plain, centred):  # first calls allocate one-time state
         step(model)
     conv_peak = peak_memory(lambda: step(plain), torch.device("cpu"))
     cen_peak = peak_memory(lambda: step(centred), torch.device("cpu"))
-    assert cen_peak <= conv_peak + weight_bytes, (cen_peak, conv_peak, weight_bytes)
+    assert cen_peak <= conv_peak + weight_bytes + mean_bytes, (cen_peak, conv_peak, weight_bytes)
