@@ -78,8 +78,8 @@ class CenConv2d(nn.Conv2d):
     MABN normalizes by the second moment only (no mean subtraction); centred filters keep the
     feature mean near zero instead. The raw weight's gradient is the filter gradient minus its mean,
     and weight decay still acts on the raw weight. In training the centred weight is recomputed in the
-    backward pass rather than stored (see ``_CentredConv2d``), so the layer costs no more memory than
-    ``nn.Conv2d``.
+    backward pass rather than stored (see ``_CentredConv2d``), so between forward and backward the layer
+    keeps only one float per filter more than ``nn.Conv2d``.
     """
 
     def centered_weight(self) -> Tensor:
