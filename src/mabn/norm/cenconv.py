@@ -17,6 +17,12 @@ def _centred(w: Tensor) -> Tensor:
     return w - _filter_mean(w)
 
 
+def _centred_from(weight: Tensor, mean: Tensor, dtype: torch.dtype | None) -> Tensor:
+    """weight minus its per-filter means ``mean``, in ``dtype`` (the autocast dtype) when given."""
+    wc = weight - mean
+    return wc if dtype is None else wc.to(dtype)
+
+
 class _CentredConv2d(torch.autograd.Function):
     """conv2d(x, W - mean(W)) that saves the raw weight, not the centred copy.
 
@@ -35,7 +41,7 @@ class _CentredConv2d(torch.autograd.Function):
         stride, padding, dilation, groups = conf
         xc = x if dtype is None else x.to(dtype)
         mean = _filter_mean(weight)
-        wc = weight - mean if dtype is None else (weight - mean).to(dtype)
+        wc = _centred_from(weight, mean, dtype)
         bc = bias if bias is None or dtype is None else bias.to(dtype)
         ctx.save_for_backward(xc, weight, mean)
         ctx.conf, ctx.dtype, ctx.x_dtype, ctx.has_bias = conf, dtype, x.dtype, bias is not None
@@ -46,7 +52,7 @@ class _CentredConv2d(torch.autograd.Function):
     def backward(ctx: Any, grad_out: Tensor) -> tuple:
         xc, weight, mean = ctx.saved_tensors
         stride, padding, dilation, groups = ctx.conf
-        wc = weight - mean if ctx.dtype is None else (weight - mean).to(ctx.dtype)  # the forward's, bit for bit
+        wc = _centred_from(weight, mean, ctx.dtype)  # the forward's, bit for bit
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         grad_x, grad_w, grad_b = torch.ops.aten.convolution_backward(
             grad_out if grad_out.dtype == wc.dtype else grad_out.to(wc.dtype),
@@ -61,12 +67,12 @@ class _CentredConv2d(torch.autograd.Function):
             groups,
             [need_x, need_w, need_b and ctx.has_bias],
         )
-        del wc  # the recomputed weight goes before the projection allocates: peak stays at nn.Conv2d's
+        del wc  # the recomputed weight goes before the projection allocates: the two are never alive together
         if grad_x is not None and grad_x.dtype != ctx.x_dtype:
             grad_x = grad_x.to(ctx.x_dtype)
         if grad_w is not None:
             grad_w = grad_w if grad_w.dtype == weight.dtype else grad_w.to(weight.dtype)
-            grad_w.sub_(grad_w.mean(dim=(1, 2, 3), keepdim=True))
+            grad_w.sub_(_filter_mean(grad_w))
         if grad_b is not None and grad_b.dtype != weight.dtype:
             grad_b = grad_b.to(weight.dtype)
         return grad_x, grad_w, grad_b, None, None
