@@ -28,7 +28,7 @@ from pytorch_lightning.strategies import DDPStrategy
 from torch import nn
 from torch.utils.data import DataLoader, Subset, TensorDataset
 
-from mabn import BatchRenorm2d, MABN2d, convert_norm, resume
+from mabn import BatchRenorm2d, MABN2d, convert_norm
 from mabn.callbacks import RandomStateCallback, SyncBatchNormCheck, norm_callbacks
 from mabn.callbacks.mabn import STREAMS_KEY, configure_ddp
 from mabn.callbacks.rng import RNG_KEY, collect_rng_states
@@ -402,27 +402,6 @@ def test_a_killed_run_restarted_by_the_same_command_ends_with_the_same_weights(t
     for pa, pb in zip(a["optimizer_states"][0]["state"].values(), b["optimizer_states"][0]["state"].values()):
         assert torch.equal(pa["momentum_buffer"], pb["momentum_buffer"])
     assert a["lr_schedulers"] == b["lr_schedulers"] and a["lr_schedulers"][0]["last_epoch"] == 16
-
-
-def test_auto_resume_picks_the_newest_readable_checkpoint_of_the_same_norm(tmp_path, capsys):
-    def save(name: str, norm: str, step: int, mtime: int) -> Path:
-        path = tmp_path / name
-        path.parent.mkdir(parents=True, exist_ok=True)
-        torch.save({"hyper_parameters": {"norm": norm}, "epoch": 0, "global_step": step}, path)
-        os.utime(path, (mtime, mtime))
-        return path
-
-    old = save("csv/version_0/checkpoints/last.ckpt", "mabn", 100, 1000)
-    save("csv/version_1/checkpoints/last.ckpt", "bn", 300, 3000)  # newest, but another norm
-    save("hpc_ckpt_1.ckpt", "mabn", 200, 2000)
-    broken = tmp_path / "csv" / "version_2" / "checkpoints" / "last.ckpt"
-    broken.parent.mkdir(parents=True)
-    broken.write_bytes(b"cut short")
-    os.utime(broken, (4000, 4000))
-    assert resume.resolve("auto", tmp_path, {"norm": "mabn"}) == str(tmp_path / "hpc_ckpt_1.ckpt")
-    assert "Skipping unreadable" in capsys.readouterr().out
-    assert resume.resolve(str(old), tmp_path, {"norm": "mabn"}) == str(old)  # an explicit path is kept
-    assert resume.resolve("auto", tmp_path / "none", {"norm": "mabn"}) is None
 
 
 # ------------------------------------------------------------------------------------------ launching

@@ -1,56 +1,219 @@
 """``python -m mabn fit|validate|test --config ...``: the LightningCLI that drives both stages.
 
-Beyond LightningCLI it adds ``RandomStateCallback`` to every trainer (exact resume needs the generators'
-states) and accepts ``fit --ckpt_path auto``: resume from the newest checkpoint of this stage and norm under
-the trainer's ``default_root_dir``, or start a new run when there is none, so a killed or requeued job
-restarts with the very same command.
+Beyond LightningCLI, for ``fit``:
+- the configuration is checked before anything is built or read (``check_fit_config``), and a mistake stops
+  with one ``error:`` line naming the value;
+- the run lives in one experiment folder, the Trainer's ``default_root_dir`` (``mabn.runs``): the loggers'
+  ``save_dir`` and ModelCheckpoint's ``dirpath`` (when the config leaves it unset) point into it;
+  ``--ckpt_path auto`` resumes from the newest checkpoint of that folder, or starts a new run when there is
+  none, so a killed or requeued job restarts with the very same command;
+- checkpoints and the saved config are written atomically and loaded weights-only (``AtomicCheckpointIO``);
+- every trainer gets ``RandomStateCallback`` (exact resume needs the generators' states).
 """
 
 from __future__ import annotations
 
+import importlib
 import sys
+import warnings
+from pathlib import Path
 from typing import Any
 
 import pytorch_lightning as pl
-from pytorch_lightning.cli import LightningCLI
+import torch
+from jsonargparse import Namespace
+from pytorch_lightning.cli import LightningCLI, SaveConfigCallback
 
-from . import resume
+from . import runs
 from .callbacks import RandomStateCallback
 from .callbacks.distributed import end_process_group_at_exit
 from .data.errors import DatasetError
+from .errors import ConfigError
+from .files import AtomicCheckpointIO, write_text_atomic
 from .models import BackboneError
+from .process import first_process
+from .tasks.classification import backbone_path
+
+CHECKPOINT_CALLBACK = "pytorch_lightning.callbacks.ModelCheckpoint"
+
+
+def _import(class_path: str) -> type:
+    module, _, name = class_path.rpartition(".")
+    return getattr(importlib.import_module(module), name)
+
+
+def _entries(value: Any) -> list[Namespace]:
+    """A logger or callbacks entry of the config as a list of ``class_path``/``init_args`` namespaces."""
+    items = value if isinstance(value, list) else [value]
+    return [item for item in items if isinstance(item, Namespace) and "class_path" in item]
+
+
+def _devices(trainer: Namespace) -> int | None:
+    """Processes of the run from the Trainer's devices and num_nodes; None when only Lightning can tell ("auto")."""
+    devices = trainer.get("devices")
+    if isinstance(devices, list | tuple):
+        count = len(devices)
+    elif isinstance(devices, int) or (isinstance(devices, str) and devices.isdigit()):
+        count = int(devices)
+    else:
+        return None
+    return count * int(trainer.get("num_nodes") or 1) if count > 0 else None
+
+
+def check_batch(config: Namespace) -> None:
+    """The per-device batch must split into whole normalization (ghost) batches."""
+    data, model = config.data.init_args, config.model.init_args
+    world = _devices(config.trainer) or 1
+    per_device = data.get("batch_size")
+    if data.get("global_batch_size"):
+        total = data.global_batch_size
+        if total % world:
+            raise ConfigError(f"global_batch_size={total} does not split over {world} devices: use a multiple of it")
+        per_device = total // world
+    size = model.get("norm_batch_size")
+    if size and per_device and per_device % size:
+        raise ConfigError(
+            f"the per-device batch of {per_device} does not split into normalization batches of "
+            f"norm_batch_size={size}: use a per-device batch that is a multiple of {size}"
+        )
+
+
+def check_export(config: Namespace) -> None:
+    """Stage 1 exports its backbone at the end: refuse, before training, to replace one that another run wrote
+    (a backbone records its run's folder)."""
+    export_dir, norm = config.model.init_args.get("export_dir"), config.model.init_args.get("norm")
+    if not export_dir:
+        return
+    target = backbone_path(export_dir, norm)
+    if not target.is_file():
+        return
+    try:
+        owner = torch.load(target, map_location="cpu", mmap=True, weights_only=True).get("config", {}).get("run_dir")
+    except Exception:  # unreadable: still not this run's to replace
+        owner = None
+    if owner is None or Path(owner).resolve() != Path(config.trainer.default_root_dir).resolve():
+        raise ConfigError(
+            f"{target} holds the backbone of another run ({owner or 'unknown'}) and this run would replace it at "
+            "its end: move that file, or export elsewhere with --model.init_args.export_dir"
+        )
+
+
+def check_fit_config(config: Namespace) -> None:
+    """Every check that needs no data and no weights: the task's arguments, the batch layout, the run's folder
+    and its artefacts."""
+    task = _import(config.model.class_path)
+    if hasattr(task, "check_hparams"):
+        task.check_hparams(dict(config.model.init_args))
+    check_batch(config)
+    if not config.trainer.get("default_root_dir"):
+        raise ConfigError("trainer.default_root_dir is not set: the run needs a folder of its own")
+    if "export_dir" in config.model.init_args:
+        check_export(config)
+
+
+def place_run(config: Namespace, folder: Path) -> None:
+    """Point the loggers and the checkpoint callbacks of ``config`` into the run's ``folder``."""
+    for logger in _entries(config.trainer.get("logger")):
+        if "save_dir" in logger.init_args:
+            logger.init_args.save_dir = str(folder)
+    for callback in _entries(config.trainer.get("callbacks")):
+        if callback.class_path == CHECKPOINT_CALLBACK and not callback.init_args.get("dirpath"):
+            callback.init_args.dirpath = str(folder / runs.CHECKPOINTS)
+
+
+class AtomicSaveConfig(SaveConfigCallback):
+    """The resolved config saved as ``config.yaml`` in the run's folder through a temporary file, replacing the
+    one of the run it resumes."""
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if self.already_saved:
+            return
+        log_dir = trainer.log_dir  # a broadcast: every process takes part
+        if trainer.is_global_zero and log_dir is not None:
+            text = self.parser.dump(self.config, skip_none=False)
+            write_text_atomic(Path(log_dir) / self.config_filename, text)
+        self.already_saved = True
+
+
+class _Checked(Exception):
+    """Raised by ``check`` once the configuration passed, to stop before anything is built."""
 
 
 class MabnCLI(LightningCLI):
+    check_only = False
+
     def add_arguments_to_parser(self, parser) -> None:
         # The number of classes is a property of the data, never set twice by hand.
         parser.link_arguments("data.num_classes", "model.init_args.num_classes", apply_on="instantiate")
 
+    def _parse_ckpt_path(self) -> None:
+        # Lightning reads an explicit --ckpt_path here (and merges its hyperparameters into the config): first
+        # make sure it is a readable checkpoint of this experiment, so a wrong file is one line, not a traceback.
+        if self.config.get("subcommand") == "fit":
+            config = self.config.fit
+            identity = runs.Identity(config.model.class_path, config.model.init_args.get("norm"))
+            folder = Path(config.trainer.get("default_root_dir") or ".")
+            quiet = self.check_only  # the run after the check reports the same choice
+            report = (lambda _: None) if quiet else runs.say_once
+            self.plan = runs.plan(folder, config.get("ckpt_path"), identity, first_process(), report)
+            config.ckpt_path = None if self.plan.resume is None else str(self.plan.resume.path)
+        super()._parse_ckpt_path()
+
+    def before_instantiate_classes(self) -> None:
+        if self.subcommand != "fit":
+            return
+        config = self.config.fit
+        check_fit_config(config)
+        if self.check_only:
+            raise _Checked
+        place_run(config, self.plan.folder)
+        if first_process():
+            runs.remove_stale_temporaries(self.plan.folder)
+            if self.plan.resume is not None and self.plan.resume.step is not None:
+                runs.cut_metrics(self.plan.folder / runs.METRICS, self.plan.resume.step)
+
     def instantiate_trainer(self, **kwargs: Any) -> pl.Trainer:
+        plugins = self._get(self.config_init, "trainer", default={}).get("plugins") or []
+        plugins = plugins if isinstance(plugins, list) else [plugins]
+        if not any(isinstance(p, pl.plugins.CheckpointIO) for p in plugins):
+            kwargs.setdefault("plugins", [*plugins, AtomicCheckpointIO()])
         trainer = super().instantiate_trainer(**kwargs)
         if not any(isinstance(c, RandomStateCallback) for c in trainer.callbacks):
             trainer.callbacks.append(RandomStateCallback())
         return trainer
 
-    def before_fit(self) -> None:
-        config = self.config_init["fit"]
-        config["ckpt_path"] = resume.resolve(config.get("ckpt_path"), self.trainer.default_root_dir, self.model.hparams)
 
-
-def run_cli(args: list[str] | None = None, run: bool = True) -> MabnCLI:
-    return MabnCLI(
+def run_cli(args: list[str] | None = None, run: bool = True, cli_class: type[MabnCLI] = MabnCLI) -> MabnCLI:
+    # python -m mabn <stage> passes its own arguments and keeps sys.argv as it was: Lightning's DDP launcher
+    # re-runs sys.argv in the further processes, so the warning about both being given does not apply.
+    warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended")
+    return cli_class(
         pl.LightningModule,
         pl.LightningDataModule,
         subclass_mode_model=True,
         subclass_mode_data=True,
+        save_config_callback=AtomicSaveConfig,
         save_config_kwargs={"overwrite": True},
         args=args,
         run=run,
     )
 
 
+class _CheckCLI(MabnCLI):
+    check_only = True
+
+
+def check(args: list[str]) -> None:
+    """Parse and check a ``fit`` command line without building or reading anything; ``ConfigError`` or
+    jsonargparse's own exit on a mistake."""
+    try:
+        run_cli(args, cli_class=_CheckCLI)
+    except _Checked:
+        return
+
+
 def user_error(err: BaseException) -> str | None:
-    """The message of the dataset or backbone error behind ``err``, if there is one.
+    """The message of the dataset, backbone or configuration error behind ``err``, if there is one.
 
     jsonargparse wraps errors raised while it instantiates the data module, and a DataLoader worker
     re-raises with its traceback in the message: dig out the original, one-line message.
@@ -58,7 +221,7 @@ def user_error(err: BaseException) -> str | None:
     seen = set()
     while err is not None and id(err) not in seen:
         seen.add(id(err))
-        if isinstance(err, DatasetError | BackboneError):
+        if isinstance(err, DatasetError | BackboneError | ConfigError):
             lines = str(err).strip().splitlines()
             if len(lines) > 1 and lines[0].startswith("Caught "):
                 return lines[-1].split(": ", 1)[-1]
@@ -67,13 +230,18 @@ def user_error(err: BaseException) -> str | None:
     return None
 
 
+def exit_on_user_error(err: BaseException) -> None:
+    """Print a user error as one ``error:`` line and exit with status 2; anything else is re-raised."""
+    message = user_error(err)
+    if message is None:
+        raise err
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
 def main(args: list[str] | None = None) -> None:
     end_process_group_at_exit()  # every run, whatever its norm: a DDP worker must exit cleanly
     try:
         run_cli(args)
     except Exception as err:
-        message = user_error(err)
-        if message is None:
-            raise
-        print(f"error: {message}", file=sys.stderr)
-        sys.exit(2)
+        exit_on_user_error(err)

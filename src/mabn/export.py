@@ -23,7 +23,7 @@ import pytorch_lightning as pl
 import torch
 from torch import Tensor, nn
 
-from .files import first_line, load_weights_file
+from .files import first_line, load_weights_file, write_atomic
 from .norm import fold_norms
 from .tasks import ClassificationTask, SegmentationTask
 
@@ -210,7 +210,7 @@ def export(
         ts_out = traced(sample)
         _check("the TorchScript module", Difference.between(ts_out, exact), limit, ts_path, "nothing written")
         ts_diff = Difference.between(ts_out, out)
-        traced.save(str(ts_path))
+        write_atomic(ts_path, lambda tmp: traced.save(str(tmp)))
         print(f"TorchScript: wrote {ts_path} ({ts_diff} to the folded model)")
 
         onnx_written, ort_diff = None, None

@@ -1,17 +1,88 @@
-"""Reading the weight files the stages hand each other (checkpoints, backbone files), with errors naming them."""
+"""Files the stages write and read: every artefact lands whole or not at all, and weights load without pickle.
+
+``atomic_path`` is the one way this project writes a file: into a temporary file in the target's own folder,
+fsynced, then renamed over the target (a rename within one filesystem is atomic), so a crash or a kill at any
+moment leaves either the old file or the new one, never a truncated mix, also on NFS or Lustre where a copy
+from ``$TMPDIR`` would not be atomic.
+"""
 
 from __future__ import annotations
 
+import os
+import tempfile
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any
 
 import torch
+from lightning_fabric.plugins.io.torch_io import TorchCheckpointIO
+
+TMP_SUFFIX = ".tmp"  # what a write in progress (or one killed half-way) is called: <folder>/.<name>.<random>.tmp
 
 
 def first_line(err: BaseException) -> str:
     """The first line of an exception's message (its type when the message is empty)."""
     text = str(err).strip()
     return text.splitlines()[0] if text else type(err).__name__
+
+
+def _fsync(path: str | Path, directory: bool = False) -> None:
+    fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if directory else 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+@contextmanager
+def atomic_path(path: str | Path) -> Iterator[Path]:
+    """A temporary path beside ``path`` for the caller to write; renamed onto ``path`` when the block ends
+    without error (after fsync of the file and then of the folder), removed when it raises."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=TMP_SUFFIX, dir=path.parent)
+    os.close(fd)
+    tmp = Path(name)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o666 & ~umask)  # mkstemp's 0600 would hide results from the rest of a team
+    try:
+        yield tmp
+        _fsync(tmp)
+        os.replace(tmp, path)
+        _fsync(path.parent, directory=True)
+    except BaseException:
+        with suppress(FileNotFoundError):
+            tmp.unlink()
+        raise
+
+
+def write_atomic(path: str | Path, write: Callable[[Path], Any]) -> Path:
+    """``write(tmp)`` into a temporary file, then renamed onto ``path`` (see ``atomic_path``)."""
+    with atomic_path(path) as tmp:
+        write(tmp)
+    return Path(path)
+
+
+def write_text_atomic(path: str | Path, text: str) -> Path:
+    return write_atomic(path, lambda tmp: tmp.write_text(text))
+
+
+class AtomicCheckpointIO(TorchCheckpointIO):
+    """Lightning's checkpoint IO, writing through ``atomic_path`` in the checkpoint's own folder and loading
+    with ``weights_only=True`` whatever the caller or ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD`` asks: a checkpoint
+    holds tensors and plain containers only, and loading one never runs code from the file."""
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
+        if storage_options is not None:
+            raise TypeError(f"{type(self).__name__} takes no storage_options")
+        write_atomic(path, lambda tmp: torch.save(checkpoint, tmp))
+
+    def load_checkpoint(self, path: Any, map_location: Any = None, weights_only: bool | None = None) -> dict[str, Any]:
+        if not Path(path).is_file():
+            raise FileNotFoundError(f"checkpoint not found: {path}")
+        return torch.load(path, map_location=map_location or "cpu", weights_only=True)
 
 
 def load_weights_file(path: Path, what: str, error: type[Exception]) -> Any:

@@ -1,22 +1,25 @@
-"""``python -m mabn pretrain|cityscapes``: pick the real or demo profile and a trainer preset, then run the
-LightningCLI.
+"""``python -m mabn pretrain|cityscapes``: pick the real or demo profile and a trainer preset, check the whole
+configuration, then run the LightningCLI.
 
-The Makefile's ``make pretrain`` and ``make cityscapes`` call this. With the dataset at ``--data`` it runs
-the paper's recipe from ``configs/``; without it, it says so, generates a small set in the same on-disk
-layout (once) and runs the demo profile, which trains for a few minutes on a CPU.
+The Makefile's ``make pretrain`` and ``make cityscapes`` call this. With ``--data`` it runs the paper's recipe
+from ``configs/`` on that dataset, and a ``--data`` that is not the expected layout is an error naming the
+missing folder; without ``--data`` it says so, generates a small set in the same on-disk layout (once) and
+runs the demo profile, which trains for a few minutes on a CPU. The demo writes only under ``runs/demo/``,
+``pretrain/demo/`` and ``data/``, never where a real run's artefacts live.
 
-``--gpus`` (per node) and ``--nodes`` pick a preset from ``configs/trainer/`` (cpu, gpu, ddp, multinode) and
-set the Trainer's devices and num_nodes; on a machine without CUDA, ``--gpus N`` runs N CPU processes under
-DDP instead. ``--resume auto`` continues from the newest checkpoint of the stage and norm, so a killed or
-requeued job restarts with the same command; ``--dry-run`` prints the LightningCLI arguments and checks them
-against the SLURM or torchrun environment without training.
+Each run's experiment folder is ``runs/<stage>/<norm>`` (``runs/demo/<stage>/<norm>`` for the demo;
+``--run-dir`` picks another), see ``mabn.runs``. ``--gpus`` (per node) and ``--nodes`` pick a preset from
+``configs/trainer/`` (cpu, gpu, ddp, multinode) and set the Trainer's devices and num_nodes; on a machine
+without CUDA, ``--gpus N`` runs N CPU processes under DDP instead. ``--resume auto`` continues from the
+newest checkpoint of the experiment folder, so a killed or requeued job restarts with the same command;
+``--dry-run`` prints the LightningCLI arguments and checks them (and the SLURM or torchrun environment)
+without training.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
-import os
 import shlex
 import sys
 import time
@@ -27,63 +30,65 @@ from pathlib import Path
 import torch
 
 from . import cli
+from .data.once import generate_once
+from .errors import ConfigError
+from .norm import NORM_PRESETS
+from .process import launch_rank, say
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 DEMO_DATA = Path("data")
-DEMO_WAIT_S = 1800  # how long other processes wait for process 0 to generate the demo set
+RUNS = Path("runs")
+BACKBONES = Path("pretrain")
+DEMO = "demo"  # the folder under runs/ and pretrain/ that holds the demo profile's artefacts
+DEMO_WAIT_S = 1800  # how long the processes of other nodes wait for process 0 to generate the demo set
 
 
-class LaunchError(ValueError):
+class LaunchError(ConfigError):
     """A launch that cannot work as asked; the message says why and what to change."""
 
 
-def say(message: str) -> None:
-    """Print once per launch: Lightning's DDP re-runs this command in each further local process, which
-    has LOCAL_RANK set and needs no second copy of the messages."""
-    if os.environ.get("LOCAL_RANK", "0") == "0" and launch_rank() == 0:
-        print(message)
-
-
-def launch_rank() -> int:
-    """The global rank the launcher (torchrun, srun) gave this process, before any process group exists."""
-    for var in ("RANK", "SLURM_PROCID"):
-        if os.environ.get(var, "").isdigit():
-            return int(os.environ[var])
-    return 0
-
-
-def _demo_set(root: Path, generate: Callable[[Path], Path], marker: str, dry_run: bool) -> Path:
-    """Generate the demo set in process 0 only; the other processes of a launch wait for its marker, since
-    several writers would clobber each other's files. A dry run generates nothing."""
-    if dry_run:
-        return root
+def _demo_set(root: Path, generate: Callable[[Path], Path], marker: str) -> Path:
+    """Generate the demo set once (``generate_once``: a lock serializes the processes of one machine). On
+    other nodes, whose disk may be shared without a working lock, processes wait for process 0's marker."""
     if launch_rank() != 0:
         deadline = time.monotonic() + DEMO_WAIT_S
         while not (root / marker).is_file():
             if time.monotonic() > deadline:
                 raise LaunchError(f"waited {DEMO_WAIT_S} s for process 0 to generate the demo set in {root}")
             time.sleep(2)
-    return generate(root)
+    return generate_once(root, generate, say)
 
 
 @dataclass(frozen=True)
 class Profile:
     """A stage's data: the folders that make ``--data`` the real dataset (then the recipe ``config`` runs), and
-    otherwise the message (``{where}``: where the dataset was looked for) and the demo set that replaces it."""
+    without ``--data`` the message and the demo set that replaces it."""
 
     config: str
     layout: tuple[str, ...]
     demo: str  # the module of mabn.data that generates the demo set, named like its folder under data/
     missing: str
 
-    def resolve(self, data: Path | None, dry_run: bool = False) -> tuple[list[str], Path]:
-        """(the configs to run, the data root)."""
-        if data is not None and all((data / folder).is_dir() for folder in self.layout):
+    def resolve(self, data: Path | None) -> tuple[list[str], Path]:
+        """(the configs to run, the data root): the demo's without ``data``; a ``data`` that is not the layout
+        is an error naming the first missing folder."""
+        if data is not None:
+            if not data.is_dir():
+                raise LaunchError(f"DATA={data}: no such folder (expected {self.expected})")
+            for folder in self.layout:
+                if not (data / folder).is_dir():
+                    raise LaunchError(f"DATA={data}: missing folder {data / folder} (expected {self.expected})")
             return [self.config], data
-        say(self.missing.format(where=f"at {data}" if data is not None else "given (DATA=...)"))
+        say(self.missing)
+        return [self.config, f"demo/{self.config}"], DEMO_DATA / self.demo.replace("_", "-")
+
+    @property
+    def expected(self) -> str:
+        return ", ".join(f"{folder}/..." for folder in self.layout)
+
+    def generate_demo(self, root: Path) -> Path:
         generator = importlib.import_module(f"{__package__}.data.{self.demo}")
-        root = _demo_set(DEMO_DATA / self.demo.replace("_", "-"), generator.generate, generator.MARKER, dry_run)
-        return [self.config, f"demo/{self.config}"], root
+        return _demo_set(root, generator.generate, generator.MARKER)
 
 
 PROFILES = {
@@ -91,14 +96,14 @@ PROFILES = {
         "pretrain.yaml",
         ("train", "val"),
         "demo_imagenet",
-        "No ImageNet {where}: expected train/<wnid>/*.JPEG and val/<wnid>/*.JPEG.\n"
+        "No ImageNet given (DATA=...): expected train/<wnid>/*.JPEG and val/<wnid>/*.JPEG.\n"
         "Running the demo profile on generated data (configs/demo/pretrain.yaml).",
     ),
     "cityscapes": Profile(
         "cityscapes.yaml",
         ("leftImg8bit", "gtFine"),
         "demo_cityscapes",
-        "No Cityscapes {where}: expected leftImg8bit/<split>/<city>/*_leftImg8bit.png and\n"
+        "No Cityscapes given (DATA=...): expected leftImg8bit/<split>/<city>/*_leftImg8bit.png and\n"
         "gtFine/<split>/<city>/*_gtFine_labelIds.png. Running the demo profile on generated street scenes\n"
         "(configs/demo/cityscapes.yaml).",
     ),
@@ -163,15 +168,22 @@ def check_cluster(gpus: int, nodes: int) -> str | None:
     return None
 
 
-def default_backbone(norm: str, backbone: Path | None) -> list[str]:
-    """Stage 2 reads ``backbone``, else stage 1's export for the same norm when there is one."""
+def default_backbone(norm: str, backbone: Path | None, demo: bool) -> list[str]:
+    """Stage 2 reads ``backbone``, else stage 1's export for the same norm and profile when there is one."""
     if backbone is None:
-        candidate = Path("pretrain") / f"resnet101-{norm}.pt"
+        candidate = (BACKBONES / DEMO if demo else BACKBONES) / f"resnet101-{norm}.pt"
         if not candidate.is_file():
             return []
         say(f"Using the stage-1 backbone {candidate} (BACKBONE=... picks another).")
         backbone = candidate
+    elif not backbone.is_file():
+        raise LaunchError(f"BACKBONE={backbone}: no such file")
     return ["--model.init_args.backbone", str(backbone)]
+
+
+def run_dir(stage: str, norm: str, demo: bool, given: Path | None) -> Path:
+    """The experiment folder: ``given``, else runs/<stage>/<norm> (runs/demo/... for the demo profile)."""
+    return given if given is not None else (RUNS / DEMO if demo else RUNS) / stage / norm
 
 
 def build_args(
@@ -184,18 +196,26 @@ def build_args(
     backbone: Path | None = None,
     resume: str | None = None,
     dry_run: bool = False,
+    folder: Path | None = None,
 ) -> list[str]:
-    """The LightningCLI arguments of a stage run. ``dry_run`` generates no data and assumes a GPU machine."""
+    """The LightningCLI arguments of a stage run (the demo profile without ``data``); nothing is generated or
+    read here. ``dry_run`` assumes a GPU machine."""
+    if norm not in NORM_PRESETS:
+        raise LaunchError(f"NORM={norm}: unknown norm; choose one of {', '.join(sorted(NORM_PRESETS))}")
     cuda = True if dry_run else None
     syncbn = norm_args(norm, gpus, nodes, cuda)  # first: a refused syncbn run says nothing else
     hardware = trainer_args(gpus, nodes, cuda) + syncbn
-    configs, data_dir = PROFILES[stage].resolve(data, dry_run)
+    configs, data_dir = PROFILES[stage].resolve(data)
+    demo = data is None
     args = ["fit"]
     for name in configs:
         args += ["--config", str(CONFIGS / name)]
     args += ["--data.init_args.data_dir", str(data_dir), "--model.init_args.norm", norm]
+    args += ["--trainer.default_root_dir", str(run_dir(stage, norm, demo, folder))]
+    if stage == "pretrain":
+        args += ["--model.init_args.export_dir", str(BACKBONES / DEMO if demo else BACKBONES)]
     if stage == "cityscapes":
-        args += default_backbone(norm, backbone)
+        args += default_backbone(norm, backbone, demo)
     if resume:
         args += ["--ckpt_path", resume]
     return args + hardware + extra
@@ -209,7 +229,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--gpus", type=int, default=0, help="GPUs per node (0: CPU)")
     parser.add_argument("--nodes", type=int, default=1)
     parser.add_argument("--backbone", type=Path, help="stage 2: a stage-1 backbone file (default: pretrain/...)")
-    parser.add_argument("--resume", help="'auto' (the newest checkpoint of this stage and norm, if any) or a path")
+    parser.add_argument("--resume", help="'auto' (the newest checkpoint of the experiment folder, if any) or a path")
+    parser.add_argument("--run-dir", type=Path, help="the experiment folder (default: runs/<stage>/<norm>)")
     parser.add_argument("--dry-run", action="store_true", help="print the LightningCLI arguments, check, exit")
     parser.epilog = "Arguments after -- (and any this parser does not know) go to the LightningCLI unchanged."
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -218,8 +239,11 @@ def main(argv: list[str] | None = None) -> None:
     extra = unknown + argv[cut + 1 :]
     try:
         where = check_cluster(ns.gpus, ns.nodes)
-        args = build_args(ns.stage, ns.data, ns.norm, ns.gpus, ns.nodes, extra, ns.backbone, ns.resume, ns.dry_run)
-    except LaunchError as err:
+        args = build_args(
+            ns.stage, ns.data, ns.norm, ns.gpus, ns.nodes, extra, ns.backbone, ns.resume, ns.dry_run, ns.run_dir
+        )
+        cli.check(args)  # every configuration mistake stops here, before any data is generated or read
+    except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
     if ns.dry_run:
@@ -227,4 +251,9 @@ def main(argv: list[str] | None = None) -> None:
             print(where)
         print("python -m mabn " + shlex.join(args))
         return
+    if ns.data is None:
+        try:
+            PROFILES[ns.stage].generate_demo(Path(args[args.index("--data.init_args.data_dir") + 1]))
+        except Exception as err:
+            cli.exit_on_user_error(err)
     cli.main(args)

@@ -1,12 +1,23 @@
-"""A WandbLogger that never hangs or crashes for want of a network or a login."""
+"""The run's loggers: a CSV log that survives resumes and kills, and a WandbLogger that never hangs or crashes
+for want of a network or a login and continues the same wandb run after a restart."""
 
 from __future__ import annotations
 
+import csv
 import netrc
 import os
+import secrets
+from pathlib import Path
 from typing import Any
 
+from pytorch_lightning.core.saving import save_hparams_to_yaml
+from pytorch_lightning.loggers import CSVLogger as _CSVLogger
 from pytorch_lightning.loggers import WandbLogger as _WandbLogger
+from pytorch_lightning.loggers.csv_logs import ExperimentWriter
+
+from .files import write_atomic, write_text_atomic
+
+ID_FILE = "wandb-id"
 
 
 def wandb_ready() -> bool:
@@ -19,15 +30,41 @@ def wandb_ready() -> bool:
         return False
 
 
+def run_id(folder: Path) -> str:
+    """The wandb run id kept in ``folder/wandb-id``: created by the first process that asks (linked into place,
+    so two processes racing agree on one id), read back by every later one and by every resume."""
+    path = folder / ID_FILE
+    if not path.is_file():
+        tmp = write_text_atomic(folder / f".{ID_FILE}.{os.getpid()}", secrets.token_hex(4))
+        try:
+            os.link(tmp, path)  # fails when another process created it first: its id wins
+        except FileExistsError:
+            pass
+        finally:
+            tmp.unlink()
+    return path.read_text().strip()
+
+
 class WandbLogger(_WandbLogger):
     """Lightning's WandbLogger, offline unless wandb is set up, so a run without network or login still
-    finishes (``wandb sync runs/<stage>/wandb/offline-run-*`` uploads it later). ``WANDB_MODE`` (offline,
-    online, disabled) always wins. Summary metrics: the best ``val/miou`` and ``val/top1`` of the run."""
+    finishes (``wandb sync <run folder>/wandb/offline-run-*`` uploads it later). ``WANDB_MODE`` (offline,
+    online, disabled) always wins. Without an ``id`` it uses the one kept in ``save_dir`` (``run_id``) with
+    ``resume="allow"``, so a resumed run continues the same wandb run. Summary metrics: the best ``val/miou``
+    and ``val/top1`` of the run."""
 
-    def __init__(self, project: str = "mabn", save_dir: str = "runs", offline: bool | None = None, **kwargs: Any):
+    def __init__(
+        self,
+        project: str = "mabn",
+        save_dir: str = "runs",
+        offline: bool | None = None,
+        id: str | None = None,
+        **kwargs: Any,
+    ):
         if offline is None:
             offline = "WANDB_MODE" not in os.environ and not wandb_ready()
-        super().__init__(project=project, save_dir=save_dir, offline=offline, **kwargs)
+        if id is None:
+            id = run_id(Path(save_dir))
+        super().__init__(project=project, save_dir=save_dir, offline=offline, id=id, resume="allow", **kwargs)
 
     @property
     def experiment(self):
@@ -37,3 +74,50 @@ class WandbLogger(_WandbLogger):
                 run.define_metric(key, summary="max")
             self._summaries_defined = True
         return run
+
+
+class _AppendingWriter(ExperimentWriter):
+    """Lightning's CSV writer, but a resumed run keeps the rows already in ``metrics.csv`` (Lightning's deletes
+    the file of a non-empty log folder), and every save rewrites the file whole through a temporary file, so
+    a kill never leaves a cut-off row or header."""
+
+    def _check_log_dir_exists(self) -> None:
+        pass  # the experiment folder belongs to this run (mabn.runs): its metrics are kept, never deleted
+
+    def save(self) -> None:
+        write_atomic(Path(self.log_dir) / self.NAME_HPARAMS_FILE, lambda tmp: save_hparams_to_yaml(tmp, self.hparams))
+        if not self.metrics:
+            return
+        path = Path(self.metrics_file_path)
+        rows: list[dict[str, Any]] = []
+        if path.is_file():
+            with open(path, newline="") as file:
+                reader = csv.DictReader(file)
+                rows = list(reader)
+                self.metrics_keys = sorted(set(self.metrics_keys) | set(reader.fieldnames or []))
+        self._record_new_keys()
+        rows += self.metrics
+
+        def write(tmp: Path) -> None:
+            with open(tmp, "w", newline="") as file:
+                writer = csv.DictWriter(file, fieldnames=self.metrics_keys)
+                writer.writeheader()
+                writer.writerows(rows)
+
+        write_atomic(path, write)
+        self.metrics = []
+
+
+class CSVLogger(_CSVLogger):
+    """Lightning's CSVLogger writing ``metrics.csv`` and ``hparams.yaml`` straight into ``save_dir`` (the run's
+    folder: no ``name/version_N`` below it), appending across resumes, each save atomic."""
+
+    def __init__(self, save_dir: str, name: str = "", version: str = "", **kwargs: Any) -> None:
+        super().__init__(save_dir, name=name, version=version, **kwargs)
+
+    @property
+    def experiment(self) -> _AppendingWriter:
+        if self._experiment is None:
+            self._fs.makedirs(self.root_dir, exist_ok=True)
+            self._experiment = _AppendingWriter(log_dir=self.log_dir)
+        return self._experiment

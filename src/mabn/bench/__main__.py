@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from ..files import write_text_atomic
 from . import infer, norm, report, step
 
 DEFAULT_REPEATS = {"norm": 15, "step": 5, "infer": 7}
@@ -95,8 +96,7 @@ def main(argv: list[str] | None = None) -> None:
     if out is None:
         return
     if args.what == "norm":  # the table alone, as this command always wrote it
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(sections[0] + "\n")
+        write_text_atomic(out, sections[0] + "\n")
         return
     command = shlex.join(["python", "-m", "mabn.bench", *argv])
     md, png = report.write(out, device, command, sections, step_rows, infer_rows, env)

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from ..files import write_atomic, write_text_atomic
 from .infer import InferRow
 from .measure import environment
 from .step import StepRow
@@ -48,8 +49,7 @@ def chart(path: Path, title: str, step_rows: list[StepRow], infer_rows: list[Inf
         ax.tick_params(axis="x", labelrotation=20, labelsize=8)
     fig.suptitle(textwrap.fill(title, 140), fontsize=8)
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    write_atomic(path, lambda tmp: fig.savefig(tmp, dpi=110, format="png"))
     plt.close(fig)
     return path
 
@@ -72,6 +72,5 @@ def write(
     if png is not None:
         chart(png, env, step_rows, infer_rows)
         lines += [f"![ratios to BN]({png.name})", ""]
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text("\n".join(lines))
+    write_text_atomic(out, "\n".join(lines))
     return out, png

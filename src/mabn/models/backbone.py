@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..files import load_weights_file
+from ..files import load_weights_file, write_atomic
 from ..norm import NORM_PRESETS
 
 FORMAT = "mabn-backbone"
@@ -28,8 +28,6 @@ def save_backbone(
     path: str | Path, model: nn.Module, norm: str, config: dict[str, Any], val_top1: float | None
 ) -> Path:
     """Write ``model``'s backbone with what stage 2 needs to trust it."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     payload = {
         "format": FORMAT,
         "version": VERSION,
@@ -40,10 +38,7 @@ def save_backbone(
         "config": config,
         "val_top1": val_top1,
     }
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    torch.save(payload, tmp)
-    tmp.replace(path)  # a crash mid-write never leaves a truncated backbone behind
-    return path
+    return write_atomic(path, lambda tmp: torch.save(payload, tmp))
 
 
 def load_backbone(path: str | Path, norm: str) -> dict[str, Any]:

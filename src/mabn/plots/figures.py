@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 from matplotlib.ticker import FormatStrFormatter
 
+from ..files import write_atomic
 from .runlog import Series
 
 
@@ -185,7 +186,6 @@ def layer_file(layer: str) -> str:
 def _save(fig, path: Path) -> Path:
     import matplotlib.pyplot as plt
 
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    write_atomic(path, lambda tmp: fig.savefig(tmp, dpi=110, format="png"))
     plt.close(fig)
     return path

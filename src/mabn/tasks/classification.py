@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -14,7 +15,12 @@ from torchmetrics.classification import MulticlassAccuracy
 
 from ..models import resnet101, save_backbone
 from . import schedules
-from .base import NormTask
+from .base import NormTask, require
+
+
+def backbone_path(export_dir: str | Path, norm: str) -> Path:
+    """Where stage 1 exports its backbone, and where stage 2 looks for it."""
+    return Path(export_dir) / f"resnet101-{norm}.pt"
 
 
 def global_batch_size(trainer: pl.Trainer, per_device: int) -> int:
@@ -55,10 +61,21 @@ class ClassificationTask(NormTask):
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
+        self.check_hparams(self.hparams)
         self.model = self.build_model()
         self.train_top1 = MulticlassAccuracy(num_classes, top_k=1)
         self.val_top1 = MulticlassAccuracy(num_classes, top_k=1)
         self.val_top5 = MulticlassAccuracy(num_classes, top_k=min(5, num_classes))
+
+    @classmethod
+    def check_hparams(cls, hp: Mapping[str, Any]) -> None:
+        super().check_hparams(hp)
+        require(hp["base_batch_size"] > 0, "base_batch_size", hp["base_batch_size"], "must be > 0")
+        require(hp["lr_gamma"] > 0, "lr_gamma", hp["lr_gamma"], "must be > 0")
+        require(hp["warmup_steps"] >= 0, "warmup_steps", hp["warmup_steps"], "must be >= 0")
+        require(0 <= hp["label_smoothing"] < 1, "label_smoothing", hp["label_smoothing"], "must be in [0, 1)")
+        steps = list(hp["milestones"])
+        require(steps == sorted(steps), "milestones", steps, "must be increasing")
 
     def build_model(self) -> torch.nn.Module:
         hp = self.hparams
@@ -108,13 +125,14 @@ class ClassificationTask(NormTask):
             model.load_state_dict({k.removeprefix("model."): v for k, v in state.items() if k.startswith("model.")})
             top1 = ckpt.best_model_score
         config = {
+            "run_dir": str(self.trainer.default_root_dir),  # whose backbone this is (see mabn.cli.check_export)
             "model": dict(self.hparams),
             "data": dict(self.trainer.datamodule.hparams),
             "global_batch_size": global_batch_size(self.trainer, self.trainer.datamodule.batch_size),
             "steps": self.trainer.global_step,
         }
         top1 = None if top1 is None else float(top1)
-        path = save_backbone(export_dir / f"resnet101-{self.hparams.norm}.pt", model, self.hparams.norm, config, top1)
+        path = save_backbone(backbone_path(export_dir, self.hparams.norm), model, self.hparams.norm, config, top1)
         shown = "n/a" if top1 is None else f"{top1:.3f}"
         rank_zero_info(f"Exported backbone to {path} (norm {self.hparams.norm}, val top-1 {shown})")
         return path

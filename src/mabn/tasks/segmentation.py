@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from functools import partial
 from typing import Any
 
@@ -18,7 +18,7 @@ from ..inference import sliding_window_logits
 from ..metrics import SegmentationMetric, format_iou_table
 from ..models import PSPNet, load_backbone_into
 from . import schedules
-from .base import NormTask
+from .base import NormTask, require
 
 # Logged images wider than this are subsampled by an integer stride: a full Cityscapes frame (2048 px) and
 # its two masks would add megabytes to the run at every logged validation.
@@ -68,17 +68,8 @@ class SegmentationTask(NormTask):
         cuda_graph: bool = False,
     ) -> None:
         super().__init__()
-        if log_predictions_every_n_epochs < 0 or num_logged_predictions < 0:
-            raise ValueError(
-                "log_predictions_every_n_epochs and num_logged_predictions must be >= 0, got "
-                f"{log_predictions_every_n_epochs} and {num_logged_predictions}"
-            )
-        if log_predictions_every_n_epochs and num_classes > MAX_MASK_CLASSES:
-            raise ValueError(
-                f"num_classes={num_classes}: prediction masks hold at most {MAX_MASK_CLASSES} classes (wandb "
-                "stores them as 8-bit images); set log_predictions_every_n_epochs=0"
-            )
         self.save_hyperparameters()
+        self.check_hparams(self.hparams)
         self.model = PSPNet(num_classes, norm, norm_batch_size, norm_options, dropout=dropout)
         if backbone:
             info = load_backbone_into(self.model.encoder, backbone, norm)
@@ -88,6 +79,25 @@ class SegmentationTask(NormTask):
             rank_zero_warn("No backbone given (BACKBONE=...): the encoder starts from random weights.")
         self.val_metric = SegmentationMetric(num_classes, IGNORE_INDEX)
         self.validations_done = 0  # completed validation runs of this process (sanity checks excluded)
+
+    @classmethod
+    def check_hparams(cls, hp: Mapping[str, Any]) -> None:
+        super().check_hparams(hp)
+        require(hp["head_lr_mult"] > 0, "head_lr_mult", hp["head_lr_mult"], "must be > 0 (heads' lr = base_lr x it)")
+        require(hp["warmup_epochs"] >= 0, "warmup_epochs", hp["warmup_epochs"], "must be >= 0")
+        require(hp["poly_power"] > 0, "poly_power", hp["poly_power"], "must be > 0")
+        require(hp["aux_weight"] >= 0, "aux_weight", hp["aux_weight"], "must be >= 0")
+        require(0 <= hp["dropout"] < 1, "dropout", hp["dropout"], "must be in [0, 1)")
+        require(len(hp["eval_scales"]) > 0 and min(hp["eval_scales"]) > 0, "eval_scales", hp["eval_scales"], "> 0")
+        for name in ("log_predictions_every_n_epochs", "num_logged_predictions"):
+            require(hp[name] >= 0, name, hp[name], "must be >= 0")
+        require(
+            not hp["log_predictions_every_n_epochs"] or hp["num_classes"] <= MAX_MASK_CLASSES,
+            "num_classes",
+            hp["num_classes"],
+            f"prediction masks hold at most {MAX_MASK_CLASSES} classes (wandb stores them as 8-bit images); "
+            "set log_predictions_every_n_epochs=0",
+        )
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         images, labels = batch

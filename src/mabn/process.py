@@ -1,0 +1,26 @@
+"""Which process of a launch this is, before any process group exists, and printing once per launch."""
+
+from __future__ import annotations
+
+import os
+
+
+def launch_rank() -> int:
+    """The global rank the launcher (torchrun, srun) gave this process, before any process group exists."""
+    for var in ("RANK", "SLURM_PROCID"):
+        if os.environ.get(var, "").isdigit():
+            return int(os.environ[var])
+    return 0
+
+
+def first_process() -> bool:
+    """True in the launch's first process. Lightning's DDP re-runs the command in each further local process
+    with LOCAL_RANK set (and NODE_RANK on other nodes); torchrun and srun set RANK / SLURM_PROCID."""
+    local = os.environ.get("LOCAL_RANK", "0") == "0" and os.environ.get("NODE_RANK", "0") == "0"
+    return local and launch_rank() == 0
+
+
+def say(message: str) -> None:
+    """Print once per launch: the other processes of a launch need no second copy of the messages."""
+    if first_process():
+        print(message, flush=True)

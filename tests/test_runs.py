@@ -1,0 +1,194 @@
+"""One folder per experiment (``mabn.runs``, ``mabn.cli``): a new run never overwrites another, a restart with
+``--ckpt_path auto`` continues the same folder, CSV log and wandb run from the newest good checkpoint of the same
+task and norm, and a kill in the middle of a checkpoint write loses nothing (tests/cli_tiny.py is the task)."""
+
+from __future__ import annotations
+
+import csv
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from mabn import runs
+from mabn.errors import ConfigError
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = "cli_tiny.TinyTask"
+
+
+def _env(**extra: str) -> dict[str, str]:
+    path = os.pathsep.join([str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])
+    return {**os.environ, "PYTHONPATH": path, "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1", **extra}
+
+
+def _command(cfg: Path, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "mabn", "fit", "--config", str(cfg), *extra]
+
+
+def _config(tmp_path: Path, root: Path, slow_io: bool = False) -> Path:
+    from cli_tiny import CONFIG
+
+    text = CONFIG.format(root=root)
+    if slow_io:
+        text = text.replace("trainer:\n", "trainer:\n  plugins:\n    - class_path: cli_tiny.SlowCheckpointIO\n", 1)
+    cfg = tmp_path / f"cfg-{root.name}.yaml"
+    cfg.write_text(text)
+    return cfg
+
+
+def _run(cmd: list[str], cwd: Path, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, cwd=cwd, env=_env(**env), capture_output=True, text=True, timeout=300)
+
+
+def _rows(path: Path) -> list[dict[str, str]]:
+    with open(path, newline="") as file:
+        return list(csv.DictReader(file))
+
+
+def _snapshot(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture(autouse=True)
+def _tests_importable(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "tests"))
+
+
+def test_a_killed_run_resumes_in_its_folder_with_its_log_best_checkpoint_and_wandb_id(tmp_path):
+    straight, killed = tmp_path / "straight", tmp_path / "killed"
+    ok = _run(_command(_config(tmp_path, straight), "--ckpt_path", "auto"), tmp_path)
+    assert ok.returncode == 0, ok.stderr[-3000:]
+    assert "No checkpoint to resume" in ok.stdout
+
+    cfg = _config(tmp_path, killed)
+    dead = _run(_command(cfg, "--ckpt_path", "auto"), tmp_path, TINY_KILL_AT_STEP="10")
+    assert dead.returncode == -signal.SIGKILL
+    wandb_id = (killed / "wandb-id").read_text()
+    assert max(int(r["step"]) for r in _rows(killed / "metrics.csv")) >= 8  # rows logged after the step-8 checkpoint
+    again = _run(_command(cfg, "--ckpt_path", "auto"), tmp_path)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "Resuming from" in again.stdout and "(epoch 1, step 8)" in again.stdout
+    assert (killed / "wandb-id").read_text() == wandb_id  # the same wandb run continues
+
+    # One CSV log, cut back to the checkpoint and continued: row for row the uninterrupted run's.
+    assert _rows(killed / "metrics.csv") == _rows(straight / "metrics.csv")
+    a, b = (torch.load(f / "checkpoints" / "last.ckpt", weights_only=True) for f in (straight, killed))
+    for key, value in a["state_dict"].items():
+        assert torch.equal(b["state_dict"][key], value), key
+    best = [next(v for k, v in c["callbacks"].items() if k.startswith("ModelCheckpoint")) for c in (a, b)]
+    assert best[1]["best_model_score"] == best[0]["best_model_score"]  # the best survives the restart
+    assert Path(best[1]["best_model_path"]).parent == killed / "checkpoints"
+    assert {p.name for p in (killed / "checkpoints").iterdir()} == {
+        p.name for p in (straight / "checkpoints").iterdir()
+    }
+
+
+def test_a_new_run_never_overwrites_the_run_in_its_folder(tmp_path):
+    folder = tmp_path / "run"
+    cfg = _config(tmp_path, folder)
+    assert _run(_command(cfg, "--trainer.max_epochs", "1"), tmp_path).returncode == 0
+    before = _snapshot(folder)
+    second = _run(_command(cfg, "--trainer.max_epochs", "1"), tmp_path)
+    assert second.returncode == 2
+    assert second.stderr.strip().splitlines()[-1].startswith(f"error: {folder} already holds a run")
+    assert _snapshot(folder) == before
+
+
+def test_a_kill_during_a_checkpoint_write_leaves_the_previous_checkpoint(tmp_path):
+    """The run folder on a tmpfs, $TMPDIR on the disk: a write that went through $TMPDIR and a copy would not be
+    atomic here. The kill lands after the new checkpoint's bytes are written and before the rename."""
+    shm = Path("/dev/shm")
+    if not shm.is_dir():
+        pytest.skip("no tmpfs at /dev/shm on this machine")
+    scratch = Path(tempfile.mkdtemp(dir=shm))
+    try:
+        folder = scratch / "run"
+        assert os.stat(scratch).st_dev != os.stat(tmp_path).st_dev
+        marker = tmp_path / "saving"
+        cfg = _config(tmp_path, folder, slow_io=True)
+        env = _env(TMPDIR=str(tmp_path), TINY_SLOW_SAVE_AT_STEP="8", TINY_SAVING_MARKER=str(marker))
+        proc = subprocess.Popen(_command(cfg, "--ckpt_path", "auto"), cwd=tmp_path, env=env, text=True,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT)  # fmt: skip
+        deadline = time.monotonic() + 240
+        while not marker.exists():
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read()[-3000:]
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        proc.stdout.close()
+
+        assert runs.stale_temporaries(folder)  # the cut-off write, under its temporary name only
+        for ckpt in (folder / "checkpoints").glob("*.ckpt"):
+            assert torch.load(ckpt, weights_only=True)["global_step"] == 4, ckpt  # the previous, whole
+        again = _run(_command(cfg, "--ckpt_path", "auto"), tmp_path, TMPDIR=str(tmp_path))
+        assert again.returncode == 0, again.stderr[-3000:]
+        assert "(epoch 0, step 4)" in again.stdout and "left by a write that did not finish" in again.stdout
+        assert not runs.stale_temporaries(folder)
+        assert torch.load(folder / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 16
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+# ------------------------------------------------------------------------------ which checkpoint, in-process
+def _save(path: Path, step: int, mtime: int, norm: str = "mabn", task: str = TINY) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    hparams = {"norm": norm, "_class_path": task}
+    torch.save({"state_dict": {}, "hyper_parameters": hparams, "epoch": 0, "global_step": step}, path)
+    os.utime(path, (mtime, mtime))
+    return path
+
+
+def test_auto_picks_the_newest_readable_checkpoint_of_the_same_task_and_norm(tmp_path):
+    said: list[str] = []
+    identity = runs.Identity(TINY, "mabn")
+    _save(tmp_path / "checkpoints" / "last.ckpt", 100, 1000)
+    hpc = _save(tmp_path / "hpc_ckpt_1.ckpt", 200, 2000)
+    _save(tmp_path / "checkpoints" / "other-norm.ckpt", 300, 3000, norm="bn")
+    _save(tmp_path / "checkpoints" / "other-task.ckpt", 400, 4000, task="mabn.tasks.ClassificationTask")
+    cut = tmp_path / "checkpoints" / "cut.ckpt"
+    cut.write_bytes(hpc.read_bytes()[:100])
+    os.utime(cut, (5000, 5000))
+    (tmp_path / "checkpoints" / "dangling.ckpt").symlink_to(tmp_path / "gone.ckpt")
+
+    plan = runs.plan(tmp_path, "auto", identity, say=said.append)
+    assert plan.resume.path == hpc and plan.resume.step == 200
+    text = "\n".join(said)
+    for name, why in [("dangling", "target is gone"), ("cut", "not a readable checkpoint"),
+                      ("other-task", "ClassificationTask"), ("other-norm", "norm 'bn'")]:  # fmt: skip
+        assert any(name in line and why in line for line in said), (name, text)
+    assert runs.plan(tmp_path / "new", "auto", identity, say=said.append).resume is None
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (lambda p: p.write_bytes(b"cut short"), "is not a readable checkpoint"),
+        (lambda p: _save(p, 1, 1, norm="gn"), "trained with norm 'gn'"),
+        (lambda p: _save(p, 1, 1, task="mabn.tasks.ClassificationTask"), "written by mabn.tasks.ClassificationTask"),
+        (lambda p: None, "checkpoint not found"),
+    ],
+    ids=["truncated", "other-norm", "other-stage", "missing"],
+)
+def test_an_explicit_checkpoint_that_does_not_fit_is_refused(tmp_path, make, message):
+    path = tmp_path / "given.ckpt"
+    make(path)
+    with pytest.raises(ConfigError, match=message):
+        runs.plan(tmp_path / "run", str(path), runs.Identity(TINY, "mabn"))
+
+
+def test_cut_metrics_keeps_the_rows_from_before_the_resumed_step(tmp_path):
+    path = tmp_path / "metrics.csv"
+    path.write_text("step,train/loss,val/acc\n3,0.5,\n4,,0.75\n5,0.4,\n")
+    runs.cut_metrics(path, 5)
+    assert _rows(path) == [
+        {"step": "3", "train/loss": "0.5", "val/acc": ""},
+        {"step": "4", "train/loss": "", "val/acc": "0.75"},
+    ]
