@@ -4,21 +4,24 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-# The two stages. DATA: dataset root (absent: the demo profile on generated data); NORM: bn, syncbn, gn,
-# brn, mabn or an ablation preset; GPUS per node (0: CPU; without CUDA, GPUS CPU processes under DDP) and
-# NODES pick a preset in configs/trainer/; BACKBONE: stage-1 file for stage 2; RESUME: auto (the newest
-# checkpoint of the stage and norm, if any) or a checkpoint path; ARGS: further LightningCLI arguments,
-# e.g. ARGS="--trainer.max_epochs 10".
+# The two stages. DATA: dataset root (absent: the demo profile on generated data; a DATA without the dataset's
+# layout is an error); NORM: bn, syncbn, gn, brn, mabn or an ablation preset; GPUS per node (0: CPU; without
+# CUDA, GPUS CPU processes under DDP) and NODES pick a preset in configs/trainer/; BACKBONE: stage-1 file for
+# stage 2; RUN_DIR: the experiment folder (default runs/<stage>/<norm>, runs/demo/<stage>/<norm> for the demo);
+# RESUME: auto (the newest checkpoint of the experiment folder, if any) or a checkpoint path; ARGS: further
+# LightningCLI arguments, e.g. ARGS="--trainer.max_epochs 10".
 NORM     ?= mabn
 DATA     ?=
 GPUS     ?= 0
 NODES    ?= 1
 BACKBONE ?=
 RESUME   ?=
+RUN_DIR  ?=
 ARGS     ?=
 CKPT     ?=
 NORM_ARGS  = --norm $(NORM) $(if $(DATA),--data "$(DATA)") $(if $(BACKBONE),--backbone "$(BACKBONE)")
-STAGE_ARGS = $(NORM_ARGS) --gpus $(GPUS) --nodes $(NODES) $(if $(RESUME),--resume "$(RESUME)") -- $(ARGS)
+STAGE_ARGS = $(NORM_ARGS) --gpus $(GPUS) --nodes $(NODES) $(if $(RESUME),--resume "$(RESUME)") \
+	$(if $(RUN_DIR),--run-dir "$(RUN_DIR)") -- $(ARGS)
 # make slurm: the STAGE to submit; DRY_RUN=1 prints the sbatch and srun commands and checks the Trainer arguments.
 STAGE    ?= cityscapes
 DRY_RUN  ?=
@@ -62,12 +65,12 @@ slurm: $(STAMP)
 
 # A trained checkpoint -> folded TorchScript and ONNX models beside it (checked before they are written).
 export: $(STAMP)
-	@test -n "$(CKPT)" || { echo "usage: make export CKPT=runs/cityscapes/checkpoints/<file>.ckpt [ARGS=...]"; exit 2; }
+	@test -n "$(CKPT)" || { echo "usage: make export CKPT=runs/cityscapes/mabn/checkpoints/<file>.ckpt [ARGS=...]"; exit 2; }
 	$(PY) -m mabn export "$(CKPT)" $(ARGS)
 
 # A run's figures from its CSV log (per-layer norm statistics, training curves) as PNG files in $(RUN)/plots
-# or OUT; RUN is a stage folder (the latest csv/version_N is used) or one csv/version_N folder.
-RUN ?= runs/cityscapes
+# or OUT; RUN is an experiment folder (default: the demo run of make cityscapes with NORM).
+RUN ?= runs/demo/cityscapes/$(NORM)
 OUT ?=
 plots: $(STAMP)
 	$(PY) -m mabn.plots "$(RUN)" $(if $(OUT),--out "$(OUT)")

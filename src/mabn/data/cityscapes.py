@@ -59,6 +59,7 @@ def _train_id_table() -> tuple[np.ndarray, tuple[str, ...]]:
 
 
 TRAIN_ID_LUT, CLASS_NAMES = _train_id_table()
+MAX_LABEL_ID = max(cls.id for cls in Cityscapes.classes)  # 33: labelIds above it are in no Cityscapes table
 NUM_CLASSES = len(CLASS_NAMES)
 
 
@@ -168,7 +169,14 @@ class CityscapesDataset(Dataset):
             raise DatasetError(
                 f"size mismatch: image {sample.image} is {iw}x{ih} but label {sample.label} is {lw}x{lh} (WxH)"
             )
-        return image, label_ids_to_train_ids(label)
+        train = label_ids_to_train_ids(label)
+        if not (train != IGNORE_INDEX).any() and label.max() > MAX_LABEL_ID:
+            unknown = np.unique(label[label > MAX_LABEL_ID])
+            raise DatasetError(
+                f"label file {sample.label} holds no Cityscapes class: its ids {unknown[:5].tolist()} are outside "
+                f"the labelIds 0..{MAX_LABEL_ID} (expected *{LABEL_SUFFIX}, not a trainIds or colour image)"
+            )
+        return image, train
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         image, label = self.read_pair(index)

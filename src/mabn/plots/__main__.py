@@ -16,7 +16,7 @@ def main(argv: list[str] | None = None) -> int:
         "of a run, as PNG files, from the run's CSV log.",
     )
     parser.add_argument(
-        "run", type=Path, help="a run folder (e.g. runs/cityscapes), a csv/version_N folder or a metrics.csv"
+        "run", type=Path, help="a run folder (e.g. runs/cityscapes/mabn), a folder above runs, or a metrics.csv"
     )
     parser.add_argument("--out", type=Path, help="where to write the PNG files (default: <run>/plots)")
     args = parser.parse_args(argv)

@@ -33,9 +33,9 @@ class Series:
 def find_metrics(path: Path) -> tuple[Path, list[Path]]:
     """The ``metrics.csv`` to plot for ``path``, and every one found there.
 
-    ``path`` may be the file itself, a CSVLogger version folder (``runs/<stage>/csv/version_N``) or any
-    folder above one (``runs/<stage>``). With several versions the latest is chosen: the highest N, then
-    the newest file, as a re-run of the same command writes the next version.
+    ``path`` may be the file itself, a run folder (``runs/<stage>/<norm>``, which holds ``metrics.csv``) or
+    any folder above runs (``runs/<stage>``). With several logs the latest is chosen: the highest
+    ``version_N`` of Lightning's own CSVLogger folders, then the newest file.
     """
     if path.is_file():
         return path, [path]
@@ -45,7 +45,7 @@ def find_metrics(path: Path) -> tuple[Path, list[Path]]:
         return path / "metrics.csv", [path / "metrics.csv"]
     found = [p for p in path.rglob("metrics.csv") if "plots" not in p.relative_to(path).parts]
     if not found:
-        raise PlotError(f"no metrics.csv under {path} (expected the CSV logger's csv/version_N/metrics.csv)")
+        raise PlotError(f"no metrics.csv under {path} (expected the run folder's metrics.csv)")
     found.sort(key=_version_order)
     return found[-1], found
 

@@ -102,8 +102,7 @@ class SegmentationTask(NormTask):
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         images, labels = batch
         out, aux = self.training_forward(images)
-        main_loss = F.cross_entropy(out, labels, ignore_index=IGNORE_INDEX)
-        aux_loss = F.cross_entropy(aux, labels, ignore_index=IGNORE_INDEX)
+        main_loss, aux_loss = pixel_loss(out, labels), pixel_loss(aux, labels)
         loss = main_loss + self.hparams.aux_weight * aux_loss
         self.log_dict({"train/loss": loss, "train/main_loss": main_loss, "train/aux_loss": aux_loss}, prog_bar=True)
         return loss
@@ -192,6 +191,13 @@ class SegmentationTask(NormTask):
         Valid once ``estimated_stepping_batches`` has loaded the train loader."""
         trainer = self.trainer
         return max(1, math.ceil(trainer.num_training_batches / trainer.accumulate_grad_batches))
+
+
+def pixel_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy averaged over the labelled pixels (``IGNORE_INDEX`` left out), and 0 for a batch without
+    any, where the mean over no pixel would be NaN and poison the weights (a crop of void only)."""
+    total = F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="sum")
+    return total / (labels != IGNORE_INDEX).sum().clamp(min=1)
 
 
 def _display_stride(width: int) -> int:

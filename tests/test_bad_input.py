@@ -1,0 +1,186 @@
+"""Bad input, as a user types it, through the real entry points (``python -m mabn <stage>``, ``export``,
+``mabn.plots``): each case ends with exit code 2 and one ``error:`` line naming the culprit, and changes no file
+outside the run's own folder (no demo data, no backbone, no other run). Grayscale and RGBA images train.
+
+The configuration cases are refused before any model is built; the dataset cases build the model and stop at the
+first read of the broken file, so they use a tiny crop and one step.
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from mabn import launch
+from mabn.data import demo_cityscapes, demo_imagenet
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+TINY_FIT = [
+    "--trainer.max_steps", "1", "--trainer.limit_val_batches", "1", "--trainer.num_sanity_val_steps", "1",
+    "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false",
+    "--data.init_args.num_workers", "0",
+]  # fmt: skip
+CITYSCAPES_FIT = [*TINY_FIT, "--data.init_args.global_batch_size", "2", "--data.init_args.crop_size", "32"]
+IMAGENET_FIT = [*TINY_FIT, "--data.init_args.batch_size", "2", "--data.init_args.image_size", "32",
+                "--data.init_args.val_resize", "36"]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def sets(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("sets")
+    return {
+        "cityscapes": demo_cityscapes.generate(root / "cs", n_train=2, n_val=1, size=(32, 64)),
+        "imagenet": demo_imagenet.generate(root / "in", n_train=2, n_val=1, size=36),
+    }
+
+
+@pytest.fixture
+def work(tmp_path, sets, monkeypatch) -> Path:
+    """A working folder with a copy of both small sets, as the current directory."""
+    for name, src in sets.items():
+        shutil.copytree(src, tmp_path / name)
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+def _snapshot(root: Path, skip: Path) -> dict[str, bytes]:
+    return {
+        str(p.relative_to(root)): p.read_bytes()
+        for p in sorted(root.rglob("*"))
+        if p.is_file() and skip not in p.parents
+    }
+
+
+def _first(folder: Path, pattern: str) -> Path:
+    return sorted(folder.rglob(pattern))[0]
+
+
+def _ckpt(path: Path, class_path: str, norm: str = "mabn") -> None:
+    torch.save(
+        {"state_dict": {}, "hyper_parameters": {"norm": norm, "_class_path": class_path}, "global_step": 1}, path
+    )
+
+
+def _truncate(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 3])
+
+
+def _label(path: Path, fill: int | None = None, size: tuple[int, int] | None = None) -> None:
+    label = np.asarray(Image.open(path))
+    if size is not None:
+        label = np.zeros(size, np.uint8) + 7
+    if fill is not None:
+        label = np.full_like(label, fill)
+    Image.fromarray(label).save(path)
+
+
+def _other_run_backbone(w: Path) -> None:
+    (w / "pretrain/demo").mkdir(parents=True)
+    torch.save({"config": {"run_dir": "runs/demo/pretrain/first"}}, w / "pretrain/demo/resnet101-mabn.pt")
+
+
+def _occupied(w: Path) -> None:
+    (w / "runs/demo/cityscapes/mabn/checkpoints").mkdir(parents=True)
+    _ckpt(w / "runs/demo/cityscapes/mabn/checkpoints/last.ckpt", "mabn.tasks.SegmentationTask")
+
+
+CS, IN = "cityscapes", "imagenet"
+SEG, CLS = "mabn.tasks.SegmentationTask", "mabn.tasks.ClassificationTask"
+
+# (id, entry, argv (with {w}: the working folder), setup, expected text in the error line)
+CASES: list[tuple[str, str, list[str], Callable[[Path], None] | None, str]] = [
+    ("data-typo", "pretrain", ["--data", "{w}/imagenett"], None, "imagenett: no such folder"),
+    ("missing-split-folder", CS, ["--data", "{w}/cityscapes"],
+     lambda w: shutil.rmtree(w / "cityscapes/gtFine"), "missing folder {w}/cityscapes/gtFine"),
+    ("unknown-norm", CS, ["--norm", "mabm"], None, "NORM=mabm: unknown norm"),
+    ("unknown-norm-dry-run", CS, ["--norm", "mabm", "--dry-run"], None, "NORM=mabm: unknown norm"),
+    ("negative-base-lr", CS, ["--", "--model.init_args.base_lr", "-0.01"], None, "base_lr=-0.01: must be > 0"),
+    ("negative-head-lr-mult", CS, ["--", "--model.init_args.head_lr_mult", "-1"], None, "head_lr_mult=-1.0"),
+    ("batch-not-whole-ghost-batches", CS, ["--", "--data.init_args.global_batch_size", "6",
+     "--model.init_args.norm_batch_size", "4"], None, "per-device batch of 6 does not split"),
+    ("global-batch-over-devices", CS, ["--gpus", "3", "--dry-run"], None, "global_batch_size=8 does not split over 3"),
+    ("syncbn-on-cpu", CS, ["--norm", "syncbn"], None, "NORM=syncbn synchronizes BatchNorm"),
+    ("missing-backbone", CS, ["--backbone", "{w}/pretrain/nope.pt"], None, "BACKBONE={w}/pretrain/nope.pt: no such"),
+    ("truncated-resume", CS, ["--resume", "{w}/cut.ckpt"],
+     lambda w: (_ckpt(w / "cut.ckpt", SEG), _truncate(w / "cut.ckpt")), "cut.ckpt is not a readable checkpoint"),
+    ("foreign-stage-resume", CS, ["--resume", "{w}/stage1.ckpt"],
+     lambda w: _ckpt(w / "stage1.ckpt", CLS), f"written by {CLS}"),
+    ("new-run-over-a-run", CS, [], _occupied, "runs/demo/cityscapes/mabn already holds a run"),
+    ("backbone-of-another-run", "pretrain", [], _other_run_backbone, "holds the backbone of another run"),
+    ("truncated-backbone", CS, ["--data", "{w}/cityscapes", "--backbone", "{w}/b.pt", "--", *CITYSCAPES_FIT],
+     lambda w: (w.joinpath("b.pt").write_bytes(b"\x80\x02cut"),), "b.pt is not a readable backbone file"),
+    ("image-without-label", CS, ["--data", "{w}/cityscapes", "--", *CITYSCAPES_FIT],
+     lambda w: _first(w / "cityscapes/gtFine/val", "*.png").unlink(), "has no label file"),
+    ("label-of-another-size", CS, ["--data", "{w}/cityscapes", "--", *CITYSCAPES_FIT],
+     lambda w: _label(_first(w / "cityscapes/gtFine/val", "*.png"), size=(16, 16)), "size mismatch"),
+    ("truncated-png", CS, ["--data", "{w}/cityscapes", "--", *CITYSCAPES_FIT],
+     lambda w: _truncate(_first(w / "cityscapes/leftImg8bit/val", "*.png")), "cannot read image file"),
+    ("label-ids-outside-the-table", CS, ["--data", "{w}/cityscapes", "--", *CITYSCAPES_FIT],
+     lambda w: _label(_first(w / "cityscapes/gtFine/val", "*.png"), fill=200), "holds no Cityscapes class"),
+    ("empty-split", CS, ["--data", "{w}/cityscapes", "--", *CITYSCAPES_FIT],
+     lambda w: [p.unlink() for p in (w / "cityscapes/leftImg8bit/val").rglob("*.png")], "no images matching"),
+    ("empty-class-folder", "pretrain", ["--data", "{w}/imagenet", "--", *IMAGENET_FIT],
+     lambda w: [p.unlink() for p in sorted((w / "imagenet/val").iterdir())[0].iterdir()], "holds no images"),
+    ("truncated-image", "pretrain", ["--data", "{w}/imagenet", "--", *IMAGENET_FIT],
+     lambda w: _truncate(_first(w / "imagenet/val", "*.png")), "cannot read image"),
+    ("export-truncated-checkpoint", "export", ["{w}/cut.ckpt"],
+     lambda w: (_ckpt(w / "cut.ckpt", SEG), _truncate(w / "cut.ckpt")), "cut.ckpt"),
+    ("export-foreign-file", "export", ["{w}/b.pt"],
+     lambda w: torch.save({"format": "mabn-backbone"}, w / "b.pt"), "b.pt"),
+    ("plots-without-log", "plots", ["{w}/runs/nothing"],
+     lambda w: (w / "runs/nothing").mkdir(parents=True), "no metrics.csv under"),
+]  # fmt: skip
+
+
+def _main(entry: str) -> Callable[[list[str]], object]:
+    if entry == "export":
+        from mabn import export
+
+        return export.main
+    if entry == "plots":
+        from mabn.plots.__main__ import main
+
+        return lambda argv: sys.exit(main(argv))  # as python -m mabn.plots ends
+    return lambda argv: launch.main([entry, *argv])
+
+
+@pytest.mark.parametrize(("entry", "argv", "setup", "expected"), [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_bad_input_is_one_error_line_and_changes_nothing_else(work, capsys, entry, argv, setup, expected):
+    if setup is not None:
+        setup(work)
+    stage = entry if entry in launch.PROFILES else None
+    norm = argv[argv.index("--norm") + 1] if "--norm" in argv else "mabn"
+    demo = "--data" not in argv
+    run = work / "runs" / ("demo" if demo else "") / (stage or "none") / norm
+    before = _snapshot(work, run)
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:
+        _main(entry)([a.format(w=work) for a in argv])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_info.value.code == 2, err[-10:]
+    errors = [line for line in err if line.startswith("error: ")]
+    assert len(errors) == 1 and errors[0] == err[-1], err[-10:]
+    assert expected.format(w=work) in errors[0]
+    assert _snapshot(work, run) == before  # nothing outside the run's folder: no demo data, backbone or other run
+    assert not (work / "data").exists()
+
+
+def test_grayscale_and_rgba_images_train(work, capsys):
+    city = work / "cityscapes/leftImg8bit"
+    gray, rgba = sorted(city.rglob("*.png"))[:2]
+    Image.open(gray).convert("L").save(gray)
+    Image.open(rgba).convert("RGBA").save(rgba)
+    pictures = work / "imagenet/train"
+    Image.open(_first(pictures, "*.png")).convert("L").save(_first(pictures, "*.png"))
+    launch.main([CS, "--data", str(work / "cityscapes"), "--norm", "gn", "--", *CITYSCAPES_FIT])
+    assert (work / "runs/cityscapes/gn/checkpoints/last.ckpt").is_file()
+    launch.main(["pretrain", "--data", str(work / "imagenet"), "--norm", "gn", "--", *IMAGENET_FIT])
+    assert (work / "runs/pretrain/gn/checkpoints/last.ckpt").is_file()
