@@ -32,8 +32,11 @@ from mabn.callbacks import AgreedRequeue, FailFast, RandomStateCallback
 from mabn.callbacks.failfast import one_line
 from mabn.callbacks.mabn import STREAMS_KEY
 from mabn.callbacks.rng import RNG_KEY
+from mabn.cli import run_cli
 from mabn.data.loading import make_loader
 from mabn.metrics import SegmentationMetric
+from mabn.tasks import ClassificationTask
+from test_ddp import CLI_CONFIG, Tiny, _dataset  # Tiny: MABN2d and BatchRenorm2d, so checkpoints gather streams
 
 WORLD = 2
 FAIL_AT_STEP = 3
@@ -49,8 +52,6 @@ def _trainer(root: Path, callbacks: list[pl.Callback], max_steps: int) -> pl.Tra
 
 
 def _train_loader() -> DataLoader:
-    from test_ddp import _dataset  # the worker runs from this folder
-
     return DataLoader(_dataset(32), batch_size=4)  # 4 batches per process and epoch
 
 
@@ -117,8 +118,6 @@ class SignalProbe(pl.Callback):
 
 
 def _worker(scenario: str, root: Path) -> None:
-    from test_ddp import Tiny  # conv, MABN2d, BatchRenorm2d: checkpoints gather random states and streams
-
     if scenario == "sigusr1":
         log = root / "requeue.log"
         command = [sys.executable, "-c", f"import sys; open({str(log)!r}, 'a').write(sys.argv[1] + '\\n')"]
@@ -186,6 +185,18 @@ def test_when_rank_1_raises_every_rank_ends_within_a_minute_naming_the_error(tmp
 def test_one_line_keeps_the_type_and_the_first_line():
     assert one_line(ValueError("\n  bad pixel  \nTraceback ...")) == "ValueError: bad pixel"
     assert one_line(KeyError()) == "KeyError"
+    from_worker = "Caught ValueError in DataLoader worker process 0.\nOriginal Traceback:\n  ...\nValueError: bad pixel"
+    assert one_line(ValueError(from_worker)) == "ValueError: bad pixel"
+
+
+def test_the_cli_guards_every_trainer_once(tmp_path):
+    """Every trainer the CLI builds gets the guards; one the user configured is not added twice."""
+    (tmp_path / "cfg.yaml").write_text(CLI_CONFIG)
+    mine = "{class_path: mabn.callbacks.FailFast, init_args: {grace_s: 5}}"
+    trainer = run_cli(["--config", str(tmp_path / "cfg.yaml"), "--trainer.callbacks+", mine], run=False).trainer
+    kinds = [type(c) for c in trainer.callbacks]
+    assert kinds.count(FailFast) == kinds.count(AgreedRequeue) == kinds.count(RandomStateCallback) == 1
+    assert next(c for c in trainer.callbacks if isinstance(c, FailFast)).grace_s == 5
 
 
 # --------------------------------------------------------------------------- SLURM's requeue signal
@@ -211,15 +222,29 @@ def test_requeue_signal_saves_one_checkpoint_at_an_agreed_step_without_collectiv
 N_VAL, CLASSES = 7, 3  # 7 samples: 4 on rank 0, 3 on rank 1
 
 
-class Indexed(Dataset):
-    """Sample i: a random image, a random label map, and i (to see which process read it)."""
+def _sample(i: int, target_shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(i)
+    return torch.randn(3, 4, 4, generator=gen), torch.randint(0, CLASSES, target_shape, generator=gen)
+
+
+class LabelMaps(Dataset):
+    """Sample i: an image, its label map, and i (to see which process read it)."""
 
     def __len__(self) -> int:
         return N_VAL
 
     def __getitem__(self, i: int):
-        gen = torch.Generator().manual_seed(i)
-        return torch.randn(3, 4, 4, generator=gen), torch.randint(0, CLASSES, (4, 4), generator=gen), i
+        return (*_sample(i, (4, 4)), i)
+
+
+class Labels(Dataset):
+    """Sample i: an image and its class."""
+
+    def __len__(self) -> int:
+        return N_VAL
+
+    def __getitem__(self, i: int):
+        return _sample(i, ())
 
 
 class TinySegmenter(pl.LightningModule):
@@ -234,7 +259,7 @@ class TinySegmenter(pl.LightningModule):
         self.seen: list[int] = []
 
     def val_dataloader(self) -> DataLoader:
-        return make_loader(Indexed(), batch_size=2, train=False, num_workers=0)
+        return make_loader(LabelMaps(), batch_size=2, train=False, num_workers=0)
 
     def validation_step(self, batch, batch_idx):
         images, labels, index = batch
@@ -246,25 +271,54 @@ class TinySegmenter(pl.LightningModule):
         Path(self.out, f"seen-rank{self.global_rank}.json").write_text(json.dumps(self.seen))
 
 
+class TinyClassifier(ClassificationTask):
+    """ClassificationTask's validation (loss, top-1, top-5) around a linear layer."""
+
+    def __init__(self) -> None:
+        super().__init__(num_classes=CLASSES, export_dir=None)
+
+    def build_model(self) -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Flatten(), nn.Linear(48, CLASSES))
+
+    def val_dataloader(self) -> DataLoader:
+        return make_loader(Labels(), batch_size=2, train=False, num_workers=0)
+
+
+def _validate(model: pl.LightningModule, devices: int) -> dict[str, float]:
+    kwargs = dict(accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False)
+    strategy = "ddp_spawn" if devices > 1 else "auto"
+    return pl.Trainer(devices=devices, strategy=strategy, **kwargs).validate(model, verbose=False)[0]
+
+
 def test_validation_counts_each_sample_of_an_odd_split_once_on_two_processes(tmp_path, monkeypatch):
     """The 2 processes read samples 0, 2, 4, 6 and 1, 3, 5 (none repeated to fill rank 1's last batch), and
-    their mIoU equals 1 process's over the 7 samples."""
+    their mIoU equals 1 process's over the 7 samples, where Lightning's padding would score sample 0 twice."""
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     monkeypatch.setenv("MASTER_PORT", str(find_free_network_port()))
-    kwargs = dict(accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False)
-    one = pl.Trainer(devices=1, **kwargs).validate(TinySegmenter(str(tmp_path)), verbose=False)
-    two = pl.Trainer(devices=WORLD, strategy="ddp_spawn", **kwargs).validate(
-        TinySegmenter(str(tmp_path)), verbose=False
-    )
+    one = _validate(TinySegmenter(str(tmp_path)), 1)
+    two = _validate(TinySegmenter(str(tmp_path)), WORLD)
     seen = [json.loads((tmp_path / f"seen-rank{r}.json").read_text()) for r in range(WORLD)]
     assert seen == [[0, 2, 4, 6], [1, 3, 5]]
-    assert two[0]["val/miou"] == pytest.approx(one[0]["val/miou"], abs=1e-6)
-    padded = SegmentationMetric(CLASSES)  # what Lightning's DistributedSampler scores: sample 0 twice
+    assert two["val/miou"] == pytest.approx(one["val/miou"], abs=1e-6)
+    padded = SegmentationMetric(CLASSES)
     model = TinySegmenter(str(tmp_path))
     for i in [*range(N_VAL), 0]:
-        image, label, _ = Indexed()[i]
+        image, label, _ = LabelMaps()[i]
         padded.update(model.conv(image[None]).argmax(1), label[None])
-    assert padded.compute()["miou"].item() != pytest.approx(one[0]["val/miou"], abs=1e-6)
+    assert padded.compute()["miou"].item() != pytest.approx(one["val/miou"], abs=1e-6)
+
+
+def test_classification_validation_of_an_odd_split_on_two_processes_equals_one_process(monkeypatch):
+    """Loss, top-1 and top-5 of ClassificationTask over 7 samples: 4 on one device, 3 on the other. The loss
+    is a mean over samples, exact only when the devices' sample counts are summed, not averaged."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.setenv("MASTER_PORT", str(find_free_network_port()))
+    one = _validate(TinyClassifier(), 1)
+    two = _validate(TinyClassifier(), WORLD)
+    assert set(one) == {"val/loss", "val/top1", "val/top5"}
+    for key, value in one.items():
+        assert two[key] == pytest.approx(value, abs=1e-6), key
 
 
 if __name__ == "__main__":

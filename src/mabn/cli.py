@@ -15,7 +15,7 @@ import pytorch_lightning as pl
 from pytorch_lightning.cli import LightningCLI
 
 from . import resume
-from .callbacks import RandomStateCallback
+from .callbacks import AgreedRequeue, FailFast, RandomStateCallback
 from .callbacks.distributed import end_process_group_at_exit
 from .data.errors import DatasetError
 from .models import BackboneError
@@ -28,8 +28,10 @@ class MabnCLI(LightningCLI):
 
     def instantiate_trainer(self, **kwargs: Any) -> pl.Trainer:
         trainer = super().instantiate_trainer(**kwargs)
-        if not any(isinstance(c, RandomStateCallback) for c in trainer.callbacks):
-            trainer.callbacks.append(RandomStateCallback())
+        # Exact resume; a failing DDP process stops all; SLURM's requeue checkpoint at an agreed step.
+        for callback in (RandomStateCallback(), FailFast(), AgreedRequeue()):
+            if not any(isinstance(c, type(callback)) for c in trainer.callbacks):
+                trainer.callbacks.append(callback)
         return trainer
 
     def before_fit(self) -> None:

@@ -30,9 +30,14 @@ STORE_GONE = "rank 0 is gone (the process group's store does not answer)"
 
 
 def one_line(err: BaseException) -> str:
-    """``Type: first line of the message``: tracebacks of DataLoader workers and C++ errors span many lines."""
-    lines = [line for line in str(err).splitlines() if line.strip()]
-    return f"{type(err).__name__}: {lines[0].strip()}" if lines else type(err).__name__
+    """``Type: message`` on one line: the first line of the message, or for an error re-raised from a
+    DataLoader worker ("Caught ... in DataLoader worker process N", then its traceback) the original's."""
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    if not lines:
+        return type(err).__name__
+    if len(lines) > 1 and lines[0].startswith("Caught "):
+        return f"{type(err).__name__}: {lines[-1].split(': ', 1)[-1]}"
+    return f"{type(err).__name__}: {lines[0]}"
 
 
 class FailFast(pl.Callback):
@@ -106,6 +111,9 @@ class FailFast(pl.Callback):
                     continue  # this process's own error: on_exception handles it
                 store.add(SEEN_KEY, 1)
             except Exception:
-                message = STORE_GONE
+                # Silent until the grace ends: at the end of a successful run rank 0 may exit first, and this
+                # process's teardown then stops the watcher before the grace is over.
+                self._stop_within_grace(STORE_GONE)
+                continue
             print(f"[rank {rank()}] {message}: stopping", file=sys.stderr, flush=True)
             self._stop_within_grace(message)
