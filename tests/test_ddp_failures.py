@@ -71,6 +71,17 @@ class RaiseOnRank1(pl.Callback):
             raise ValueError(f"{ERROR}\n(second line of the message)")
 
 
+class KillRank0(pl.Callback):
+    """At step FAIL_AT_STEP rank 0 is killed (as the kernel's out-of-memory killer would) while rank 1 is
+    busy for 40 s outside any collective, so only the store can tell it."""
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step == FAIL_AT_STEP:
+            if trainer.global_rank == 0:
+                os.kill(os.getpid(), signal.SIGKILL)
+            time.sleep(40)
+
+
 class SignalProbe(pl.Callback):
     """Sends this process SIGUSR1 at the start of batch ``at[rank]``, records every collective called while a
     SIGUSR1 handler runs and the global step of every checkpoint this process takes part in."""
@@ -124,6 +135,8 @@ def _worker(scenario: str, root: Path) -> None:
         probe = SignalProbe(root, at=(3, 1))  # rank 1 first, at batch 1; rank 0 at batch 3
         callbacks = [AgreedRequeue(requeue_command=command), RandomStateCallback(), probe]
         _trainer(root, callbacks, max_steps=4).fit(Tiny(), _train_loader())
+    elif scenario == "rank0-killed":
+        _trainer(root, [FailFast(grace_s=5), KillRank0()], max_steps=8).fit(Tiny(), _train_loader())
     else:
         callbacks = [FailFast(), RandomStateCallback(), RaiseOnRank1(hang=scenario == "raise-and-hang")]
         _trainer(root, callbacks, max_steps=8).fit(Tiny(), _train_loader())
@@ -180,6 +193,15 @@ def test_when_rank_1_raises_every_rank_ends_within_a_minute_naming_the_error(tmp
     else:  # nothing fails rank 0's all-reduce, nor ends rank 1: both are ended after the grace period
         for r in range(WORLD):
             assert f"[rank {r}] {named}: ending this process" in results[r][2], (r, results[r][2][-2000:])
+
+
+def test_when_rank_0_is_killed_the_others_end_after_the_grace(tmp_path):
+    """Rank 0 dies without a word and takes the store with it; rank 1, busy outside any collective for 40 s,
+    is ended within the 5 s grace after noticing, saying why."""
+    (code0, seconds0, _), (code1, seconds1, output1) = _run_ranks("rank0-killed", tmp_path, TORCHRUN_LIKE)
+    assert code0 == -signal.SIGKILL and code1 == 1, output1[-2000:]
+    assert seconds1 - seconds0 < 15, f"rank 1 ended {seconds1 - seconds0:.0f} s after rank 0"
+    assert "[rank 1] rank 0 is gone (the process group's store does not answer): ending this process" in output1
 
 
 def test_one_line_keeps_the_type_and_the_first_line():
