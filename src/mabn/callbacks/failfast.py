@@ -56,6 +56,7 @@ class FailFast(pl.Callback):
         if world_size() < 2 or self._store is not None:
             return
         self._store = dist.distributed_c10d._get_default_store()
+        self._failure = self._deadline = None  # a grace armed as a previous stage ended no longer applies
         self._stop = threading.Event()  # one per watcher: a stopped one may not have woken up yet
         threading.Thread(target=self._watch, args=(self._store, self._stop), name="mabn-failfast", daemon=True).start()
 

@@ -4,7 +4,7 @@ Lightning's own handler (``_SignalConnector._slurm_sigusr_handler_fn``) calls ``
 inside the signal handler. A checkpoint is a collective here (random states and norm streams are gathered
 from every device), and the handler runs wherever each process happens to be when its signal arrives: in a
 gradient all-reduce on one device, between two steps on another. The collectives then pair up wrongly or
-wait forever. This handler only records the request; every ``every_n_steps`` training batches all
+wait forever. This handler only records the request; every ``every_n_batches`` training batches all
 processes agree, by one all-reduce, whether any of them got it, and then save and requeue together.
 """
 
@@ -32,8 +32,8 @@ def slurm_job_id() -> str:
     """This job's id as ``scontrol requeue`` takes it: ``ARRAYJOB_TASK`` within a job array."""
     array_job = os.environ.get("SLURM_ARRAY_JOB_ID")
     job = f"{array_job}_{os.environ['SLURM_ARRAY_TASK_ID']}" if array_job else os.environ["SLURM_JOB_ID"]
-    if not re.fullmatch(r"[0-9_]+", job):
-        raise ValueError(f"SLURM job id {job!r} is not a number")
+    if not re.match(r"[0-9_-]+", job):  # Lightning's check
+        raise ValueError(f"SLURM job id {job!r} does not start with a number")
     return job
 
 
@@ -53,14 +53,14 @@ def requeue(command: Sequence[str], job_id: str) -> None:
 class AgreedRequeue(pl.Callback):
     """Replaces Lightning's SLURM auto-requeue handler (fit under ``SLURMEnvironment`` with
     ``auto_requeue``) by one that saves ``hpc_ckpt_N.ckpt`` in ``default_root_dir``, where Lightning's own
-    resume looks, at the end of the first training batch, counted in ``every_n_steps``, after any process
-    got the signal; then global rank 0 runs ``requeue_command JOB_ID``. Once per fit: SLURM ends the job
-    soon after."""
+    resume looks. The processes check for a pending signal at the end of every ``every_n_batches``-th
+    training batch; after the save global rank 0 runs ``requeue_command JOB_ID``. Once per fit: SLURM ends
+    the job soon after."""
 
-    def __init__(self, every_n_steps: int = 1, requeue_command: Sequence[str] = ("scontrol", "requeue")) -> None:
-        if every_n_steps < 1:
-            raise ValueError(f"every_n_steps must be at least 1, got {every_n_steps}")
-        self.every_n_steps = every_n_steps
+    def __init__(self, every_n_batches: int = 1, requeue_command: Sequence[str] = ("scontrol", "requeue")) -> None:
+        if every_n_batches < 1:
+            raise ValueError(f"every_n_batches must be at least 1, got {every_n_batches}")
+        self.every_n_batches = every_n_batches
         self.requeue_command = list(requeue_command)
         self._signum: signal.Signals | None = None
         self._previous: Any = None
@@ -87,7 +87,7 @@ class AgreedRequeue(pl.Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         # Every process runs the same training batches, so all reach this collective together.
-        if self._signum is None or self._done or (batch_idx + 1) % self.every_n_steps:
+        if self._signum is None or self._done or (batch_idx + 1) % self.every_n_batches:
             return
         if not any_device(self._requested, pl_module.device):
             return
