@@ -8,7 +8,9 @@ Beyond LightningCLI, for ``fit``:
   ``--ckpt_path auto`` resumes from the newest checkpoint of that folder, or starts a new run when there is
   none, so a killed or requeued job restarts with the very same command;
 - checkpoints and the saved config are written atomically and loaded weights-only (``AtomicCheckpointIO``);
-- every trainer gets ``RandomStateCallback`` (exact resume needs the generators' states).
+- every trainer gets ``RandomStateCallback`` (exact resume needs the generators' states), ``FailFast`` (a
+  failing DDP process stops every process, naming its error) and ``AgreedRequeue`` (SLURM's requeue
+  checkpoint at a step every process agrees on).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from jsonargparse import Namespace
 from pytorch_lightning.cli import LightningCLI, SaveConfigCallback
 
 from . import runs
-from .callbacks import RandomStateCallback
+from .callbacks import AgreedRequeue, FailFast, RandomStateCallback
 from .callbacks.distributed import end_process_group_at_exit
 from .data.errors import DatasetError
 from .errors import ConfigError
@@ -178,8 +180,10 @@ class MabnCLI(LightningCLI):
         if not any(isinstance(p, pl.plugins.CheckpointIO) for p in plugins):
             kwargs.setdefault("plugins", [*plugins, AtomicCheckpointIO()])
         trainer = super().instantiate_trainer(**kwargs)
-        if not any(isinstance(c, RandomStateCallback) for c in trainer.callbacks):
-            trainer.callbacks.append(RandomStateCallback())
+        # Exact resume; a failing DDP process stops all; SLURM's requeue checkpoint at an agreed step.
+        for callback in (RandomStateCallback(), FailFast(), AgreedRequeue()):
+            if not any(isinstance(c, type(callback)) for c in trainer.callbacks):
+                trainer.callbacks.append(callback)
         return trainer
 
 

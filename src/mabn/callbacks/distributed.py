@@ -1,4 +1,4 @@
-"""Collectives over the default process group for the norm layers' buffers (DDP on any backend).
+"""Collectives over the default process group: the norm layers' buffers, agreed flags (DDP on any backend).
 
 Every function here is a collective: all processes must call it, in the same order, with tensors of the
 same shapes and dtypes (the same model on every device). Without a process group of two or more they
@@ -81,6 +81,15 @@ def gather_to_cpu(tensors: Mapping[str, Tensor]) -> list[dict[str, Tensor]]:
             for name, piece in zip(names, pieces):
                 per_rank[r][name] = piece.view_as(tensors[name]).clone()
     return per_rank
+
+
+def any_device(flag: bool, device: torch.device) -> bool:
+    """Whether ``flag`` is set on any device (each device passes its own ``flag``)."""
+    if world_size() == 1:
+        return flag
+    value = torch.tensor([int(flag)], device=device)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return bool(value.item())
 
 
 def gather_objects(obj: object) -> list[object]:

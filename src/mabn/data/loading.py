@@ -8,7 +8,8 @@ from typing import Any
 import albumentations as A
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset, get_worker_info
+from pytorch_lightning.overrides.distributed import UnrepeatedDistributedSampler
+from torch.utils.data import DataLoader, Dataset, Sampler, get_worker_info
 
 
 def process_rank() -> int:
@@ -39,12 +40,31 @@ def seed_transform_worker(worker_id: int, rank: int = 0) -> None:
         transform.set_random_seed(augmentation_seed(rank))
 
 
+def evaluation_sampler(dataset: Dataset) -> Sampler | None:
+    """Under DDP, rank r of W evaluates samples r, r + W, r + 2W, ...: every sample exactly once.
+
+    Lightning's own ``DistributedSampler`` pads the split to a multiple of W by repeating samples (500
+    Cityscapes val images count as 504 on 8 devices), so metrics summed over the devices would not be those
+    of the split. Being a ``DistributedSampler``, this one is kept by Lightning. Ranks then run up to one
+    batch fewer than others, which is safe as long as validation does no collective per batch (metrics sync
+    at epoch end) and each rank has a sample (DDP syncs buffers on the first forward after training).
+    None without a process group: the loader reads in order.
+    """
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return None
+    return UnrepeatedDistributedSampler(dataset, shuffle=False)
+
+
 def make_loader(dataset: Dataset, batch_size: int, train: bool, num_workers: int) -> DataLoader:
     """Training loaders shuffle and drop the last partial batch, so every batch splits into whole ghost
-    batches; every worker gets its own augmentation stream."""
+    batches (Lightning shards them over the devices); evaluation loaders read every sample once in total over
+    the devices (``evaluation_sampler``); every worker gets its own augmentation stream."""
     kwargs: dict[str, Any] = {}
     if num_workers > 0:
         kwargs = {"persistent_workers": True, "worker_init_fn": partial(seed_transform_worker, rank=process_rank())}
+    if not train:
+        kwargs["sampler"] = evaluation_sampler(dataset)
     return DataLoader(
         dataset,
         batch_size=batch_size,

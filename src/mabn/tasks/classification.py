@@ -11,6 +11,7 @@ import pytorch_lightning as pl
 import torch
 import torch.nn.functional as F
 from pytorch_lightning.utilities import rank_zero_info
+from torchmetrics import MeanMetric
 from torchmetrics.classification import MulticlassAccuracy
 
 from ..models import resnet101, save_backbone
@@ -66,6 +67,9 @@ class ClassificationTask(NormTask):
         self.train_top1 = MulticlassAccuracy(num_classes, top_k=1)
         self.val_top1 = MulticlassAccuracy(num_classes, top_k=1)
         self.val_top5 = MulticlassAccuracy(num_classes, top_k=min(5, num_classes))
+        # Sums of loss x samples and of samples, synced as sums: exact when devices hold unequal shares of the
+        # split. (self.log's sync_dist mean truncates the devices' summed sample count to an integer mean.)
+        self.val_loss = MeanMetric()
 
     @classmethod
     def check_hparams(cls, hp: Mapping[str, Any]) -> None:
@@ -95,7 +99,8 @@ class ClassificationTask(NormTask):
         logits = self(images)
         self.val_top1(logits, labels)
         self.val_top5(logits, labels)
-        self.log("val/loss", F.cross_entropy(logits, labels), sync_dist=True)
+        self.val_loss.update(F.cross_entropy(logits, labels), weight=len(labels))
+        self.log("val/loss", self.val_loss)
         self.log("val/top1", self.val_top1, prog_bar=True)
         self.log("val/top5", self.val_top5)
 
