@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import shutil
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -43,12 +43,19 @@ def sets(tmp_path_factory) -> dict[str, Path]:
 
 
 @pytest.fixture
-def work(tmp_path, sets, monkeypatch) -> Path:
-    """A working folder with a copy of both small sets, as the current directory."""
+def work(tmp_path, sets, monkeypatch) -> Iterator[Path]:
+    """A working folder with a copy of both small sets, as the current directory. The runs are in this
+    process: wandb (disabled) is torn down after the test, or later tests' loggers would reuse its run and
+    settings."""
     for name, src in sets.items():
         shutil.copytree(src, tmp_path / name)
     monkeypatch.chdir(tmp_path)
-    return tmp_path
+    yield tmp_path
+    import wandb
+
+    if wandb.run is not None:
+        wandb.finish()
+    wandb.teardown()
 
 
 def _snapshot(root: Path, skip: Path) -> dict[str, bytes]:
@@ -169,6 +176,7 @@ def test_bad_input_is_one_error_line_and_changes_nothing_else(work, capsys, entr
     errors = [line for line in err if line.startswith("error: ")]
     assert len(errors) == 1 and errors[0] == err[-1], err[-10:]
     assert expected.format(w=work) in errors[0]
+    print(errors[0])  # what the user reads (collected into docs/reliability.md)
     assert _snapshot(work, run) == before  # nothing outside the run's folder: no demo data, backbone or other run
     assert not (work / "data").exists()
 

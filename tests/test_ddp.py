@@ -465,7 +465,9 @@ def test_slurm_dry_run_for_2_nodes_x_8_gpus_agrees_with_the_trainer(tmp_path):
     shape: its srun line and the LightningCLI arguments must agree, checked by Lightning's SLURM rules."""
     env = {**os.environ, "GPUS": "8", "NODES": "2", "PYTHON": sys.executable}
     submit = str(ROOT / "scripts" / "slurm" / "submit.sh")
-    command = ["bash", submit, "--dry-run", "cityscapes", "--norm", "mabn", "--", "--trainer.max_epochs", "9"]
+    # 16 devices: a global batch of 32 gives each one whole normalization batch of 2 (the check refuses 8 or 16)
+    batch = ["--data.init_args.global_batch_size", "32"]
+    command = ["bash", submit, "--dry-run", "cityscapes", "--norm", "mabn", "--", *batch, "--trainer.max_epochs", "9"]
     out = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-3000:]
     lines = out.stdout.splitlines()
@@ -479,7 +481,7 @@ def test_slurm_dry_run_for_2_nodes_x_8_gpus_agrees_with_the_trainer(tmp_path):
     assert trainer[trainer.index("--trainer.num_nodes") + 1] == "2"
     assert trainer[trainer.index("--trainer") + 1].endswith("configs/trainer/multinode.yaml")
     assert trainer[trainer.index("--ckpt_path") + 1] == "auto"
-    assert trainer[-2:] == ["--trainer.max_epochs", "9"]  # the user's LightningCLI arguments come last
+    assert trainer[-4:] == [*batch, "--trainer.max_epochs", "9"]  # the user's LightningCLI arguments come last
     assert "SLURMEnvironment: 2 node(s) x 8 process(es) agree with the launcher" in lines
     assert not (tmp_path / "data").exists()  # a dry run generates nothing
 

@@ -64,7 +64,7 @@ def _devices(trainer: Namespace) -> int | None:
 
 def check_batch(config: Namespace) -> None:
     """The per-device batch must split into whole normalization (ghost) batches."""
-    data, model = config.data.init_args, config.model.init_args
+    data, model = config.data.get("init_args") or Namespace(), config.model.get("init_args") or Namespace()
     world = _devices(config.trainer) or 1
     per_device = data.get("batch_size")
     if data.get("global_batch_size"):

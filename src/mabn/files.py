@@ -9,6 +9,7 @@ from ``$TMPDIR`` would not be atomic.
 from __future__ import annotations
 
 import os
+import re
 import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
@@ -22,9 +23,11 @@ TMP_SUFFIX = ".tmp"  # what a write in progress (or one killed half-way) is call
 
 
 def first_line(err: BaseException) -> str:
-    """The first line of an exception's message (its type when the message is empty)."""
-    text = str(err).strip()
-    return text.splitlines()[0] if text else type(err).__name__
+    """The first line of an exception's message (its type when the message is empty), without terminal
+    colours, and cut to its first sentence when a library wrote a paragraph on one line."""
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(err)).strip()
+    line = text.splitlines()[0] if text else type(err).__name__
+    return line.split(". ")[0] if len(line) > 120 else line
 
 
 def _fsync(path: str | Path, directory: bool = False) -> None:
