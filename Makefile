@@ -19,9 +19,9 @@ RESUME   ?=
 RUN_DIR  ?=
 ARGS     ?=
 CKPT     ?=
-NORM_ARGS  = --norm $(NORM) $(if $(DATA),--data "$(DATA)") $(if $(BACKBONE),--backbone "$(BACKBONE)")
-STAGE_ARGS = $(NORM_ARGS) --gpus $(GPUS) --nodes $(NODES) $(if $(RESUME),--resume "$(RESUME)") \
-	$(if $(RUN_DIR),--run-dir "$(RUN_DIR)") -- $(ARGS)
+NORM_ARGS  = --norm $(NORM) $(if $(DATA),--data "$(DATA)") $(if $(BACKBONE),--backbone "$(BACKBONE)") \
+	$(if $(RUN_DIR),--run-dir "$(RUN_DIR)")
+STAGE_ARGS = $(NORM_ARGS) --gpus $(GPUS) --nodes $(NODES) $(if $(RESUME),--resume "$(RESUME)") -- $(ARGS)
 # make slurm: the STAGE to submit; DRY_RUN=1 prints the sbatch and srun commands and checks the Trainer arguments.
 STAGE    ?= cityscapes
 DRY_RUN  ?=
