@@ -1,7 +1,7 @@
 """Slow, readable float64 references for MABN2d and BatchRenorm2d.
 
-Written from the written specification (DESIGN.md section 4 and the test brief), never from the library code,
-so that tests comparing the two are an independent check. Everything is float64; loops run over groups in
+Written from the specification (docs/library.md, "MABN2d semantics", and the paper's equations), never from the
+library code, so that tests comparing the two are an independent check. Everything is float64; loops run over groups in
 Python, per-channel quantities are (C,) tensors. No torch.autograd: every backward formula is written by hand.
 
 Both classes hold their own state and offer:
@@ -40,7 +40,7 @@ def channel_sum(t: torch.Tensor) -> torch.Tensor:
 
 
 class RefMABN:
-    """Reference MABN2d (moving average batch normalization, ICLR 2020), following DESIGN.md section 4.
+    """Reference MABN2d (moving average batch normalization, ICLR 2020), following docs/library.md, "MABN2d semantics".
 
     Streams: every ghost group of every training forward appends its chi2 (mean of x^2) to `chi2_stream`;
     every group of every backward appends its psi to `psi_stream`. `log` records, per forward, which groups

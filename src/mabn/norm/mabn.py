@@ -7,7 +7,7 @@ Per channel, with chi2 the second moment E[x^2] of a normalization batch (no mea
 
 ``var`` is the simple moving average (SMA) of the last ``buffer_size`` chi2 values once warmed up,
 ``psi_bar`` the SMA of psi = mean(g * z), and ``r`` renormalizes the forward to the exponential moving
-average (EMA) used at inference, clipped to [1/renorm_clip, renorm_clip]. See DESIGN section 4.
+average (EMA) used at inference, clipped to [1/renorm_clip, renorm_clip]. See docs/library.md, "MABN2d semantics".
 
 The autograd Function saves the input and the weight (as ``nn.BatchNorm2d`` does) plus a few
 per-channel vectors; z is recomputed in backward from x. Every reduction runs in float32 or better.
