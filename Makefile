@@ -26,7 +26,7 @@ STAGE_ARGS = $(NORM_ARGS) --gpus $(GPUS) --nodes $(NODES) $(if $(RESUME),--resum
 STAGE    ?= cityscapes
 DRY_RUN  ?=
 
-.PHONY: venv test test-gpu lint pretrain cityscapes slurm export plots bench bench-norm ablation clean
+.PHONY: venv test test-slow test-gpu lint pretrain cityscapes slurm export plots bench bench-norm ablation clean
 
 venv: $(STAMP)
 
@@ -37,9 +37,13 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet -e ".[dev]"
 	touch $(STAMP)
 
-# The default suite (what CI runs): lint, then every test not marked slow.
+# The default suite: lint, then every test not marked slow (a few minutes on 2 CPU cores). CI runs both.
 test: lint
 	$(PY) -m pytest -q -m "not slow"
+
+# The tests too long for the default suite (multi-process failure and timing cases, GPU-sized benchmarks).
+test-slow: $(STAMP)
+	$(PY) -m pytest -q -m slow
 
 # On a machine with a GPU: the CUDA kernels held to the float64 references, and CUDA-graph training against eager.
 GPU_TESTS = tests/test_mabn_kernels.py tests/test_norm_reference.py tests/test_norm_state.py tests/test_cenconv.py \

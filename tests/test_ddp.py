@@ -234,6 +234,7 @@ def _load(path: Path) -> dict:
     return torch.load(path, weights_only=True)  # what Lightning's own loading accepts
 
 
+@pytest.mark.slow
 def test_per_device_statistics_mean_ema_and_exact_resume_on_two_processes(tmp_path):
     """Default (per-device) statistics under DDP on 2 CPU processes, 4 epochs of 4 steps (ghost batches of 2)."""
     train = DataLoader(_dataset(32), batch_size=4, shuffle=True)  # DDP: a DistributedSampler seeded per epoch

@@ -176,7 +176,7 @@ SLURM_LIKE = {"SLURM_NTASKS": str(WORLD), "SLURM_NTASKS_PER_NODE": str(WORLD), "
 
 
 # ------------------------------------------------------------------------------ one process raises
-@pytest.mark.parametrize("scenario", ["raise", "raise-and-hang"])
+@pytest.mark.parametrize("scenario", ["raise", pytest.param("raise-and-hang", marks=pytest.mark.slow)])
 def test_when_rank_1_raises_every_rank_ends_within_a_minute_naming_the_error(tmp_path, scenario):
     """Rank 1 raises at step 3. Rank 0, blocked in that step's gradient all-reduce, ends with the error
     named ("rank 1 failed: ValueError: ..."), not gloo's "Connection closed by peer", and within a minute
@@ -195,6 +195,7 @@ def test_when_rank_1_raises_every_rank_ends_within_a_minute_naming_the_error(tmp
             assert f"[rank {r}] {named}: ending this process" in results[r][2], (r, results[r][2][-2000:])
 
 
+@pytest.mark.slow
 def test_when_rank_0_is_killed_the_others_end_after_the_grace(tmp_path):
     """Rank 0 dies without a word and takes the store with it; rank 1, busy outside any collective for 40 s,
     is ended within the 5 s grace after noticing, saying why."""
