@@ -77,20 +77,20 @@ export: $(STAMP)
 RUN ?= runs/demo/cityscapes/$(NORM)
 OUT ?=
 plots: $(STAMP)
-	$(PY) -m mabn.plots "$(RUN)" $(if $(OUT),--out "$(OUT)")
+	$(PY) -m mabn plots "$(RUN)" $(if $(OUT),--out "$(OUT)")
 
 # The cost table (norm layers, PSPNet-101 training step, inference) on CUDA when present, else the CPU.
 bench: $(STAMP)
-	$(PY) -m mabn.bench all $(ARGS)
+	$(PY) -m mabn bench all $(ARGS)
 
 bench-norm: $(STAMP)
-	$(PY) -m mabn.bench norm --out docs/bench-norm-$$($(PY) -c "import torch; print('cuda' if torch.cuda.is_available() else 'cpu')").md
+	$(PY) -m mabn bench norm --out docs/bench-norm-$$($(PY) -c "import torch; print('cuda' if torch.cuda.is_available() else 'cpu')").md
 
 # The paper's ImageNet ablation (Tables 2 and 6) at small scale: 11 rows x 3 seeds of a small ResNet, table
 # and figures in runs/ablation/ (about 10-25 minutes on 2 CPU cores). DATA: an ImageFolder root (absent: the
 # generated shape set); ARGS: further options, e.g. ARGS="--rows bn32,bn2,mabn2 --seeds 1".
 ablation: $(STAMP)
-	$(PY) -m mabn.ablation $(if $(DATA),--data "$(DATA)") $(ARGS)
+	$(PY) -m mabn ablation $(if $(DATA),--data "$(DATA)") $(ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache build src/*.egg-info

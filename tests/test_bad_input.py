@@ -1,5 +1,5 @@
-"""Bad input, as a user types it, through the real entry points (``python -m mabn <stage>``, ``export``,
-``mabn.plots``): each case ends with exit code 2 and one ``error:`` line naming the culprit, and changes no file
+"""Bad input, as a user types it, through the real entry point (``python -m mabn <stage>``, ``export``,
+``plots``): each case ends with exit code 2 and one ``error:`` line naming the culprit, and changes no file
 outside the run's own folder (no demo data, no backbone, no other run). Grayscale and RGBA images train.
 
 The configuration cases are refused before any model is built; the dataset cases build the model and stop at the
@@ -148,15 +148,10 @@ CASES: list[tuple[str, str, list[str], Callable[[Path], None] | None, str]] = [
 
 
 def _main(entry: str) -> Callable[[list[str]], object]:
-    if entry == "export":
-        from mabn import export
+    """``python -m mabn <entry> ...`` in this process."""
+    from mabn.__main__ import main
 
-        return export.main
-    if entry == "plots":
-        from mabn.plots.__main__ import main
-
-        return lambda argv: sys.exit(main(argv))  # as python -m mabn.plots ends
-    return lambda argv: launch.main([entry, *argv])
+    return lambda argv: sys.exit(main([entry, *argv]))
 
 
 @pytest.mark.parametrize(("entry", "argv", "setup", "expected"), [c[1:] for c in CASES], ids=[c[0] for c in CASES])

@@ -1,4 +1,4 @@
-"""``python -m mabn.plots``: finding a run's CSV log, reading its sparse columns, the figures, bad runs."""
+"""``python -m mabn plots``: finding a run's CSV log, reading its sparse columns, the figures, bad runs."""
 
 from __future__ import annotations
 

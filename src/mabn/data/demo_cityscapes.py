@@ -11,12 +11,11 @@ and vertical shading. What separates the classes is position (sky high, road low
 at the sides), shape (boxes, thin verticals, small blobs) and texture (window grids on buildings, paving
 lines on sidewalks, blotchy foliage, smooth sky, lane marks on the road).
 
-Run ``python -m mabn.data.demo_cityscapes ROOT`` to write the default set.
+``python -m mabn demo-data cityscapes`` writes the set the demo profile uses.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 
@@ -282,18 +281,3 @@ def generate(
     busy.unlink()
     print(f"Wrote the demo Cityscapes set ({n_train} train + {n_val} val images, {height}x{width}) to {root}")
     return root
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("root", help="output folder (created; must be empty or an earlier demo set)")
-    parser.add_argument("--n-train", type=int, default=48)
-    parser.add_argument("--n-val", type=int, default=12)
-    parser.add_argument("--size", type=int, nargs=2, default=(128, 256), metavar=("HEIGHT", "WIDTH"))
-    parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args()
-    generate(args.root, args.n_train, args.n_val, tuple(args.size), args.seed)
-
-
-if __name__ == "__main__":
-    main()

@@ -1,4 +1,4 @@
-"""Figures of a run from its CSV log: ``python -m mabn.plots RUN_DIR [--out DIR]`` (``make plots RUN=...``).
+"""Figures of a run from its CSV log: ``python -m mabn plots RUN_DIR [--out DIR]`` (``make plots RUN=...``).
 
 Per logged norm layer, the statistics of the paper's Figures 2, 5 and 6 (MABN2d: chi2 of the batch against
 its SMA and EMA, psi of the batch against psi_bar, r and its clipping, shaded by phase; BatchRenorm2d: batch

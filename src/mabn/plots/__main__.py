@@ -1,4 +1,4 @@
-"""``python -m mabn.plots RUN_DIR [--out DIR]``: render a run's figures to PNG files and print each path."""
+"""``python -m mabn plots RUN_DIR [--out DIR]``: render a run's figures to PNG files and print each path."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from . import PlotError, find_metrics, render
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m mabn.plots",
+        prog="python -m mabn plots",
         description="Per-layer normalization statistics (the MABN paper's Figures 2, 5, 6) and training curves "
         "of a run, as PNG files, from the run's CSV log.",
     )
