@@ -36,8 +36,8 @@ def generate(
     n_train: int = 300,
     n_val: int = 300,
     size: int = 36,
-    fade: float = 0.5,
-    noise: float = 0.25,
+    fade: float = 0.4,
+    noise: float = 0.2,
     seed: int = 20,
 ) -> Path:
     """Write ``root/{train,val}/<class>/*.png`` once (into a scratch folder beside ``root``, renamed
