@@ -37,7 +37,9 @@ class TrainConfig:
     data: Path
     steps: int
     image_size: int = 32
-    lr: float = 0.0125  # peak lr: the paper's 0.1 per 256 samples at gradient batch 32
+    # Peak lr: 4x the paper's 0.1 per 256 samples at gradient batch 32, so that the runs level off within
+    # the default steps (at 0.0125 BN(32)'s error still falls from 4.5 % to 0.2 % between 800 and 1600).
+    lr: float = 0.05
     warmup_fraction: float = 0.05  # linear lr warm-up over this share of the steps
     momentum: float = 0.9
     weight_decay: float = 1e-4
