@@ -28,9 +28,9 @@ from .train import TrainConfig, open_data
 
 GENERATED_DATA = Path("data/ablation-shapes")
 # Sized for the 5 key rows x 4 seeds within 30 minutes on 2 CPU cores, two one-thread runs at a time (10
-# rounds): a step takes 0.12 s (BN) to 0.17 s (MABN) on an idle core, so a run of 800 steps plus its
-# evaluation takes 2-2.5 minutes; a busy shared machine doubles that.
-DEFAULT_STEPS = 800
+# rounds): a step takes 0.12 s (BN) to 0.17 s (MABN) on an idle core, so a run of 600 steps plus its
+# evaluation takes 1.3-1.9 minutes; a shared machine under other load takes up to 5 times as long.
+DEFAULT_STEPS = 600
 DEFAULT_SEEDS = 4
 DEFAULT_OUT = Path("runs/ablation")
 
