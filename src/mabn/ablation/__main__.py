@@ -139,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
 
     out = args.out
     setting = {
-        "command": "python -m mabn.ablation " + shlex.join(argv),
+        "command": shlex.join(["python", "-m", "mabn.ablation", *argv]),
         "data": str(config.data),
         "classes": data.num_classes,
         "train_images": len(data.train_set),
