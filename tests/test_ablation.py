@@ -12,8 +12,9 @@ import torch
 from torch import nn
 
 from mabn.ablation import __main__ as ablation
+from mabn.ablation import train
 from mabn.ablation.probes import BatchNormProbe, MABNProbe
-from mabn.ablation.rows import ROWS, ROWS_BY_KEY, layer_options, select
+from mabn.ablation.rows import KEY_ROWS, ROWS, ROWS_BY_KEY, layer_options, select
 from mabn.ablation.train import TrainConfig, build_model, lr_factor, train_run
 from mabn.data import demo_imagenet
 from mabn.norm import BatchRenorm2d, CenConv2d, MABN2d
@@ -59,6 +60,8 @@ def test_timelines_switch_inside_the_run() -> None:
     brn = layer_options(ROWS_BY_KEY["brn2"], steps)
     assert 0 < brn["r_ramp"][0] < brn["r_ramp"][1] < steps and brn["d_ramp"][1] < steps
     assert {r.key for r in ROWS} == set(ROWS_BY_KEY) and len(ROWS) == 11
+    assert [r.key for r in select(None)] == list(KEY_ROWS) and select(["all"]) == list(ROWS)
+    assert [r.key for r in select(["mabn2", "bn32"])] == ["bn32", "mabn2"]  # table order
     with pytest.raises(ValueError, match="unknown rows \\['bn3'\\]"):
         select(["bn32", "bn3"])
 
@@ -119,6 +122,44 @@ def test_missing_dataset_is_one_error_line(tmp_path: Path, capsys: pytest.Captur
     assert ablation.main(["--data", str(too_small), "--out", str(tmp_path / "out")]) == 2
     assert "holds 30 images; one gradient batch needs 32" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+    (tmp_path / "file").write_text("")
+    assert ablation.main(["--data", str(too_small), "--out", str(tmp_path / "file" / "out")]) == 2
+    assert capsys.readouterr().err == f"error: --out {tmp_path / 'file' / 'out'}: {tmp_path / 'file'} is not a folder\n"
+
+
+def test_same_seed_same_start_and_data_whatever_the_norm(tiny_data: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Runs of BN(32) and MABN(2) (whose weight-centred convs draw from the global generator when built)
+    with one seed: equal initial weights of every layer they share, equal batches (order and
+    augmentation); another seed changes both."""
+    seen: dict[tuple[str, int], dict] = {}
+
+    def recording_model(row, num_classes, seed, steps):
+        model = initial_model(row, num_classes, seed, steps)
+        seen[row.key, seed] = {"weights": {k: v.clone() for k, v in model.state_dict().items()}, "batches": []}
+        return model
+
+    def recording_batches(data, seed, loader_workers):
+        for images, labels in batches(data, seed, loader_workers):
+            seen[next(reversed(seen))]["batches"].append((images.clone(), labels.clone()))
+            yield images, labels
+
+    initial_model, batches = train.initial_model, train.training_batches
+    monkeypatch.setattr(train, "initial_model", recording_model)
+    monkeypatch.setattr(train, "training_batches", recording_batches)
+    config = TrainConfig(data=tiny_data, steps=3, image_size=16, progress_every=0)
+    for key, seed in (("bn32", 1), ("mabn2", 1), ("bn32", 2)):
+        train_run(ROWS_BY_KEY[key], seed, config)
+
+    bn, mabn, other = seen["bn32", 1], seen["mabn2", 1], seen["bn32", 2]
+    shared = [k for k in bn["weights"] if k in mabn["weights"] and bn["weights"][k].shape == mabn["weights"][k].shape]
+    assert {"conv1.weight", "layer1.0.conv1.weight", "layer3.0.downsample.0.weight", "fc.weight"} <= set(shared)
+    for k in shared:
+        assert torch.equal(bn["weights"][k], mabn["weights"][k]), k
+    assert len(bn["batches"]) == len(mabn["batches"]) == 3
+    for (x_bn, y_bn), (x_mabn, y_mabn) in zip(bn["batches"], mabn["batches"]):
+        assert torch.equal(y_bn, y_mabn) and torch.equal(x_bn, x_mabn)
+    assert not torch.equal(bn["weights"]["conv1.weight"], other["weights"]["conv1.weight"])
+    assert not torch.equal(bn["batches"][0][1], other["batches"][0][1])
 
 
 def test_whole_pipeline_two_rows(tiny_data: Path, tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
@@ -143,11 +184,13 @@ def test_whole_pipeline_two_rows(tiny_data: Path, tmp_path: Path, capfd: pytest.
         assert [int(r["step"]) for r in records] == list(range(6))
         assert columns <= set(records[0])
         assert all(math.isfinite(float(v)) for r in records for v in r.values())
-    for name in ("fig2-bn-statistics.png", "fig5-6-chi2-psi.png"):
+    for name in ("curves.png", "fig2-bn-statistics.png", "fig5-6-chi2-psi.png"):
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
     # Deterministic per seed: the same run in this process ends exactly where the worker's did.
     runs = {r["row"]: r for r in json.loads((out / "results.json").read_text())["runs"]}
+    assert len(runs["bn32"]["losses"]) == 6 and runs["bn32"]["losses"][-1] == runs["bn32"]["final_loss"]
+    assert not [p.name for p in out.rglob(".*")]  # no scratch file left behind
     assert "[mabn2 seed 0] step 6/6" in printed  # the workers' progress lines
     again = train_run(ROWS_BY_KEY["mabn2"], 0, TrainConfig(data=tiny_data, steps=6, image_size=16, progress_every=0))
     assert (runs["mabn2"]["final_loss"], runs["mabn2"]["val_error"]) == (again.final_loss, again.val_error)

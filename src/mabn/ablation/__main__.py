@@ -1,9 +1,12 @@
 """``python -m mabn.ablation``: the paper's ImageNet ablation (Tables 2 and 6) at small scale.
 
 Trains one small ResNet per row and seed with the same loop (gradient batch 32, normalization batch 2
-through ghost batches), writes the table of validation errors beside the paper's numbers to
-<out>/ablation.md, the run outcomes to <out>/results.json, the per-step statistics of layer1.0.bn1 to
-<out>/stats/*.csv and the paper's Figures 2, 5 and 6 to <out>/*.png.
+through ghost batches; seeds paired across rows), writes the table of validation errors with each row's
+paired difference to BN(32) (confidence interval, paired t-test) beside the paper's numbers to
+<out>/ablation.md, the run outcomes and training losses to <out>/results.json, the training curves beside
+the final errors to <out>/curves.png, the per-step statistics of layer1.0.bn1 to <out>/stats/*.csv and
+the paper's Figures 2, 5 and 6 to <out>/*.png. By default the key rows of Table 2 (--rows all: Tables 2
+and 6 in full).
 """
 
 from __future__ import annotations
@@ -16,20 +19,19 @@ from pathlib import Path
 
 import torch
 
-from ..data import demo_imagenet
 from ..data.errors import DatasetError
-from . import figures, report
+from . import figures, report, shapes
 from .model import BLOCKS, WIDTHS
-from .rows import ROWS, select
+from .rows import ALL, KEY_ROWS, ROWS, select
 from .runner import Task, available_cores, default_workers, run_all
 from .train import TrainConfig, open_data
 
-DEMO_DATA = Path("data/demo-imagenet")
-# Sized for 11 rows x 3 seeds within 30 minutes on 2 CPU cores, two one-thread runs at a time (17 rounds):
-# a step takes 0.12-0.16 s on an idle core and up to 0.33 s on a busy shared machine, so a 250-step run
-# (plus about 5 s of set-up and evaluation) takes 35-90 s and the whole ablation 10-25 minutes.
-DEFAULT_STEPS = 250
-DEFAULT_SEEDS = 3
+GENERATED_DATA = Path("data/ablation-shapes")
+# Sized for the 5 key rows x 4 seeds within 30 minutes on 2 CPU cores, two one-thread runs at a time (10
+# rounds): a step takes 0.12 s (BN) to 0.17 s (MABN) on an idle core, so a run of 600 steps plus its
+# evaluation takes 1.3-1.9 minutes; a shared machine under other load takes up to 5 times as long.
+DEFAULT_STEPS = 600
+DEFAULT_SEEDS = 4
 DEFAULT_OUT = Path("runs/ablation")
 
 
@@ -47,8 +49,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument(
         "--data",
         type=Path,
-        help="ImageFolder root with train/<class>/* and val/<class>/* (default: the generated 10-shape set, "
-        f"written once to {DEMO_DATA})",
+        help="ImageFolder root with train/<class>/* and val/<class>/* (default: the generated set of 10 "
+        f"noisy shapes, 3000 training and 3000 validation images, written once to {GENERATED_DATA})",
     )
     parser.add_argument(
         "--steps", type=_positive, default=DEFAULT_STEPS, help=f"optimizer steps per run (default: {DEFAULT_STEPS})"
@@ -59,7 +61,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument(
         "--rows",
         type=lambda text: [k.strip() for k in text.split(",") if k.strip()],
-        help="comma-separated row keys (default: all): " + ", ".join(r.key for r in ROWS),
+        help=f"comma-separated row keys, or {ALL} for Tables 2 and 6 in full (default: {','.join(KEY_ROWS)}): "
+        + ", ".join(r.key for r in ROWS),
     )
     parser.add_argument("--threads", type=_positive, default=1, help="torch CPU threads per run (default: 1)")
     parser.add_argument(
@@ -89,15 +92,23 @@ def _data_root(arg: Path | None) -> Path:
         return arg
     print(
         "No dataset given (--data ...: train/<class>/* and val/<class>/*): training on the generated "
-        f"10-shape classification set in {DEMO_DATA}"
+        f"noisy-shape classification set in {GENERATED_DATA}"
     )
-    return demo_imagenet.generate(DEMO_DATA)
+    return shapes.generate(GENERATED_DATA)
+
+
+def _check_out(out: Path) -> None:
+    """Refuse an output folder that is a file (or under one), before hours of training."""
+    for folder in (out, *out.parents):
+        if folder.exists() and not folder.is_dir():
+            raise ValueError(f"--out {out}: {folder} is not a folder")
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
     try:
+        _check_out(args.out)
         rows = select(args.rows)
         config = TrainConfig(
             data=_data_root(args.data),
@@ -128,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
 
     out = args.out
     setting = {
-        "command": "python -m mabn.ablation " + shlex.join(argv),
+        "command": shlex.join(["python", "-m", "mabn.ablation", *argv]),
         "data": str(config.data),
         "classes": data.num_classes,
         "train_images": len(data.train_set),
@@ -142,6 +153,9 @@ def main(argv: list[str] | None = None) -> int:
     }
     summaries = report.summarize(rows, results)
     stats = {r.row: r.stats for r in results if r.stats}
+    losses = {
+        s.row.key: [r.losses for r in sorted(results, key=lambda r: r.seed) if r.row == s.row.key] for s in summaries
+    }
     written = [
         report.write_markdown(out / "ablation.md", summaries, report.header(setting)),
         report.write_results(out / "results.json", setting, results),
@@ -151,6 +165,12 @@ def main(argv: list[str] | None = None) -> int:
     written += [
         p
         for p in (
+            figures.curves(
+                losses,
+                {s.row.key: list(s.errors) for s in summaries},
+                {s.row.key: s.row.label for s in summaries},
+                out / "curves.png",
+            ),
             figures.figure2(stats, layer, out / "fig2-bn-statistics.png"),
             figures.figure56(stats, layer, out / "fig5-6-chi2-psi.png"),
         )

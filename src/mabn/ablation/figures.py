@@ -1,4 +1,8 @@
-"""The paper's statistics figures at small scale, from the probed runs of the first seed.
+"""The ablation's figures: the training curves beside the final errors, and the paper's statistics
+figures at small scale from the probed runs of the first seed.
+
+(c) Curves: the training loss of BN(32), BN(2) and MABN(2) over the steps (mean over seeds of a running
+mean), which shows whether the rows have levelled off, beside every row's final validation error per seed.
 
 (a) Figure 2: the l2 norm over channels of mu_B, sigma^2_B, g_B and psi_B of one BN layer over the
 iterations, normalization batch 2 (ghost BN) against 32 (BN). (b) Figures 5 and 6: chi^2 and psi of the
@@ -9,13 +13,18 @@ BN(2) run (Figure 5), and MABN's SMA over 2 + 30 samples against the regular bat
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
 from pathlib import Path
+
+from .files import write_atomic
 
 SMALL, REGULAR = "#1f77b4", "#ff7f0e"  # the paper's colours: blue for the small batch, orange for 32
 # Which run each figure needs (row keys); these runs are probed on the first seed.
 FIGURE2_ROWS = {"small": "bn2", "regular": "bn32"}
 FIGURE56_ROWS = {"batch": "mbn2", "sma": "mabn2"}
 PROBED_ROWS = frozenset({*FIGURE2_ROWS.values(), *FIGURE56_ROWS.values()})
+CURVE_ROWS = {"bn32": REGULAR, "bn2": SMALL, "mabn2": "#2ca02c"}  # the rows whose training curves are drawn
 
 Records = list[dict[str, float]]
 
@@ -35,10 +44,54 @@ def _line(ax, records: Records, key: str, color: str, label: str) -> None:
 
 def _save(fig, path: Path) -> Path:
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    write_atomic(path, lambda scratch: fig.savefig(scratch, dpi=110, format="png"))
     _pyplot().close(fig)
     return path
+
+
+def running_mean(values: Sequence[float], window: int) -> list[float]:
+    """The mean of the last ``window`` values at each position (fewer at the start)."""
+    out, total = [], 0.0
+    for i, v in enumerate(values):
+        total += v - (values[i - window] if i >= window else 0.0)
+        out.append(total / min(i + 1, window))
+    return out
+
+
+def curves(
+    losses: dict[str, list[list[float]]],
+    errors: dict[str, list[float]],
+    labels: dict[str, str],
+    path: Path,
+) -> Path | None:
+    """Left: training loss of the CURVE_ROWS in ``losses`` (row key -> one loss list per seed), running
+    mean over 5 % of the steps, mean over the seeds that ran all steps. Right: the final validation error
+    of every row in ``errors`` (row key -> one per seed, NaN for a diverged seed), each seed a dot and
+    the mean a bar. None when nothing ran."""
+    if not errors:
+        return None
+    plt = _pyplot()
+    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 4.2), gridspec_kw={"width_ratios": [3, 2]})
+    for key, color in CURVE_ROWS.items():
+        runs = [run for run in losses.get(key, []) if run]
+        steps = max((len(run) for run in runs), default=0)
+        full = [running_mean(run, max(1, steps // 20)) for run in runs if len(run) == steps]
+        if full:
+            mean = [sum(values) / len(full) for values in zip(*full)]
+            left.plot(range(1, steps + 1), mean, color=color, label=f"{labels[key]} ({len(full)} seeds)")
+    left.set(xlabel="step", ylabel="training loss (running mean)", title="Training loss", yscale="log")
+    left.legend(fontsize=8)
+    keys = list(errors)
+    for i, key in enumerate(keys):
+        finite = [e for e in errors[key] if math.isfinite(e)]
+        color = CURVE_ROWS.get(key, "grey")
+        if finite:
+            right.barh(i, sum(finite) / len(finite), color=color, alpha=0.35)
+        right.plot(finite, [i] * len(finite), "o", color=color, markersize=4)
+    right.set_yticks(range(len(keys)), [labels[k] for k in keys], fontsize=8)
+    right.invert_yaxis()
+    right.set(xlabel="top-1 validation error % (dots: seeds, bar: mean)", title="Final error")
+    return _save(fig, path)
 
 
 def figure2(stats: dict[str, Records], layer: str, path: Path) -> Path | None:

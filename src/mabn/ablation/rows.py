@@ -44,6 +44,10 @@ ROWS: tuple[Row, ...] = (
     Row("gn2", "GN (reference)", "gn", None, None, "not in Tables 2 and 6"),
 )
 ROWS_BY_KEY = {row.key: row for row in ROWS}
+# The default run: the reference, the small-batch baselines the paper compares with, the modified
+# normalization alone and MABN (Table 2 rows 1, 3, 4, 6 and 8).
+KEY_ROWS = ("bn32", "bn2", "brn2", "mbn2", "mabn2")
+ALL = "all"  # the --rows value for every row of Tables 2 and 6 (and GN)
 
 # Momentum of every running average (paper's convention: the weight of the old value). The paper uses 0.98
 # with SMA statistics and 0.9 otherwise, over 600,000 iterations; in a run of a few hundred steps an EMA
@@ -62,12 +66,15 @@ BRN_RAMP_START, BRN_D_FULL, BRN_R_FULL = 0.05, 0.25, 0.4
 
 
 def select(keys: list[str] | None) -> list[Row]:
-    """The rows named by ``keys`` in table order (all rows for None); unknown keys raise ValueError."""
+    """The rows named by ``keys`` in table order: KEY_ROWS for None, every row for ``[ALL]``; unknown
+    keys raise ValueError."""
     if keys is None:
+        keys = list(KEY_ROWS)
+    if keys == [ALL]:
         return list(ROWS)
     unknown = [k for k in keys if k not in ROWS_BY_KEY]
     if unknown:
-        raise ValueError(f"unknown rows {unknown}; choose from {', '.join(ROWS_BY_KEY)}")
+        raise ValueError(f"unknown rows {unknown}; choose from {', '.join(ROWS_BY_KEY)} or {ALL}")
     return [row for row in ROWS if row.key in keys]
 
 
