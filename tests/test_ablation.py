@@ -1,4 +1,4 @@
-"""The small-scale ablation (``python -m mabn.ablation``): row mapping, probes, and the whole pipeline."""
+"""The small-scale ablation (``python -m mabn ablation``): row mapping, probes, and the whole pipeline."""
 
 from __future__ import annotations
 

@@ -18,13 +18,13 @@ def _files(root: Path) -> dict[str, bytes]:
 
 def test_generated_once_and_deterministic(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     a = shapes.generate(tmp_path / "a", n_train=2, n_val=3, size=16)
-    assert "Generating" in capsys.readouterr().out
+    assert "Generating" in capsys.readouterr().out  # into a scratch folder beside a, renamed when complete
     assert len(list((a / "train").rglob("*.png"))) == 20 and len(list((a / "val").rglob("*.png"))) == 30
     first = _files(a)
     assert shapes.generate(tmp_path / "a", n_train=2, n_val=3, size=16) == a
     assert capsys.readouterr().out == ""  # found complete: nothing written again
     assert _files(shapes.generate(tmp_path / "b", n_train=2, n_val=3, size=16)) == first
-    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no scratch folder left
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".") and p.is_dir()]  # no scratch folder left
 
     shapes.generate(tmp_path / "a", n_train=2, n_val=3, size=16, noise=0.3)  # other parameters: rewritten
     assert _files(a).keys() == first.keys() and _files(a) != first

@@ -1,4 +1,4 @@
-"""The paper's ImageNet ablation (Tables 2 and 6) at small scale: ``python -m mabn.ablation``.
+"""The paper's ImageNet ablation (Tables 2 and 6) at small scale: ``python -m mabn ablation``.
 
 ``rows`` maps each table row to a norm preset and the paper's error, ``shapes`` generates the default data
 set, ``model`` is the small ResNet, ``train`` the one training loop every row runs (seeds paired across

@@ -1,4 +1,4 @@
-"""``python -m mabn.ablation``: the paper's ImageNet ablation (Tables 2 and 6) at small scale.
+"""``python -m mabn ablation``: the paper's ImageNet ablation (Tables 2 and 6) at small scale.
 
 Trains one small ResNet per row and seed with the same loop (gradient batch 32, normalization batch 2
 through ghost batches; seeds paired across rows), writes the table of validation errors with each row's
@@ -44,7 +44,7 @@ def _positive(text: str) -> int:
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        prog="python -m mabn.ablation", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m mabn ablation", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument(
         "--data",

@@ -17,7 +17,7 @@ import math
 from collections.abc import Sequence
 from pathlib import Path
 
-from .files import write_atomic
+from ..files import write_atomic
 
 SMALL, REGULAR = "#1f77b4", "#ff7f0e"  # the paper's colours: blue for the small batch, orange for 32
 # Which run each figure needs (row keys); these runs are probed on the first seed.

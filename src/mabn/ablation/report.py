@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from .files import write_atomic, write_text
+from ..files import write_atomic, write_text_atomic
 from .rows import GRADIENT_BATCH, SMALL_BATCH, Row
 from .stats import Paired, paired_test
 from .train import RunResult
@@ -137,7 +137,7 @@ def header(setting: dict[str, Any]) -> list[str]:
 
 def write_markdown(path: Path, summaries: list[Summary], header: list[str]) -> Path:
     """``header`` lines (the setting), a blank line, then the table."""
-    return write_text(path, "\n".join(header) + "\n\n" + table(summaries))
+    return write_text_atomic(path, "\n".join(header) + "\n\n" + table(summaries))
 
 
 def write_results(path: Path, setting: dict[str, Any], results: list[RunResult]) -> Path:
@@ -147,7 +147,7 @@ def write_results(path: Path, setting: dict[str, Any], results: list[RunResult])
     for run in runs:  # JSON has no NaN
         run["val_error"] = run["val_error"] if math.isfinite(run["val_error"]) else None
         run["final_loss"] = run["final_loss"] if math.isfinite(run["final_loss"]) else None
-    return write_text(path, json.dumps({"setting": setting, "runs": runs}, indent=2, default=str) + "\n")
+    return write_text_atomic(path, json.dumps({"setting": setting, "runs": runs}, indent=2, default=str) + "\n")
 
 
 def write_stats(path: Path, records: list[dict[str, float]]) -> Path:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -20,6 +19,7 @@ from PIL import Image
 
 from ..data.demo_imagenet import CLASSES, render
 from ..data.errors import DatasetError
+from ..data.once import generate_once
 
 MARKER = ".complete"
 
@@ -40,39 +40,33 @@ def generate(
     noise: float = 0.2,
     seed: int = 20,
 ) -> Path:
-    """Write ``root/{train,val}/<class>/*.png`` once (into a scratch folder beside ``root``, renamed
-    when complete); later calls with the same parameters return at once."""
-    root = Path(root)
+    """Write ``root/{train,val}/<class>/*.png`` once (``mabn.data.once.generate_once``: under a lock, into a
+    scratch folder renamed when complete); later calls with the same parameters return at once, a set of
+    this generator with other parameters is rewritten, and a folder it did not write is refused."""
     params = {"n_train": n_train, "n_val": n_val, "size": size, "fade": fade, "noise": noise, "seed": seed}
     params["classes"] = CLASSES
-    if _complete(root, params):
-        return root
-    if root.exists():
-        if not (root / MARKER).is_file():
-            raise DatasetError(f"{root} exists and is not a generated ablation set; refusing to replace it")
-        shutil.rmtree(root)  # our own generation, with other parameters
-    root.parent.mkdir(parents=True, exist_ok=True)
-    print(f"Generating the ablation shape set ({len(CLASSES)} classes, {n_train}+{n_val} per class) in {root}")
-    scratch = Path(tempfile.mkdtemp(prefix=f".{root.name}-", dir=root.parent))
-    try:
+
+    def write(folder: Path) -> Path:
+        if _complete(folder, params):
+            return folder
+        if any(folder.iterdir()):
+            if not (folder / MARKER).is_file():
+                raise DatasetError(f"{folder} exists and is not a generated ablation set; refusing to replace it")
+            (folder / MARKER).unlink()  # our own generation, with other parameters: rewritten in place
+            for split in ("train", "val"):
+                shutil.rmtree(folder / split, ignore_errors=True)
+        print(f"Generating the ablation shape set ({len(CLASSES)} classes, {n_train}+{n_val} per class) in {folder}")
         rng = np.random.default_rng(seed)
         for split, count in (("train", n_train), ("val", n_val)):
             for label, name in enumerate(CLASSES):
-                folder = scratch / split / name
-                folder.mkdir(parents=True)
+                (folder / split / name).mkdir(parents=True)
                 for i in range(count):
                     image = degrade(render(label, size, rng), fade, noise, rng)
-                    Image.fromarray(image).save(folder / f"{name}_{i:04d}.png")
-        (scratch / MARKER).write_text(json.dumps(params))
-        scratch.rename(root)
-    except OSError:
-        shutil.rmtree(scratch, ignore_errors=True)
-        if not _complete(root, params):  # else another process wrote the same set first
-            raise
-    except BaseException:
-        shutil.rmtree(scratch, ignore_errors=True)
-        raise
-    return root
+                    Image.fromarray(image).save(folder / split / name / f"{name}_{i:04d}.png")
+        (folder / MARKER).write_text(json.dumps(params))
+        return folder
+
+    return generate_once(Path(root), write)
 
 
 def _complete(root: Path, params: dict) -> bool:
