@@ -16,7 +16,7 @@ from pytorch_lightning.utilities import rank_zero_info, rank_zero_warn
 from ..data.cityscapes import CLASS_NAMES, IGNORE_INDEX, IMAGENET_MEAN, IMAGENET_STD
 from ..inference import sliding_window_logits
 from ..metrics import SegmentationMetric, format_iou_table
-from ..models import PSPNet, load_backbone_into
+from ..models import PSPNet, check_backbone, load_backbone_into
 from . import schedules
 from .base import NormTask, require
 
@@ -73,8 +73,7 @@ class SegmentationTask(NormTask):
         self.model = PSPNet(num_classes, norm, norm_batch_size, norm_options, dropout=dropout)
         if backbone:
             info = load_backbone_into(self.model.encoder, backbone, norm)
-            top1 = "n/a" if info["val_top1"] is None else f"{info['val_top1']:.3f}"
-            rank_zero_info(f"Encoder loaded from {backbone} (norm {info['norm']}, val top-1 {top1})")
+            rank_zero_info(f"Encoder loaded from {backbone} ({info['description']}) into norm {norm}")
         else:
             rank_zero_warn("No backbone given (BACKBONE=...): the encoder starts from random weights.")
         self.val_metric = SegmentationMetric(num_classes, IGNORE_INDEX)
@@ -83,6 +82,8 @@ class SegmentationTask(NormTask):
     @classmethod
     def check_hparams(cls, hp: Mapping[str, Any]) -> None:
         super().check_hparams(hp)
+        if hp.get("backbone"):  # a backbone that cannot start this norm stops before any data is read
+            check_backbone(hp["backbone"], hp["norm"])
         require(hp["head_lr_mult"] > 0, "head_lr_mult", hp["head_lr_mult"], "must be > 0 (heads' lr = base_lr x it)")
         require(hp["warmup_epochs"] >= 0, "warmup_epochs", hp["warmup_epochs"], "must be >= 0")
         require(hp["poly_power"] > 0, "poly_power", hp["poly_power"], "must be > 0")
