@@ -77,6 +77,8 @@ class SegmentationTask(NormTask):
         else:
             rank_zero_warn("No backbone given (BACKBONE=...): the encoder starts from random weights.")
         self.val_metric = SegmentationMetric(num_classes, IGNORE_INDEX)
+        self.test_metric = SegmentationMetric(num_classes, IGNORE_INDEX)
+        self.test_result: dict[str, torch.Tensor] = {}  # the last test's metrics (SegmentationMetric.compute)
         self.validations_done = 0  # completed validation runs of this process (sanity checks excluded)
 
     @classmethod
@@ -111,8 +113,9 @@ class SegmentationTask(NormTask):
     def eval_crop(self) -> int:
         return self.hparams.eval_crop or self.trainer.datamodule.crop_size
 
-    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
-        images, labels = batch
+    def predict_classes(self, images: torch.Tensor) -> torch.Tensor:
+        """Class ids (N, H, W) of full images by the sliding-window protocol (``eval_crop``, ``eval_flip``,
+        ``eval_scales``): what validation, ``python -m mabn test`` and ``python -m mabn predict`` score."""
         probs = sliding_window_logits(
             self.model,
             images,
@@ -121,10 +124,31 @@ class SegmentationTask(NormTask):
             flip=self.hparams.eval_flip,
             scales=self.hparams.eval_scales,
         )
-        preds = probs.argmax(1)
+        return probs.argmax(1)
+
+    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        images, labels = batch
+        preds = self.predict_classes(images)
         self.val_metric.update(preds, labels)
         if batch_idx == 0 and self._log_predictions_now():
             self._log_predictions(images, preds, labels)
+
+    def on_test_epoch_start(self) -> None:
+        self.test_metric.reset()
+
+    def test_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        images, labels = batch
+        self.test_metric.update(self.predict_classes(images), labels)
+
+    def on_test_epoch_end(self) -> None:
+        # Kept in float64 for the caller (python -m mabn test prints it); the logged copies are float32.
+        self.test_result = self.test_metric.compute()
+        self.log("test/miou", self.test_result["miou"].float())
+        self.log("test/pixel_acc", self.test_result["pixel_accuracy"].float())
+
+    def predict_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        """The class ids of a batch of full images; ``batch`` is (images, anything the writer needs)."""
+        return self.predict_classes(batch[0]).to(torch.uint8)
 
     def _log_predictions_now(self) -> bool:
         every, count = self.hparams.log_predictions_every_n_epochs, self.hparams.num_logged_predictions
