@@ -3,6 +3,7 @@ state dicts, and the refusals (one line naming why) where a backbone cannot star
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,7 @@ import torchvision
 from torch import nn
 
 from mabn import cli, launch
+from mabn.data import demo_cityscapes
 from mabn.models import BackboneError, check_backbone, load_backbone_into, norm_kwargs_for, resnet101, save_backbone
 from mabn.models.backbone import Backbone, check_fits
 from mabn.norm import BatchRenorm2d, convert_norm
@@ -209,6 +211,21 @@ def test_stage2_dry_runs_accept_a_bn_backbone_for_brn_and_syncbn_and_refuse_it_f
     assert code == 2 and lines[-1].startswith("error: norm mismatch") and "centres each conv" in lines[-1]
     assert not [line for line in lines if line.startswith("error:")][:-1]  # one error line
     assert not (tmp_path / "runs").exists()
+
+
+def test_stage2_brn_run_starts_from_a_bn32_backbone(bn_model, tmp_path, monkeypatch, caplog):
+    # What make cityscapes NORM=brn BACKBONE=pretrain/bn32/resnet101-bn.pt builds, up to the first step.
+    monkeypatch.chdir(tmp_path)
+    data = demo_cityscapes.generate(tmp_path / "cs", n_train=2, n_val=1, size=(32, 64))
+    bn32 = save_backbone(tmp_path / "pretrain" / "bn32" / "resnet101-bn.pt", bn_model, "bn", {}, None)
+    args = launch.build_args("cityscapes", data, "brn", 0, 1, ["--data.init_args.num_workers", "0"], backbone=bn32)
+    with caplog.at_level(logging.INFO):
+        task = cli.run_cli(args[1:], run=False).model  # without "fit": build, don't train
+    assert f"Encoder loaded from {bn32} (stage-1 backbone, norm bn" in caplog.text and "into norm brn" in caplog.text
+    layer, state = task.model.encoder.layer3[22].bn2, bn_model.state_dict()
+    assert isinstance(layer, BatchRenorm2d)
+    expected = (state["layer3.22.bn2.running_var"].double() + EPS).sqrt()
+    torch.testing.assert_close(layer.running_std.double(), expected, rtol=1e-6, atol=0)
 
 
 def test_bn32_preset_trains_bn_over_the_device_batch_into_its_own_folders(tmp_path, monkeypatch):

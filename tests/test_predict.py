@@ -73,6 +73,7 @@ def test_official_evaluator_on_predict_pngs_gives_the_miou_of_test(fitted, tmp_p
     assert code == 0, err
     assert "| class | IoU (%) |" in out and "| **mIoU** |" in out
     assert "crop 32, flip False, scales [1.0]" in out  # the checkpoint's protocol by default
+    assert not list(tmp_path.iterdir())  # test writes nothing
     result = evaluate.run_test(evaluate.parser().parse_args([str(ckpt), "--num-workers", "0"]))  # float64 numbers
     assert f"| **mIoU** | **{100 * result['miou'].item():.2f}** |" in out
 

@@ -52,7 +52,7 @@ def load_stage2(path: Path) -> Stage2Checkpoint:
     """
     info = runs.read_checkpoint(path)
     class_path = info.hparams.get("_class_path")
-    if class_path is not None and class_path not in STAGE2_NAMES or "eval_scales" not in info.hparams:
+    if (class_path is not None and class_path not in STAGE2_NAMES) or "eval_scales" not in info.hparams:
         raise ConfigError(f"{path} is not a stage-2 checkpoint ({class_path or 'unknown task'}); expected {STAGE2}")
     ckpt = load_weights_file(path, "checkpoint", ConfigError)
     hparams = {k: v for k, v in info.hparams.items() if not k.startswith("_")} | {"backbone": None}
