@@ -15,7 +15,7 @@ from torch import nn
 from mabn import cli, launch
 from mabn.data import demo_cityscapes
 from mabn.models import BackboneError, check_backbone, load_backbone_into, norm_kwargs_for, resnet101, save_backbone
-from mabn.models.backbone import Backbone, check_fits
+from mabn.models.backbone import STAGE1, Backbone, check_fits
 from mabn.norm import BatchRenorm2d, convert_norm
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -174,7 +174,7 @@ def test_a_file_without_a_key_names_it(bn_model, tmp_path):
     ],
 )
 def test_which_stage1_norm_starts_which_encoder(source, centralized, target, reason):
-    backbone = Backbone(Path("b.pt"), "stage-1", source, centralized, EPS, {}, {})
+    backbone = Backbone(Path("b.pt"), STAGE1, source, centralized, EPS, {}, {})
     if reason is None:
         check_fits(backbone, target)
         return

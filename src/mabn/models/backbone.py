@@ -23,7 +23,7 @@ from ..norm import NORM_PRESETS, BatchRenorm2d
 
 FORMAT = "mabn-backbone"
 VERSION = 1
-TORCHVISION = "torchvision"  # the source name of a torchvision state dict
+STAGE1, TORCHVISION = "stage-1", "torchvision"  # the two sources: a file of stage 1, a torchvision state dict
 RESNET101_BLOCKS = {"layer1": 3, "layer2": 4, "layer3": 23, "layer4": 3}
 BN_EPS = 1e-5  # torch's BatchNorm2d default: torchvision's and this project's unless norm_options set eps
 # Stage-1 norm kinds whose layers hold BatchNorm statistics, and the encoder kinds that compute
@@ -41,7 +41,7 @@ class Backbone:
     """A backbone file as read: its weights, the norm it was trained with and how its convs compute."""
 
     path: Path
-    source: str  # "stage-1" or TORCHVISION
+    source: str  # STAGE1 or TORCHVISION
     norm: str
     centralized: bool
     eps: float  # the eps of its BatchNorm layers (where the source has them)
@@ -49,6 +49,7 @@ class Backbone:
     info: dict[str, Any]  # the stage-1 payload without weights (empty for torchvision)
 
     def describe(self) -> str:
+        """What the file is, for the line stage 2 logs and for errors."""
         if self.source == TORCHVISION:
             return "torchvision ResNet-101 state dict (BN)"
         top1 = self.info.get("val_top1")
@@ -122,7 +123,7 @@ def read_backbone(path: str | Path) -> Backbone:
         raise BackboneError(f"{path} names an unknown norm {payload.get('norm')!r}")
     info = {k: v for k, v in payload.items() if k != "state_dict"}
     norm, centralized, state = payload["norm"], bool(payload["centralized"]), payload["state_dict"]
-    return Backbone(path, "stage-1", norm, centralized, _stage1_eps(payload), state, info)
+    return Backbone(path, STAGE1, norm, centralized, _stage1_eps(payload), state, info)
 
 
 def _refusal(backbone: Backbone, norm: str) -> str | None:
@@ -166,7 +167,7 @@ def check_backbone(path: str | Path, norm: str) -> Backbone:
 def load_backbone(path: str | Path, norm: str) -> dict[str, Any]:
     """Read a stage-1 file trained with exactly ``norm``; returns its payload (weights under ``state_dict``)."""
     backbone = read_backbone(path)
-    if backbone.source != "stage-1" or backbone.norm != norm:
+    if backbone.source != STAGE1 or backbone.norm != norm:
         raise BackboneError(f"{backbone.path} is not a stage-1 backbone of norm {norm!r}: {backbone.describe()}")
     return {**backbone.info, "state_dict": backbone.state_dict}
 
