@@ -69,22 +69,23 @@ def _official(results: Path, data: Path, monkeypatch, tmp_path: Path) -> dict:
 def test_official_evaluator_on_predict_pngs_gives_the_miou_of_test(fitted, tmp_path, monkeypatch, capsys):
     data, ckpt = fitted
     monkeypatch.chdir(tmp_path)
-    code, out, err = _run(evaluate.main, [str(ckpt), "--num-workers", "0"], capsys)
+    options = [str(ckpt), "--num-workers", "0", "--flip"]
+    code, out, err = _run(evaluate.main, options, capsys)
     assert code == 0, err
     assert "| class | IoU (%) |" in out and "| **mIoU** |" in out
-    assert "crop 32, flip False, scales [1.0]" in out  # the checkpoint's protocol by default
+    assert "crop 32, flip True, scales [1.0]" in out  # the checkpoint's crop and scales, flip asked for
     assert not list(tmp_path.iterdir())  # test writes nothing
-    result = evaluate.run_test(evaluate.parser().parse_args([str(ckpt), "--num-workers", "0"]))  # float64 numbers
+    result = evaluate.run_test(evaluate.parser().parse_args(options))  # the same run, for its float64 numbers
     assert f"| **mIoU** | **{100 * result['miou'].item():.2f}** |" in out
 
-    code, out, err = _run(predict.main, [str(ckpt), "--num-workers", "0", "--overlay"], capsys)
+    code, out, err = _run(predict.main, [*options, "--overlay"], capsys)
     assert code == 0, err
     folder = ckpt.parent.parent / "predictions" / f"{ckpt.stem}-val"
     frames = sorted(p.name[: -len("_gtFine_labelIds.png")] for p in (data / "gtFine" / "val").rglob("*labelIds.png"))
     for part, suffix in (("labelIds", "labelIds"), ("color", "color"), ("overlay", "overlay")):
         assert sorted(p.name for p in (folder / part).iterdir()) == [f"{f}_{suffix}.png" for f in frames], part
     manifest = json.loads((folder / predict.MANIFEST).read_text())
-    assert manifest["checkpoint"] == str(ckpt.resolve()) and manifest["crop"] == 32
+    assert manifest["checkpoint"] == str(ckpt.resolve()) and manifest["crop"] == 32 and manifest["flip"] is True
 
     official = _official(folder / "labelIds", data, monkeypatch, tmp_path)
     official_iou = torch.tensor([official["classScores"][name] for name in CLASS_NAMES], dtype=torch.float64)

@@ -79,9 +79,9 @@ def add_eval_options(parser: argparse.ArgumentParser) -> None:
 def configure(checkpoint: Stage2Checkpoint, ns: argparse.Namespace) -> None:
     """Set the task's sliding-window protocol from the options, the checkpoint's where none is given."""
     hp = checkpoint.task.hparams
-    crop = ns.crop or hp.eval_crop or checkpoint.data.get("crop_size")
+    crop = ns.crop if ns.crop is not None else hp.eval_crop or checkpoint.data.get("crop_size")
     if not crop or crop < 1:
-        raise ConfigError(f"--crop={crop}: give the window size in pixels (the checkpoint names none)")
+        raise ConfigError(f"--crop={crop}: give the window size in pixels, at least 1")
     hp.eval_crop = crop
     hp.eval_flip = hp.eval_flip if ns.flip is None else ns.flip
     if ns.scales is not None:
