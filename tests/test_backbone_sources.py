@@ -13,7 +13,7 @@ import torchvision
 from torch import nn
 
 from mabn import cli, launch
-from mabn.data import demo_cityscapes
+from mabn.data import demo_cityscapes, demo_imagenet
 from mabn.models import BackboneError, check_backbone, load_backbone_into, norm_kwargs_for, resnet101, save_backbone
 from mabn.models.backbone import STAGE1, Backbone, check_fits
 from mabn.norm import BatchRenorm2d, convert_norm
@@ -240,6 +240,27 @@ def test_bn32_preset_trains_bn_over_the_device_batch_into_its_own_folders(tmp_pa
     assert "--model.init_args.export_dir pretrain/bn32" in " ".join(real)
     with pytest.raises(launch.LaunchError, match="NORM=bn32 is a stage-1 preset.*BACKBONE=pretrain/bn32/resnet101-bn"):
         launch.build_args("cityscapes", None, "bn32", 0, 1, [])
+
+
+def test_bn32_short_fit_exports_a_bn_backbone_that_starts_brn(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    data = demo_imagenet.generate(tmp_path / "cls", n_train=4, n_val=2, size=40)
+    args = launch.build_args("pretrain", data, "bn32", 0, 1, []) + [
+        "--trainer.max_steps", "2", "--trainer.val_check_interval", "2", "--trainer.limit_val_batches", "1",
+        "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false",
+        "--data.init_args.batch_size", "8", "--data.init_args.num_workers", "0",
+        "--data.init_args.image_size", "32", "--data.init_args.val_resize", "36",
+    ]  # fmt: skip
+    cli.run_cli(args)
+    path = tmp_path / "pretrain" / "bn32" / "resnet101-bn.pt"
+    payload = torch.load(path, weights_only=True)
+    assert payload["norm"] == "bn" and payload["config"]["model"]["norm_batch_size"] is None
+    assert payload["config"]["run_dir"] == "runs/pretrain/bn32" and "layer1.0.bn1.running_var" in payload["state_dict"]
+    assert not (tmp_path / "pretrain" / "resnet101-bn.pt").exists()  # never where bn at batch 2 exports
+    encoder = _encoder("brn")
+    assert "at normalization batch per device" in load_backbone_into(encoder, path, "brn")["description"]
+    expected = (payload["state_dict"]["layer1.0.bn1.running_var"].double() + EPS).sqrt()
+    torch.testing.assert_close(encoder.layer1[0].bn1.running_std.double(), expected, rtol=1e-6, atol=0)
 
 
 def _imagenet_layout(root: Path) -> Path:
