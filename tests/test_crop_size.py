@@ -31,7 +31,7 @@ def test_sizes_one_above_a_multiple_of_8_give_logits_of_the_input_size(norm):
     _check_sizes(PSPNet(norm=norm, norm_batch_size=None), 41, 57)
 
 
-@pytest.mark.slow  # about a minute on one CPU thread
+@pytest.mark.slow  # tens of seconds on one CPU thread
 def test_crop_713_gives_713_logits_in_training_and_eval():
     _check_sizes(PSPNet(norm="bn"), 713, 713)
 
