@@ -5,9 +5,11 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
 # The two stages. DATA: dataset root (absent: the demo profile on generated data; a DATA without the dataset's
-# layout is an error); NORM: bn, syncbn, gn, brn, mabn or an ablation preset; GPUS per node (0: CPU; without
-# CUDA, GPUS CPU processes under DDP) and NODES pick a preset in configs/trainer/; BACKBONE: stage-1 file for
-# stage 2; RUN_DIR: the experiment folder (default runs/<stage>/<norm>, runs/demo/<stage>/<norm> for the demo);
+# layout is an error); NORM: bn, syncbn, gn, brn, mabn or an ablation preset (stage 1 also bn32: BN over each
+# device's batch of 32, the backbone of the paper's BN, BRN and SyncBN rows); GPUS per node (0: CPU; without
+# CUDA, GPUS CPU processes under DDP) and NODES pick a preset in configs/trainer/; BACKBONE: for stage 2, a
+# stage-1 file or torchvision ResNet-101 weights (docs/backbones.md); RUN_DIR: the experiment folder (default
+# runs/<stage>/<norm>, runs/demo/<stage>/<norm> for the demo);
 # RESUME: auto (the newest checkpoint of the experiment folder, if any) or a checkpoint path; ARGS: further
 # LightningCLI arguments, e.g. ARGS="--trainer.max_epochs 10".
 NORM     ?= mabn
@@ -26,7 +28,7 @@ STAGE_ARGS = $(NORM_ARGS) --gpus $(GPUS) --nodes $(NODES) $(if $(RESUME),--resum
 STAGE    ?= cityscapes
 DRY_RUN  ?=
 
-.PHONY: venv test test-slow test-gpu lint pretrain cityscapes slurm export plots bench bench-norm ablation clean
+.PHONY: venv test test-slow test-gpu lint pretrain cityscapes slurm export test-split predict plots bench bench-norm ablation clean
 
 venv: $(STAMP)
 
@@ -71,6 +73,21 @@ slurm: $(STAMP)
 export: $(STAMP)
 	@test -n "$(CKPT)" || { echo "usage: make export CKPT=runs/cityscapes/mabn/checkpoints/<file>.ckpt [ARGS=...]"; exit 2; }
 	$(PY) -m mabn export "$(CKPT)" $(ARGS)
+
+# A stage-2 checkpoint scored on a Cityscapes split by sliding windows, with the per-class IoU table. DATA and
+# SPLIT default to the checkpoint's root and val split; ARGS: --flip, --scales 0.75 1 1.25, --crop N.
+SPLIT  ?=
+IMAGES ?=
+test-split: $(STAMP)
+	@test -n "$(CKPT)" || { echo "usage: make test-split CKPT=runs/cityscapes/mabn/checkpoints/<file>.ckpt [DATA=...] [SPLIT=val] [ARGS=...]"; exit 2; }
+	$(PY) -m mabn test "$(CKPT)" $(if $(DATA),--data "$(DATA)") $(if $(SPLIT),--split "$(SPLIT)") $(ARGS)
+
+# A stage-2 checkpoint's predictions of a split (DATA, SPLIT) or of a folder of images (IMAGES) as Cityscapes
+# labelId PNGs, colour masks and (ARGS=--overlay) overlays, in OUT (default: <run>/predictions/<ckpt>-<split>).
+predict: $(STAMP)
+	@test -n "$(CKPT)" || { echo "usage: make predict CKPT=runs/cityscapes/mabn/checkpoints/<file>.ckpt [DATA=... SPLIT=val | IMAGES=<folder>] [OUT=<folder>] [ARGS=...]"; exit 2; }
+	$(PY) -m mabn predict "$(CKPT)" $(if $(DATA),--data "$(DATA)") $(if $(SPLIT),--split "$(SPLIT)") \
+		$(if $(IMAGES),--images "$(IMAGES)") $(if $(OUT),--out "$(OUT)") $(ARGS)
 
 # A run's figures from its CSV log (per-layer norm statistics, training curves) as PNG files in $(RUN)/plots
 # or OUT; RUN is an experiment folder (default: the demo run of make cityscapes with NORM).

@@ -11,7 +11,10 @@ stages (the recipes of configs/, the demo profile without --data):
   pretrain      stage 1: re-pretrain ResNet-101 on ImageNet and export its backbone
   cityscapes    stage 2: fine-tune PSPNet-101 on Cityscapes from a stage-1 backbone
 LightningCLI (--config configs/<stage>.yaml ...):
-  fit, validate, test, predict
+  fit, validate
+stage-2 checkpoints:
+  test          score a checkpoint on a split (sliding windows, flip and scales as options): per-class IoU
+  predict       a checkpoint's predictions of a split or a folder: Cityscapes labelId PNGs, colour masks
 results:
   export        a checkpoint -> folded TorchScript and ONNX models, checked before they are written
   plots         a run's norm statistics and training curves as PNG files
@@ -66,7 +69,9 @@ def _demo_data(argv: list[str]) -> object:
 COMMANDS: dict[str, Callable[[list[str]], object]] = {
     "pretrain": _stage("pretrain"),
     "cityscapes": _stage("cityscapes"),
-    **{name: _lightning for name in ("fit", "validate", "test", "predict")},
+    **{name: _lightning for name in ("fit", "validate")},
+    "test": _module("evaluate"),
+    "predict": _module("predict"),
     "export": _module("export"),
     "plots": _module("plots.__main__"),
     "bench": _module("bench.__main__"),
@@ -83,7 +88,7 @@ def main(argv: list[str]) -> int:
     if command is None:
         print(f"error: unknown command {argv[0]!r}\n{USAGE}", file=sys.stderr, end="")
         return 2
-    result = command(argv if argv[0] in ("fit", "validate", "test", "predict") else argv[1:])
+    result = command(argv if argv[0] in ("fit", "validate") else argv[1:])
     return result if isinstance(result, int) else 0
 
 

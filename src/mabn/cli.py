@@ -1,4 +1,4 @@
-"""``python -m mabn fit|validate|test --config ...``: the LightningCLI that drives both stages.
+"""``python -m mabn fit|validate --config ...``: the LightningCLI that drives both stages.
 
 Beyond LightningCLI, for ``fit``:
 - the configuration is checked before anything is built or read (``check_fit_config``), and a mistake stops

@@ -34,6 +34,7 @@ from .data.once import generate_once
 from .errors import ConfigError
 from .norm import NORM_PRESETS
 from .process import launch_rank, say
+from .tasks.classification import backbone_path
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 DEMO_DATA = Path("data")
@@ -107,6 +108,23 @@ PROFILES = {
         "gtFine/<split>/<city>/*_gtFine_labelIds.png. Running the demo profile on generated street scenes\n"
         "(configs/demo/cityscapes.yaml).",
     ),
+}
+
+
+@dataclass(frozen=True)
+class Stage1Preset:
+    """A stage-1 run of a norm under a name of its own: its own experiment folder and backbone folder."""
+
+    norm: str
+    args: tuple[str, ...]
+    description: str
+
+
+# The paper's BN backbone (its Cityscapes BN, BRN and SyncBN rows all start from it) normalizes over each
+# device's batch of 32 (configs/pretrain.yaml): pretrain/bn32/resnet101-bn.pt, never to be taken for the
+# bn backbone at normalization batch 2 (pretrain/resnet101-bn.pt).
+STAGE1_PRESETS = {
+    "bn32": Stage1Preset("bn", ("--model.init_args.norm_batch_size", "null"), "BN over each device's batch of 32"),
 }
 
 
@@ -200,8 +218,16 @@ def build_args(
 ) -> list[str]:
     """The LightningCLI arguments of a stage run (the demo profile without ``data``); nothing is generated or
     read here. ``dry_run`` assumes a GPU machine."""
+    label, preset = norm, STAGE1_PRESETS.get(norm)  # the run's name: the norm, or a stage-1 preset
+    if preset is not None and stage != "pretrain":
+        raise LaunchError(
+            f"NORM={label} is a stage-1 preset ({preset.description}); stage 2 loads its backbone into NORM=bn, brn or "
+            f"syncbn with BACKBONE={backbone_path(BACKBONES / label, preset.norm)}"
+        )
+    norm = preset.norm if preset else norm
     if norm not in NORM_PRESETS:
-        raise LaunchError(f"NORM={norm}: unknown norm; choose one of {', '.join(sorted(NORM_PRESETS))}")
+        names = sorted([*NORM_PRESETS, *STAGE1_PRESETS])
+        raise LaunchError(f"NORM={norm}: unknown norm; choose one of {', '.join(names)}")
     cuda = True if dry_run else None
     syncbn = norm_args(norm, gpus, nodes, cuda)  # first: a refused syncbn run says nothing else
     hardware = trainer_args(gpus, nodes, cuda) + syncbn
@@ -211,9 +237,11 @@ def build_args(
     for name in configs:
         args += ["--config", str(CONFIGS / name)]
     args += ["--data.init_args.data_dir", str(data_dir), "--model.init_args.norm", norm]
-    args += ["--trainer.default_root_dir", str(run_dir(stage, norm, demo, folder))]
+    args += ["--trainer.default_root_dir", str(run_dir(stage, label, demo, folder))]
     if stage == "pretrain":
-        args += ["--model.init_args.export_dir", str(BACKBONES / DEMO if demo else BACKBONES)]
+        export_dir = BACKBONES / DEMO if demo else BACKBONES
+        args += ["--model.init_args.export_dir", str(export_dir / label if preset else export_dir)]
+        args += list(preset.args) if preset else []
     if stage == "cityscapes":
         args += default_backbone(norm, backbone, demo)
     if resume:
@@ -225,7 +253,9 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m mabn", description=__doc__)
     parser.add_argument("stage", choices=sorted(PROFILES))
     parser.add_argument("--data", type=Path, help="dataset root; the demo profile runs when it is absent")
-    parser.add_argument("--norm", default="mabn", help="bn, syncbn, gn, brn, mabn or an ablation preset")
+    parser.add_argument(
+        "--norm", default="mabn", help="bn, syncbn, gn, brn, mabn or an ablation preset; stage 1 also bn32"
+    )
     parser.add_argument("--gpus", type=int, default=0, help="GPUs per node (0: CPU)")
     parser.add_argument("--nodes", type=int, default=1)
     parser.add_argument("--backbone", type=Path, help="stage 2: a stage-1 backbone file (default: pretrain/...)")

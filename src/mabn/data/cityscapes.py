@@ -190,7 +190,7 @@ class CityscapesDataset(Dataset):
 
 
 def train_transform(
-    crop_size: int = 712,
+    crop_size: int = 713,
     scale_range: tuple[float, float] = (0.5, 2.0),
     rotate_limit: float = 10.0,
     blur_p: float = 0.5,
@@ -202,8 +202,8 @@ def train_transform(
     degrees with p 0.5 (image padded with the mean pixel, mask with 255) -> 5x5 Gaussian blur with p
     ``blur_p`` -> horizontal flip -> centred pad to ``crop_size`` (mean / 255) -> random ``crop_size`` crop.
 
-    The default crop is 712: the paper's 713 is not divisible by the network's output stride 8 (smp
-    rejects it), and 712 is the nearest accepted size.
+    The default crop is the paper's (and hszhao's) 713: PSPNet takes any input size (its encoder at output
+    stride 8 gives 90x90 features for 713, and both heads upsample to the input size).
     """
     low, high = scale_range
     return A.Compose(
@@ -255,7 +255,7 @@ class CityscapesDataModule(pl.LightningDataModule):
     def __init__(
         self,
         data_dir: str,
-        crop_size: int = 712,
+        crop_size: int = 713,
         batch_size: int = 2,
         val_batch_size: int = 1,
         num_workers: int = 4,

@@ -1,22 +1,61 @@
-"""The stage 1 -> stage 2 hand-off: a backbone file in ``pretrain/`` (format documented in pretrain/README.md)."""
+"""The stage 1 -> stage 2 hand-off: where a PSPNet encoder's weights come from, checked before they load.
+
+A backbone file is one of (see docs/backbones.md):
+- a stage-1 file in ``pretrain/`` (format in pretrain/README.md) of the encoder's own norm;
+- a stage-1 file of plain BatchNorm (``bn`` or ``syncbn``, any normalization batch) for a ``bn``, ``brn`` or
+  ``syncbn`` encoder: the paper's Cityscapes baselines BN, BRN and SyncBN all start from one BN ResNet-101;
+- torchvision's ResNet-101 ``state_dict()`` saved with ``torch.save`` (a BN network), for the same encoders.
+Any other pairing is refused with the reason, before training (``check_backbone``) and at loading.
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
+from ..errors import ConfigError
 from ..files import load_weights_file, write_atomic
-from ..norm import NORM_PRESETS
+from ..norm import NORM_PRESETS, BatchRenorm2d
 
 FORMAT = "mabn-backbone"
 VERSION = 1
+STAGE1, TORCHVISION = "stage-1", "torchvision"  # the two sources: a file of stage 1, a torchvision state dict
+RESNET101_BLOCKS = {"layer1": 3, "layer2": 4, "layer3": 23, "layer4": 3}
+BN_EPS = 1e-5  # torch's BatchNorm2d default: torchvision's and this project's unless norm_options set eps
+# Stage-1 norm kinds whose layers hold BatchNorm statistics, and the encoder kinds that compute
+# w * (x - mean) / std + b at inference and so can take them over exactly.
+BN_SOURCES = ("bn", "syncbn")
+BN_TARGETS = ("bn", "brn", "syncbn")
 
 
-class BackboneError(ValueError):
+class BackboneError(ConfigError):
     """A backbone file that is missing, malformed, or does not fit the requested model."""
+
+
+@dataclass(frozen=True)
+class Backbone:
+    """A backbone file as read: its weights, the norm it was trained with and how its convs compute."""
+
+    path: Path
+    source: str  # STAGE1 or TORCHVISION
+    norm: str
+    centralized: bool
+    eps: float  # the eps of its BatchNorm layers (where the source has them)
+    state_dict: dict[str, torch.Tensor]
+    info: dict[str, Any]  # the stage-1 payload without weights (empty for torchvision)
+
+    def describe(self) -> str:
+        """What the file is, for the line stage 2 logs and for errors."""
+        if self.source == TORCHVISION:
+            return "torchvision ResNet-101 state dict (BN)"
+        top1 = self.info.get("val_top1")
+        batch = (self.info.get("config") or {}).get("model", {}).get("norm_batch_size", "n/a")
+        shown = "n/a" if top1 is None else f"{top1:.3f}"
+        return f"stage-1 backbone, norm {self.norm} at normalization batch {batch or 'per device'}, val top-1 {shown}"
 
 
 def backbone_state(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -41,30 +80,147 @@ def save_backbone(
     return write_atomic(path, lambda tmp: torch.save(payload, tmp))
 
 
-def load_backbone(path: str | Path, norm: str) -> dict[str, Any]:
-    """Read a backbone file and check that it was trained with ``norm``; returns the payload."""
+def _is_torchvision(payload: Any) -> bool:
+    return (
+        isinstance(payload, dict)
+        and "format" not in payload
+        and "conv1.weight" in payload
+        and all(isinstance(v, torch.Tensor) for v in payload.values())
+    )
+
+
+def _check_resnet101(path: Path, state: dict[str, torch.Tensor]) -> None:
+    """torchvision ResNets share their keys up to the block counts: refuse ResNet-50/152 by name."""
+    for layer, blocks in RESNET101_BLOCKS.items():
+        found = len({k.split(".")[1] for k in state if k.startswith(f"{layer}.")})
+        if found != blocks:
+            raise BackboneError(
+                f"{path} is a torchvision ResNet state dict with {found} blocks in {layer}, ResNet-101 has {blocks}: "
+                "save torchvision.models.resnet101's state_dict()"
+            )
+
+
+def _stage1_eps(payload: dict[str, Any]) -> float:
+    options = ((payload.get("config") or {}).get("model") or {}).get("norm_options") or {}
+    return float(options.get(NORM_PRESETS[payload["norm"]].kind, {}).get("eps", BN_EPS))
+
+
+def read_backbone(path: str | Path) -> Backbone:
+    """Read a stage-1 file or a torchvision ResNet-101 state dict; ``BackboneError`` for anything else."""
     path = Path(path)
     payload = load_weights_file(path, "backbone file", BackboneError)
+    if _is_torchvision(payload):
+        state = {k: v for k, v in payload.items() if not k.startswith("fc.")}
+        _check_resnet101(path, state)
+        return Backbone(path, TORCHVISION, "bn", False, BN_EPS, state, {})
     if not isinstance(payload, dict) or payload.get("format") != FORMAT:
-        raise BackboneError(f"{path} is not a {FORMAT} file (see pretrain/README.md for the format)")
+        raise BackboneError(
+            f"{path} is neither a {FORMAT} file (pretrain/README.md) nor a torchvision ResNet-101 state dict"
+        )
     if payload.get("version") != VERSION:
         raise BackboneError(f"{path} has format version {payload.get('version')}, this code reads {VERSION}")
-    if payload["norm"] != norm:
-        raise BackboneError(
-            f"norm mismatch: backbone {path} was pre-trained with norm {payload['norm']!r}, "
-            f"but the model asks for norm {norm!r}; pre-train with that norm or pick a matching backbone"
+    if payload.get("norm") not in NORM_PRESETS:
+        raise BackboneError(f"{path} names an unknown norm {payload.get('norm')!r}")
+    info = {k: v for k, v in payload.items() if k != "state_dict"}
+    norm, centralized, state = payload["norm"], bool(payload["centralized"]), payload["state_dict"]
+    return Backbone(path, STAGE1, norm, centralized, _stage1_eps(payload), state, info)
+
+
+def _refusal(backbone: Backbone, norm: str) -> str | None:
+    """Why ``backbone`` cannot start an encoder built with ``norm`` and what would, or None when it can."""
+    target, source = NORM_PRESETS[norm], NORM_PRESETS[backbone.norm]
+    if backbone.norm == norm:
+        return None
+    if target.centralize_weights and not backbone.centralized:
+        return (
+            f"{norm} centres each conv's weights, which changes what every conv computes, so uncentred weights do "
+            f"not carry over; pre-train with make pretrain NORM={norm}"
         )
-    return payload
+    if target.kind == "gn" and source.kind in BN_SOURCES:
+        return (
+            "GroupNorm normalizes each sample by its own statistics, so BN's running statistics and affine do not "
+            "give the same function; pre-train with make pretrain NORM=gn"
+        )
+    if target.kind in BN_TARGETS and source.kind in BN_SOURCES:
+        return None
+    return f"pre-train with that norm or pick a matching backbone (a BN backbone fits {', '.join(BN_TARGETS)})"
+
+
+def check_fits(backbone: Backbone, norm: str) -> None:
+    """Refuse a backbone that cannot start an encoder built with ``norm``, naming both norms and why."""
+    reason = _refusal(backbone, norm)
+    if reason:
+        raise BackboneError(
+            f"norm mismatch: backbone {backbone.path} was pre-trained with norm {backbone.norm!r} "
+            f"({'a torchvision state dict' if backbone.source == TORCHVISION else 'a stage-1 file'}), "
+            f"but the model asks for norm {norm!r}: {reason}"
+        )
+
+
+def check_backbone(path: str | Path, norm: str) -> Backbone:
+    """The backbone at ``path``, checked to fit an encoder built with ``norm`` (weights not yet loaded)."""
+    backbone = read_backbone(path)
+    check_fits(backbone, norm)
+    return backbone
+
+
+def load_backbone(path: str | Path, norm: str) -> dict[str, Any]:
+    """Read a stage-1 file trained with exactly ``norm``; returns its payload (weights under ``state_dict``)."""
+    backbone = read_backbone(path)
+    if backbone.source != STAGE1 or backbone.norm != norm:
+        raise BackboneError(f"{backbone.path} is not a stage-1 backbone of norm {norm!r}: {backbone.describe()}")
+    return {**backbone.info, "state_dict": backbone.state_dict}
+
+
+def adapt_statistics(state: dict[str, torch.Tensor], encoder: nn.Module, eps: float) -> dict[str, torch.Tensor]:
+    """``state`` with each norm's running statistics in the form ``encoder``'s layer keeps them.
+
+    BatchNorm keeps ``running_var`` and divides by sqrt(running_var + eps) at inference; BatchRenorm2d (also
+    ghost-batch BN) keeps ``running_std`` with eps inside and divides by it. So running_std = sqrt(running_var +
+    ``eps``), the source BN's eps, and running_var = running_std^2 - eps of the target BN: either way the eval
+    output is the source's. A converted layer's ``num_batches_tracked`` starts at 0 (BRN's clipping ramps have
+    not begun; BN with a momentum does not read it).
+    """
+    out = dict(state)
+    for name, layer in encoder.named_modules():
+        prefix = f"{name}." if name else ""
+        if isinstance(layer, BatchRenorm2d) and f"{prefix}running_var" in out:
+            out[f"{prefix}running_std"] = (out.pop(f"{prefix}running_var").double() + eps).sqrt().float()
+        elif isinstance(layer, nn.BatchNorm2d | nn.SyncBatchNorm) and f"{prefix}running_std" in out:
+            # clamp: rounding of a std at its floor sqrt(eps) must not give a negative variance
+            var = out.pop(f"{prefix}running_std").double().square() - layer.eps
+            out[f"{prefix}running_var"] = var.clamp_min(0.0).float()
+        else:
+            continue
+        out[f"{prefix}num_batches_tracked"] = torch.zeros((), dtype=torch.long)
+    return out
+
+
+def _key_mismatch(expected: dict[str, torch.Tensor], given: dict[str, torch.Tensor]) -> str | None:
+    """The first missing, unexpected or mis-shaped key with the counts, or None when the two fit."""
+    missing, unexpected = sorted(expected.keys() - given.keys()), sorted(given.keys() - expected.keys())
+    shaped = [k for k in expected.keys() & given.keys() if expected[k].shape != given[k].shape]
+    if missing:
+        return f"{len(missing)} encoder key(s) missing from the file, e.g. {missing[0]}"
+    if unexpected:
+        return f"{len(unexpected)} key(s) the encoder does not have, e.g. {unexpected[0]}"
+    if shaped:
+        k = sorted(shaped)[0]
+        shapes = f"{tuple(given[k].shape)} for {tuple(expected[k].shape)}"
+        return f"{len(shaped)} key(s) of another shape, e.g. {k}: {shapes}"
+    return None
 
 
 def load_backbone_into(encoder: nn.Module, path: str | Path, norm: str) -> dict[str, Any]:
     """Load a backbone file into a ResNet-101 encoder built with ``norm``, with strict key checking.
 
-    Returns the payload (without weights) so callers can report where the backbone came from.
+    Returns what to report: ``norm`` and ``source`` of the file, ``description``, and for stage-1 files the
+    payload without weights (``val_top1``, ``config``, ...).
     """
-    payload = load_backbone(path, norm)
-    try:
-        encoder.load_state_dict(payload["state_dict"], strict=True)
-    except RuntimeError as err:  # missing, unexpected or mis-shaped keys
-        raise BackboneError(f"{path} does not fit the {norm} encoder: {err}") from err
-    return {k: v for k, v in payload.items() if k != "state_dict"}
+    backbone = check_backbone(path, norm)
+    state = adapt_statistics(backbone.state_dict, encoder, backbone.eps)
+    mismatch = _key_mismatch(encoder.state_dict(), state)
+    if mismatch:
+        raise BackboneError(f"{backbone.path} does not fit the {norm} ResNet-101 encoder: {mismatch}")
+    encoder.load_state_dict(state, strict=True)
+    return {**backbone.info, "norm": backbone.norm, "source": backbone.source, "description": backbone.describe()}

@@ -16,7 +16,7 @@ from pytorch_lightning.utilities import rank_zero_info, rank_zero_warn
 from ..data.cityscapes import CLASS_NAMES, IGNORE_INDEX, IMAGENET_MEAN, IMAGENET_STD
 from ..inference import sliding_window_logits
 from ..metrics import SegmentationMetric, format_iou_table
-from ..models import PSPNet, load_backbone_into
+from ..models import PSPNet, check_backbone, load_backbone_into
 from . import schedules
 from .base import NormTask, require
 
@@ -73,16 +73,19 @@ class SegmentationTask(NormTask):
         self.model = PSPNet(num_classes, norm, norm_batch_size, norm_options, dropout=dropout)
         if backbone:
             info = load_backbone_into(self.model.encoder, backbone, norm)
-            top1 = "n/a" if info["val_top1"] is None else f"{info['val_top1']:.3f}"
-            rank_zero_info(f"Encoder loaded from {backbone} (norm {info['norm']}, val top-1 {top1})")
+            rank_zero_info(f"Encoder loaded from {backbone} ({info['description']}) into norm {norm}")
         else:
             rank_zero_warn("No backbone given (BACKBONE=...): the encoder starts from random weights.")
         self.val_metric = SegmentationMetric(num_classes, IGNORE_INDEX)
+        self.test_metric = SegmentationMetric(num_classes, IGNORE_INDEX)
+        self.test_result: dict[str, torch.Tensor] = {}  # the last test's metrics (SegmentationMetric.compute)
         self.validations_done = 0  # completed validation runs of this process (sanity checks excluded)
 
     @classmethod
     def check_hparams(cls, hp: Mapping[str, Any]) -> None:
         super().check_hparams(hp)
+        if hp.get("backbone"):  # a backbone that cannot start this norm stops before any data is read
+            check_backbone(hp["backbone"], hp["norm"])
         require(hp["head_lr_mult"] > 0, "head_lr_mult", hp["head_lr_mult"], "must be > 0 (heads' lr = base_lr x it)")
         require(hp["warmup_epochs"] >= 0, "warmup_epochs", hp["warmup_epochs"], "must be >= 0")
         require(hp["poly_power"] > 0, "poly_power", hp["poly_power"], "must be > 0")
@@ -110,8 +113,9 @@ class SegmentationTask(NormTask):
     def eval_crop(self) -> int:
         return self.hparams.eval_crop or self.trainer.datamodule.crop_size
 
-    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
-        images, labels = batch
+    def predict_classes(self, images: torch.Tensor) -> torch.Tensor:
+        """Class ids (N, H, W) of full images by the sliding-window protocol (``eval_crop``, ``eval_flip``,
+        ``eval_scales``): what validation, ``python -m mabn test`` and ``python -m mabn predict`` score."""
         probs = sliding_window_logits(
             self.model,
             images,
@@ -120,10 +124,31 @@ class SegmentationTask(NormTask):
             flip=self.hparams.eval_flip,
             scales=self.hparams.eval_scales,
         )
-        preds = probs.argmax(1)
+        return probs.argmax(1)
+
+    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        images, labels = batch
+        preds = self.predict_classes(images)
         self.val_metric.update(preds, labels)
         if batch_idx == 0 and self._log_predictions_now():
             self._log_predictions(images, preds, labels)
+
+    def on_test_epoch_start(self) -> None:
+        self.test_metric.reset()
+
+    def test_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        images, labels = batch
+        self.test_metric.update(self.predict_classes(images), labels)
+
+    def on_test_epoch_end(self) -> None:
+        # Kept in float64 for the caller (python -m mabn test prints it); the logged copies are float32.
+        self.test_result = self.test_metric.compute()
+        self.log("test/miou", self.test_result["miou"].float())
+        self.log("test/pixel_acc", self.test_result["pixel_accuracy"].float())
+
+    def predict_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        """The class ids of a batch of full images; ``batch`` is (images, anything the writer needs)."""
+        return self.predict_classes(batch[0]).to(torch.uint8)
 
     def _log_predictions_now(self) -> bool:
         every, count = self.hparams.log_predictions_every_n_epochs, self.hparams.num_logged_predictions

@@ -1,0 +1,139 @@
+"""``python -m mabn test CKPT``: a stage-2 checkpoint scored on a Cityscapes split, and what the
+``test`` and ``predict`` commands share (the checkpoint as a ready SegmentationTask, the evaluation options).
+
+The split is read in full images and predicted by ``SegmentationTask.predict_classes``, the sliding-window
+code path of validation (crop, flip and scales as options, the checkpoint's own by default), on one device
+(a GPU when there is one). The per-class IoU table is printed as validation prints it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytorch_lightning as pl
+import torch
+
+from . import cli, runs
+from .data.cityscapes import CLASS_NAMES, CityscapesDataset
+from .data.loading import make_loader
+from .errors import ConfigError
+from .files import load_weights_file
+from .metrics import format_iou_table
+from .tasks import SegmentationTask
+
+STAGE2 = f"{SegmentationTask.__module__}.{SegmentationTask.__name__}"
+STAGE2_NAMES = (STAGE2, "mabn.tasks.SegmentationTask")  # the class path as the configs spell it
+
+
+@dataclass
+class Stage2Checkpoint:
+    """A stage-2 checkpoint loaded for inference: the task (eval mode) and its data module's arguments."""
+
+    path: Path
+    task: SegmentationTask
+    data: dict[str, Any]  # CityscapesDataModule's hyperparameters (data_dir, crop_size, val_split, ...)
+
+    @property
+    def run_folder(self) -> Path:
+        """The experiment folder the checkpoint belongs to (``<run>/checkpoints/<file>.ckpt``)."""
+        parent = self.path.parent
+        return parent.parent if parent.name == runs.CHECKPOINTS else parent
+
+
+def load_stage2(path: Path) -> Stage2Checkpoint:
+    """The PSPNet of a stage-2 checkpoint with its weights; ``ConfigError`` naming the file when it is not one.
+
+    The encoder is built without reading the fit's backbone file (the checkpoint holds the trained weights).
+    """
+    info = runs.read_checkpoint(path)
+    class_path = info.hparams.get("_class_path")
+    if (class_path is not None and class_path not in STAGE2_NAMES) or "eval_scales" not in info.hparams:
+        raise ConfigError(f"{path} is not a stage-2 checkpoint ({class_path or 'unknown task'}); expected {STAGE2}")
+    ckpt = load_weights_file(path, "checkpoint", ConfigError)
+    hparams = {k: v for k, v in info.hparams.items() if not k.startswith("_")} | {"backbone": None}
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="No backbone given")  # the weights come next
+        task = SegmentationTask(**hparams)
+    task.load_state_dict(ckpt["state_dict"], strict=True)
+    return Stage2Checkpoint(path, task.eval(), dict(ckpt.get("datamodule_hyper_parameters") or {}))
+
+
+def add_eval_options(parser: argparse.ArgumentParser) -> None:
+    """The checkpoint and the sliding-window options of ``test`` and ``predict``."""
+    parser.add_argument("checkpoint", type=Path, help="a stage-2 checkpoint (runs/cityscapes/<norm>/checkpoints/...)")
+    parser.add_argument("--crop", type=int, help="window size (default: the checkpoint's eval_crop or crop_size)")
+    parser.add_argument(
+        "--flip",
+        action=argparse.BooleanOptionalAction,
+        help="average each window's probabilities with its mirror's (default: the checkpoint's eval_flip)",
+    )
+    parser.add_argument("--scales", type=float, nargs="+", help="image scales to average (default: the checkpoint's)")
+    parser.add_argument("--num-workers", type=int, default=4, help="DataLoader workers")
+
+
+def configure(checkpoint: Stage2Checkpoint, ns: argparse.Namespace) -> None:
+    """Set the task's sliding-window protocol from the options, the checkpoint's where none is given."""
+    hp = checkpoint.task.hparams
+    crop = ns.crop if ns.crop is not None else hp.eval_crop or checkpoint.data.get("crop_size")
+    if not crop or crop < 1:
+        raise ConfigError(f"--crop={crop}: give the window size in pixels, at least 1")
+    hp.eval_crop = crop
+    hp.eval_flip = hp.eval_flip if ns.flip is None else ns.flip
+    if ns.scales is not None:
+        if min(ns.scales) <= 0:
+            raise ConfigError(f"--scales {ns.scales}: every scale must be > 0")
+        hp.eval_scales = tuple(ns.scales)
+
+
+def data_root(checkpoint: Stage2Checkpoint, given: Path | None) -> Path:
+    """The Cityscapes root: ``given``, else the one the checkpoint was trained on."""
+    root = given or checkpoint.data.get("data_dir")
+    if root is None:
+        raise ConfigError(f"{checkpoint.path} names no data_dir: give the Cityscapes root with --data")
+    return Path(root)
+
+
+def inference_trainer(**kwargs: Any) -> pl.Trainer:
+    """One device (a GPU when there is one), no logger, no checkpoints: nothing is written by the Trainer."""
+    return pl.Trainer(
+        accelerator="auto", devices=1, logger=False, enable_checkpointing=False, enable_model_summary=False, **kwargs
+    )
+
+
+def run_test(ns: argparse.Namespace) -> dict[str, torch.Tensor]:
+    checkpoint = load_stage2(ns.checkpoint)
+    configure(checkpoint, ns)
+    root = data_root(checkpoint, ns.data)
+    split = ns.split or checkpoint.data.get("val_split") or "val"
+    dataset = CityscapesDataset(root, split)
+    hp = checkpoint.task.hparams
+    print(
+        f"Testing {ns.checkpoint} on {root} split {split} ({len(dataset)} images): crop {hp.eval_crop}, "
+        f"flip {hp.eval_flip}, scales {list(hp.eval_scales)}"
+    )
+    inference_trainer().test(checkpoint.task, make_loader(dataset, 1, False, ns.num_workers), verbose=False)
+    result = checkpoint.task.test_result
+    print(format_iou_table(result["per_class_iou"], CLASS_NAMES))
+    print(f"pixel accuracy {100 * result['pixel_accuracy'].item():.2f}")
+    return result
+
+
+def parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m mabn test", description=__doc__)
+    add_eval_options(parser)
+    parser.add_argument("--data", type=Path, help="Cityscapes root (default: the checkpoint's data_dir)")
+    parser.add_argument("--split", help="the split under leftImg8bit/ and gtFine/ (default: the checkpoint's val)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    ns = parser().parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        run_test(ns)
+    except Exception as err:
+        cli.exit_on_user_error(err)

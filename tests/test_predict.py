@@ -1,0 +1,158 @@
+"""python -m mabn test|predict on a short stage-2 fit: the PNGs predict writes, scored by cityscapesscripts'
+own evaluator, give test's mIoU; output folders of another run are never written into."""
+
+from __future__ import annotations
+
+import copy
+import importlib
+import json
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from mabn import cli, evaluate, launch, predict
+from mabn.data import demo_cityscapes
+from mabn.data.cityscapes import CLASS_NAMES
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def fitted(tmp_path_factory) -> tuple[Path, Path]:
+    """(data root, best checkpoint) of a 2-step bn fit on a tiny demo set with crop 32 (images 32x64)."""
+    root = tmp_path_factory.mktemp("predict")
+    data = demo_cityscapes.generate(root / "cs", n_train=4, n_val=3, size=(32, 64), seed=5)
+    extra = [
+        "--trainer.max_steps", "2", "--trainer.check_val_every_n_epoch", "2", "--trainer.num_sanity_val_steps", "0",
+        "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false",
+        "--trainer.default_root_dir", str(root / "runs" / "bn"),
+        "--data.init_args.global_batch_size", "4", "--data.init_args.num_workers", "0",
+        "--data.init_args.crop_size", "32", "--model.init_args.log_predictions_every_n_epochs", "0",
+    ]  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer = cli.run_cli(launch.build_args("cityscapes", data, "bn", 0, 1, extra)).trainer
+    return data, Path(trainer.checkpoint_callback.best_model_path)
+
+
+def _run(main, argv: list[str], capsys) -> tuple[int, str, list[str]]:
+    """Exit code, stdout and stderr lines of a command's ``main``."""
+    capsys.readouterr()
+    try:
+        main(argv)
+        code = 0
+    except SystemExit as exit_info:
+        code = exit_info.code
+    out = capsys.readouterr()
+    return code, out.out, out.err.strip().splitlines()
+
+
+def _official(results: Path, data: Path, monkeypatch, tmp_path: Path) -> dict:
+    """cityscapesscripts' evalPixelLevelSemanticLabeling over the val ground truth and the PNGs in ``results``."""
+    monkeypatch.setenv("CITYSCAPES_DATASET", str(data))
+    monkeypatch.setenv("CITYSCAPES_RESULTS", str(results))
+    evaluator = importlib.import_module("cityscapesscripts.evaluation.evalPixelLevelSemanticLabeling")
+    args = copy.copy(evaluator.args)
+    args.predictionPath, args.predictionWalk = str(results), None
+    args.evalInstLevelScore = False  # needs *_gtFine_instanceIds.png
+    args.evalPixelAccuracy, args.JSONOutput, args.quiet = False, False, True
+    args.exportFile = str(tmp_path / "official.json")
+    gt = sorted(str(p) for p in (data / "gtFine" / "val").rglob("*_gtFine_labelIds.png"))
+    preds = [evaluator.getPrediction(args, g) for g in gt]
+    return evaluator.evaluateImgLists(preds, gt, args)
+
+
+def test_official_evaluator_on_predict_pngs_gives_the_miou_of_test(fitted, tmp_path, monkeypatch, capsys):
+    data, ckpt = fitted
+    monkeypatch.chdir(tmp_path)
+    options = [str(ckpt), "--num-workers", "0", "--flip"]
+    code, out, err = _run(evaluate.main, options, capsys)
+    assert code == 0, err
+    assert "| class | IoU (%) |" in out and "| **mIoU** |" in out
+    assert "crop 32, flip True, scales [1.0]" in out  # the checkpoint's crop and scales, flip asked for
+    assert not list(tmp_path.iterdir())  # test writes nothing
+    result = evaluate.run_test(evaluate.parser().parse_args(options))  # the same run, for its float64 numbers
+    assert f"| **mIoU** | **{100 * result['miou'].item():.2f}** |" in out
+
+    code, out, err = _run(predict.main, [*options, "--overlay"], capsys)
+    assert code == 0, err
+    folder = ckpt.parent.parent / "predictions" / f"{ckpt.stem}-val"
+    frames = sorted(p.name[: -len("_gtFine_labelIds.png")] for p in (data / "gtFine" / "val").rglob("*labelIds.png"))
+    for part, suffix in (("labelIds", "labelIds"), ("color", "color"), ("overlay", "overlay")):
+        assert sorted(p.name for p in (folder / part).iterdir()) == [f"{f}_{suffix}.png" for f in frames], part
+    manifest = json.loads((folder / predict.MANIFEST).read_text())
+    assert manifest["checkpoint"] == str(ckpt.resolve()) and manifest["crop"] == 32 and manifest["flip"] is True
+
+    official = _official(folder / "labelIds", data, monkeypatch, tmp_path)
+    official_iou = torch.tensor([official["classScores"][name] for name in CLASS_NAMES], dtype=torch.float64)
+    # Like for like: classes in neither the ground truth nor the predictions are n/a (NaN) in both, and both
+    # average over the others.
+    torch.testing.assert_close(result["per_class_iou"], official_iou, equal_nan=True, rtol=0, atol=1e-6)
+    assert result["miou"].item() == pytest.approx(official["averageScoreClasses"], abs=1e-6)
+    # The comparison covers both kinds of class: n/a ones left out of the mean, and scored ones.
+    assert official_iou.isnan().any() and (official_iou > 0).any() and 0 < result["miou"].item() < 1
+
+    # The PNGs hold labelIds (road is 7, not its trainId 0) and the Cityscapes colours.
+    label_ids = np.asarray(Image.open(folder / "labelIds" / f"{frames[0]}_labelIds.png"))
+    colors = np.asarray(Image.open(folder / "color" / f"{frames[0]}_color.png"))
+    assert set(np.unique(label_ids)) <= set(predict.TRAIN_TO_LABEL_ID.tolist())
+    for label_id in np.unique(label_ids):
+        train_id = predict.TRAIN_TO_LABEL_ID.tolist().index(label_id)
+        assert (colors[label_ids == label_id] == predict.TRAIN_ID_COLORS[train_id]).all()
+
+
+def test_label_id_and_colour_tables_follow_cityscapes():
+    # The 19 evaluated classes' labelIds in trainId order (cityscapesscripts' labels table).
+    label_ids = [7, 8, 11, 12, 13, 17, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 31, 32, 33]  # fmt: skip
+    assert predict.TRAIN_TO_LABEL_ID.tolist() == label_ids
+    assert predict.TRAIN_ID_COLORS[0].tolist() == [128, 64, 128]  # road
+    assert predict.TRAIN_ID_COLORS[13].tolist() == [0, 0, 142]  # car
+    assert predict.frame_name(Path("x/aachen_000000_000019_leftImg8bit.png")) == "aachen_000000_000019"
+    assert predict.frame_name(Path("x/street.jpg")) == "street"
+
+
+def test_predict_never_writes_into_another_runs_folder(fitted, tmp_path, monkeypatch, capsys):
+    data, ckpt = fitted
+    monkeypatch.chdir(tmp_path)
+    images = tmp_path / "images"
+    images.mkdir()
+    frame = next((data / "leftImg8bit" / "val").rglob("*.png"))
+    (images / "street.png").write_bytes(frame.read_bytes())
+    out = tmp_path / "out"
+    out.mkdir()
+    mine = out / "notes.txt"
+    mine.write_text("a user's file")
+    argv = [str(ckpt), "--images", str(images), "--out", str(out), "--num-workers", "0"]
+    code, _, err = _run(predict.main, argv, capsys)
+    assert code == 2 and len(err) == 1, err
+    assert (
+        err[0].startswith(f"error: {out} already holds files of another run (no predict.json)")
+        and "--overwrite" in err[0]
+    )
+    assert sorted(p.name for p in out.iterdir()) == ["notes.txt"] and mine.read_text() == "a user's file"
+
+    fresh = tmp_path / "fresh"
+    argv[argv.index(str(out))] = str(fresh)
+    assert _run(predict.main, argv, capsys)[0] == 0
+    written = (fresh / "labelIds" / "street_labelIds.png").stat().st_mtime_ns
+    assert _run(predict.main, argv, capsys)[0] == 0  # the same run again continues in its folder
+    assert (fresh / "labelIds" / "street_labelIds.png").stat().st_mtime_ns >= written
+    code, _, err = _run(predict.main, [*argv, "--flip"], capsys)  # other options: another run
+    assert code == 2 and "checkpoint " in err[0]
+    assert _run(predict.main, [*argv, "--flip", "--overwrite"], capsys)[0] == 0
+    assert json.loads((fresh / predict.MANIFEST).read_text())["flip"] is True
+    assert not list(fresh.rglob("*.tmp"))
+
+
+def test_test_refuses_a_checkpoint_of_stage_1(tmp_path, capsys):
+    path = tmp_path / "stage1.ckpt"
+    torch.save({"state_dict": {}, "hyper_parameters": {"_class_path": "mabn.tasks.ClassificationTask"}}, path)
+    code, _, err = _run(evaluate.main, [str(path)], capsys)
+    assert code == 2 and err == [
+        f"error: {path} is not a stage-2 checkpoint (mabn.tasks.ClassificationTask); "
+        "expected mabn.tasks.segmentation.SegmentationTask"
+    ]
