@@ -81,12 +81,13 @@ def _phases(layer: MABN2d) -> tuple[bool, bool]:
 
 
 @pytest.mark.parametrize("norm", ["mabn", pytest.param("brn", marks=pytest.mark.slow)])
-def test_compiled_training_steps_match_eager(norm):
+def test_compiled_training_steps_match_eager(norm, device):
     """Six SGD steps (momentum, weight decay) through warm-up, SMA and renormalization, compiled with
     ``fullgraph=True`` against eager: outputs, every gradient and every buffer, step by step; one policy-driven
     layer switches phase in place without a recompile; a non-finite batch leaves the buffers unchanged and is
-    reported by ``raise_if_any_nonfinite``."""
-    eager = _model(norm)
+    reported by ``raise_if_any_nonfinite``. On CUDA (MABN_TEST_DEVICE=cuda) the eager steps run the Triton
+    kernels, the compiled ones the compiler's fusion of the torch-op definition."""
+    eager = _model(norm).to(device)
     compiled_model = copy.deepcopy(eager)
     compiled = torch.compile(compiled_model, fullgraph=True)
     torch._dynamo.reset()
@@ -102,7 +103,7 @@ def test_compiled_training_steps_match_eager(norm):
         if step in policy:
             for model in (eager, compiled_model):
                 model.get_submodule(POLICY_LAYER).policy = policy[step]
-        x = _images(step)
+        x = _images(step).to(device)
         out_e, out_c = _train_step(eager, x), _train_step(compiled, x)
         _close(out_c, out_e, f"step {step} output")
         for (name, p_e), p_c in zip(eager.named_parameters(), compiled_model.parameters()):
@@ -119,7 +120,7 @@ def test_compiled_training_steps_match_eager(norm):
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
 
     before = {name: b.clone() for name, b in compiled_model.named_buffers()}
-    _train_step(compiled, torch.full((4, 3, 8, 8), float("nan")))
+    _train_step(compiled, torch.full((4, 3, 8, 8), float("nan"), device=device))
     for name, b in compiled_model.named_buffers():
         assert torch.equal(b, before[name]), name
     layers = [m for m in compiled_model.modules() if isinstance(m, ManagedNorm)]

@@ -49,7 +49,9 @@ def chart(path: Path, title: str, step_rows: list[StepRow], infer_rows: list[Inf
     fig.suptitle(textwrap.fill(title, 140), fontsize=8)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    tmp = path.with_name(f".{path.name}.tmp")  # renamed when complete, as the report
+    fig.savefig(tmp, dpi=110, format="png")
+    tmp.replace(path)
     plt.close(fig)
     return path
 
@@ -72,6 +74,14 @@ def write(
     if png is not None:
         chart(png, env, step_rows, infer_rows)
         lines += [f"![ratios to BN]({png.name})", ""]
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text("\n".join(lines))
+    write_text(out, "\n".join(lines))
     return out, png
+
+
+def write_text(path: Path, text: str) -> None:
+    """``path`` with ``text``, written under a temporary name in its folder and renamed: a report being written
+    is never seen half-done."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
