@@ -126,9 +126,10 @@ def main(argv: list[str] | None = None) -> None:
     out = args.out
     if out is None and args.what != "norm":
         stem = "bench" if args.what in ("all", "check") else f"bench-{args.what}"
-        if args.model != "pspnet101":
-            stem += f"-{args.model}-" + (f"ghost{args.norm_batch}" if args.norm_batch else "whole")
-        stem += ("-graph" if args.cuda_graph else "") + ("-compile" if args.compile else "")
+        if args.what != "check":  # check has one report, whatever its options
+            if args.model != "pspnet101":
+                stem += f"-{args.model}-" + (f"ghost{args.norm_batch}" if args.norm_batch else "whole")
+            stem += ("-graph" if args.cuda_graph else "") + ("-compile" if args.compile else "")
         out = Path("docs") / f"{stem}-{device.type}.md"
     if out is None:
         return

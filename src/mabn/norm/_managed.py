@@ -14,7 +14,7 @@ forward reads and updates them in place, where creating them would make them out
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import Tensor, nn
@@ -41,12 +41,12 @@ class ManagedNorm(nn.Module):
         # flag only, not on the policy's values (those it reads from _policy_flags), so phase switches recompile
         # nothing.
         self.has_policy = False
-        self._policy_flags = _static(torch.zeros(2, dtype=torch.int32))  # the policy on the device, read there
+        self._policy_flags = self._new_policy_flags("cpu")  # the policy on the layer's device, read there
         # When set, each training step leaves its per-channel statistics in last_stats (for logging).
         self.track_stats = False
         self.last_stats: dict[str, Tensor] | None = None
         # Non-finite statistics met (see _check); on CUDA also their copy in host memory and the copy's event.
-        self._flags = _static(torch.zeros(len(self.NONFINITE), dtype=torch.bool))
+        self._flags = self._new_flags("cpu")
         self._host_flags: Tensor | None = None
         self._copied: torch.cuda.Event | None = None
 
@@ -68,8 +68,8 @@ class ManagedNorm(nn.Module):
 
     def policy_flags(self, device: torch.device) -> Tensor:
         """(2,) int32 on ``device``: the policy (zeros without one), as a training step reads it."""
-        if self._policy_flags.device != device:  # the layer's tensors are on several devices
-            self._policy_flags = _static(torch.tensor(self._policy or (0, 0), dtype=torch.int32, device=device))
+        if self._policy_flags.device != device:  # an input on another device than the layer
+            self._policy_flags = self._new_policy_flags(device)
         return self._policy_flags
 
     # -- non-finite statistics -------------------------------------------------------------------------
@@ -77,15 +77,24 @@ class ManagedNorm(nn.Module):
         """(len(NONFINITE),) bool on ``device``: a non-finite statistic was met, per direction. Sticky until
         reported."""
         if self._flags.device != device:
-            self._flags = _static(torch.zeros(len(self.NONFINITE), dtype=torch.bool, device=device))
+            self._flags = self._new_flags(device)
         return self._flags
 
-    def _apply(self, fn, recurse: bool = True):  # noqa: ANN001, ANN202 (nn.Module's signature)
-        """``Module.to``/``cuda``/``half``...: the flags follow the layer's tensors (their dtypes are not floating,
-        so only the device changes)."""
+    def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> ManagedNorm:
+        """``Module.to``, ``cuda``, ``to_empty``...: on another device, new flags there, as ``policy_flags`` and
+        ``nonfinite_flags`` make them (the policy kept, no verdict); on the same device the same flags (a captured
+        CUDA graph or a compiled step holds them)."""
         super()._apply(fn, recurse)
-        self._flags, self._policy_flags = _static(fn(self._flags)), _static(fn(self._policy_flags))
+        device = fn(self._flags).device
+        if device != self._flags.device:
+            self._policy_flags, self._flags = self._new_policy_flags(device), self._new_flags(device)
         return self
+
+    def _new_policy_flags(self, device: torch.device | str) -> Tensor:
+        return _static(torch.tensor(self._policy or (0, 0), dtype=torch.int32, device=device))
+
+    def _new_flags(self, device: torch.device | str) -> Tensor:
+        return _static(torch.zeros(len(self.NONFINITE), dtype=torch.bool, device=device))
 
     def _check(self, ok: Tensor | None, direction: int, device: torch.device) -> None:
         """Record a statistic step's verdict: ``ok`` (a bool tensor), or None where a kernel wrote it into the
@@ -102,7 +111,7 @@ class ManagedNorm(nn.Module):
 
     def _begin_training_forward(self, x: Tensor) -> bool:
         """Raise what the previous training forward's copied flags hold (waits for that copy only); returns
-        whether this forward may touch the host (False while a CUDA graph is captured)."""
+        whether this forward may touch the host (False while a CUDA graph is captured or torch.compile traces)."""
         host = not (torch.compiler.is_compiling() or (x.is_cuda and torch.cuda.is_current_stream_capturing()))
         if host and self._host_flags is not None:
             self._copied.synchronize()
