@@ -94,3 +94,33 @@ def test_graphed_step_bench_captures_at_the_measured_shape(graph_stand_in):
     assert [r.norm for r in rows] == ["bn", "gn", "brn", "mabn", "mabn + stats logging"]
     assert graph_stand_in.captured == [(2, 3, 72, 72)] * 5
     assert graph_stand_in.replayed == [(2, 3, 72, 72)] * 5 * 2  # the memory step and one timed repeat per row
+
+
+def test_resnet50_step_has_compiled_rows_against_compiled_bn(monkeypatch):
+    """The small-input ResNet-50 workload with --compile: eager rows against BN, compiled rows (Dynamo alone here)
+    against compiled BN, each with the time of the step that compiled it."""
+    real = torch.compile
+    calls = []
+
+    def dynamo_only(model, **options):
+        calls.append(options)
+        return real(model, backend="eager", fullgraph=options["fullgraph"])
+
+    monkeypatch.setattr(torch, "compile", dynamo_only)
+    rows = step.run(CPU, repeats=1, crop=32, batch=4, model="resnet50", norm_batch_size=None, compile_mode="default")
+    assert [r.norm for r in rows] == ["bn", "gn", "brn", "mabn", "mabn + stats logging", "bn compiled", "mabn compiled"]
+    assert calls == [{"fullgraph": True, "mode": "default"}] * 2
+    by_name = {r.norm: r for r in rows}
+    assert by_name["bn"].time_ratio == 1.0 and by_name["bn compiled"].time_ratio == 1.0
+    assert by_name["mabn compiled"].time_ratio == by_name["mabn compiled"].seconds / by_name["bn compiled"].seconds
+    assert all(r.first_step_s > 0 for r in rows[-2:]) and all(r.first_step_s is None for r in rows[:-2])
+    text = step.table(rows, 1, 32, 4, model="resnet50", norm_batch_size=None, compile_mode="default")
+    assert text.startswith("### ResNet-50 training step: batch 4, 32x32 px") and "normalize the whole batch" in text
+    assert "ratios to `bn compiled`" in text
+
+
+def test_bench_cli_check_needs_cuda(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["check", "--device", "cpu"])
+    assert exit_info.value.code == 2
+    assert "check needs a CUDA device, got --device cpu" in capsys.readouterr().err

@@ -87,3 +87,48 @@ def test_training_peak_memory_is_that_of_conv2d():
     conv_peak = peak_memory(lambda: step(plain), torch.device("cpu"))
     cen_peak = peak_memory(lambda: step(centred), torch.device("cpu"))
     assert cen_peak <= conv_peak + weight_bytes + mean_bytes, (cen_peak, conv_peak, weight_bytes)
+
+
+@pytest.mark.parametrize(
+    "sgd",
+    [
+        {"momentum": 0.9, "weight_decay": 1e-2},
+        {"momentum": 0.9, "nesterov": True, "weight_decay": 1e-2},
+        {"momentum": 0.5, "dampening": 0.3, "foreach": False},
+    ],
+)
+def test_centring_after_sgd_steps_follows_the_forward_centring(sgd):
+    """With SGD, weights re-centred in place after each step (forwards then plain convs) are, at every step, the
+    centred weights of today's forward centring, and the network computes the same outputs (float64, a small
+    ResNet with MABN through its warm-up, SMA and renormalization)."""
+    import copy
+
+    from mabn.ablation.model import SmallResNet
+    from mabn.norm import convert_norm
+    from mabn.norm.cenconv import centre_after_sgd_steps
+
+    torch.manual_seed(0)
+    options = {"warmup_iters": 2, "renorm_warmup_iters": 3, "buffer_size": 2, "norm_batch_size": 2}
+    reference = convert_norm(SmallResNet(3, widths=(4, 8), blocks=(1, 1)), "mabn", **options).double().train()
+    model = copy.deepcopy(reference)
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.2, **sgd) for m in (reference, model)]
+    handle = centre_after_sgd_steps(model, optimizers[1])
+    convs = [m for m in model.modules() if isinstance(m, CenConv2d)]
+    ref_convs = [m for m in reference.modules() if isinstance(m, CenConv2d)]
+    assert handle is not None and len(convs) == 6 and all(c.centred_in_place for c in convs)
+    for step in range(8):
+        x = torch.randn(4, 3, 8, 8, dtype=torch.float64)
+        outs = []
+        for net, opt in zip((reference, model), optimizers):
+            out = net(x)
+            out.tanh().sum().backward()
+            opt.step()
+            opt.zero_grad()
+            outs.append(out)
+        torch.testing.assert_close(outs[1], outs[0], rtol=1e-9, atol=1e-11, msg=f"step {step}")
+        for ref, conv in zip(ref_convs, convs):
+            torch.testing.assert_close(conv.weight, ref.centered_weight(), rtol=1e-9, atol=1e-11)
+    handle.remove()
+    assert not any(c.centred_in_place for c in convs)
+    assert centre_after_sgd_steps(model, torch.optim.Adam(model.parameters())) is None
+    assert not any(c.centred_in_place for c in convs)

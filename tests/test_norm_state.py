@@ -178,3 +178,17 @@ def test_brn_follows_a_policy_switched_in_place():
     for x, g in steps[8:]:
         _train_step(layer, x, g)
     assert bool((layer.last_stats["r"] != 1).any() or (layer.last_stats["d"] != 0).any())
+
+
+def test_device_flags_move_with_the_layer_and_stay_put_otherwise():
+    """The policy and non-finite flags a compiled or captured step holds: kept by a dtype change, made anew (the
+    policy kept, no verdict) where the layer's tensors go, e.g. from the meta device by ``to_empty``."""
+    layer = MABN2d(3)
+    layer.policy = (True, False)
+    flags, policy = layer._flags, layer._policy_flags
+    layer.to(torch.float64)
+    assert layer._flags is flags and layer._policy_flags is policy
+    layer.to("meta")
+    assert layer._flags.device.type == "meta" and layer._policy_flags.device.type == "meta"
+    layer.to_empty(device="cpu")
+    assert layer._flags.tolist() == [False, False] and layer._policy_flags.tolist() == [1, 0]

@@ -1,8 +1,11 @@
 """``python -m mabn.bench norm|step|infer|all``: cost benchmarks, each ratio measured against BN in the same run.
 
-norm: norm layers alone, forward+backward time and peak memory. step: a PSPNet-101 training step (forward,
-backward, SGD) per norm, time and peak memory. infer: images per second of the folded PSPNet-101 per norm and
-of the GroupNorm one. all: the three in one run, into one report (what `make bench` runs).
+norm: norm layers alone, forward+backward time and peak memory. step: a training step (forward, backward, SGD)
+per norm, time and peak memory, of PSPNet-101 or of ResNet-50 (--model), eager and with --compile also compiled.
+infer: images per second of the folded PSPNet-101 per norm and of the GroupNorm one. all: the three in one run,
+into one report (what `make bench` runs). check (CUDA): the PSPNet-101 step at crops 512 and 712, eager beside
+CUDA-graphed and, at 712, compiled (``--compile``, default reduce-overhead), into docs/bench-cuda.md (what
+`make gpu-check` runs after the GPU tests).
 """
 
 from __future__ import annotations
@@ -17,7 +20,9 @@ import torch
 from ..files import write_text_atomic
 from . import infer, norm, report, step
 
-DEFAULT_REPEATS = {"norm": 15, "step": 5, "infer": 7}
+DEFAULT_REPEATS = {"norm": 15, "step": 5, "infer": 7, "check": 10}
+# check: the crops, and the one of them that also gets compiled rows (compiling PSPNet-101 takes minutes).
+CHECK_CROPS, CHECK_COMPILED_CROP = (512, 712), 712
 
 
 def _positive(text: str) -> int:
@@ -27,12 +32,16 @@ def _positive(text: str) -> int:
     return value
 
 
+def _norm_batch(text: str) -> int | None:
+    return None if text == "whole" else _positive(text)
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(
         prog="python -m mabn.bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("what", choices=["norm", "step", "infer", "all"])
+    parser.add_argument("what", choices=["norm", "step", "infer", "all", "check"])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument(
         "--repeats",
@@ -42,8 +51,24 @@ def main(argv: list[str] | None = None) -> None:
         + "; with all, applies to each",
     )
     parser.add_argument("--scale", type=float, default=1.0, help="norm: multiply every batch size (quick runs: 0.25)")
-    parser.add_argument("--crop", type=_positive, default=512, help="step: square training crop")
-    parser.add_argument("--batch", type=_positive, default=2, help="step: images per step (a multiple of 2)")
+    parser.add_argument("--crop", type=_positive, default=512, help="step: square training crop (image size)")
+    parser.add_argument("--model", choices=list(step.MODELS), default="pspnet101", help="step: the network")
+    parser.add_argument("--batch", type=_positive, default=2, help="step: images per step (a multiple of --norm-batch)")
+    parser.add_argument(
+        "--norm-batch",
+        type=_norm_batch,
+        default=step.NORM_BATCH_SIZE,
+        metavar="N|whole",
+        help=f"step: BRN and MABN normalize ghost batches of N images, or the whole batch (default "
+        f"{step.NORM_BATCH_SIZE})",
+    )
+    parser.add_argument(
+        "--compile",
+        nargs="?",
+        const="default",
+        metavar="MODE",
+        help="step: also time bn and mabn through torch.compile in this mode (default: torch's default)",
+    )
     parser.add_argument(
         "--cuda-graph", action="store_true", help="step: replay each model's forward and backward as CUDA graphs"
     )
@@ -60,11 +85,12 @@ def main(argv: list[str] | None = None) -> None:
         "docs/bench-<what>-<device>.md for step and infer; norm writes only when given)",
     )
     args = parser.parse_args(argv)
-    if args.batch % step.NORM_BATCH_SIZE:
-        parser.error(f"--batch must be a multiple of {step.NORM_BATCH_SIZE}, got {args.batch}")
+    if args.norm_batch and args.batch % args.norm_batch:
+        parser.error(f"--batch must be a multiple of {args.norm_batch}, got {args.batch}")
     device = torch.device(args.device)
-    if args.cuda_graph and device.type != "cuda":
-        parser.error(f"--cuda-graph needs a CUDA device, got --device {args.device}")
+    if (args.cuda_graph or args.what == "check") and device.type != "cuda":
+        what = "--cuda-graph" if args.cuda_graph else "check"
+        parser.error(f"{what} needs a CUDA device, got --device {args.device}")
     if args.threads:
         torch.set_num_threads(args.threads)
     size = (args.size[0], args.size[1])
@@ -81,8 +107,17 @@ def main(argv: list[str] | None = None) -> None:
         table = norm.run(device, repeats=repeats("norm"), scale=args.scale)
         sections.append(table if args.what == "norm" else f"### Norm layers alone\n\n{table}")
     if args.what in ("step", "all"):
-        step_rows = step.run(device, repeats("step"), args.crop, args.batch, cuda_graph=args.cuda_graph)
-        sections.append(step.table(step_rows, repeats("step"), args.crop, args.batch, args.cuda_graph))
+        workload = {"model": args.model, "norm_batch_size": args.norm_batch, "compile_mode": args.compile}
+        step_rows = step.run(device, repeats("step"), args.crop, args.batch, cuda_graph=args.cuda_graph, **workload)
+        sections.append(step.table(step_rows, repeats("step"), args.crop, args.batch, args.cuda_graph, **workload))
+    if args.what == "check":
+        for crop in CHECK_CROPS:
+            compiled = (args.compile or "reduce-overhead") if crop == CHECK_COMPILED_CROP else None
+            for graphed, mode in ((False, compiled), (True, None)):
+                rows = step.run(device, repeats("check"), crop, args.batch, cuda_graph=graphed, compile_mode=mode)
+                sections.append(step.table(rows, repeats("check"), crop, args.batch, graphed, compile_mode=mode))
+                if mode:  # the chart: eager and compiled rows at the compiled crop
+                    step_rows = rows
     if args.what in ("infer", "all"):
         infer_rows = infer.run(device, repeats("infer"), size)
         sections.append(infer.table(infer_rows, repeats("infer"), size))
@@ -91,7 +126,11 @@ def main(argv: list[str] | None = None) -> None:
 
     out = args.out
     if out is None and args.what != "norm":
-        stem = ("bench" if args.what == "all" else f"bench-{args.what}") + ("-graph" if args.cuda_graph else "")
+        stem = "bench" if args.what in ("all", "check") else f"bench-{args.what}"
+        if args.what != "check":  # check has one report, whatever its options
+            if args.model != "pspnet101":
+                stem += f"-{args.model}-" + (f"ghost{args.norm_batch}" if args.norm_batch else "whole")
+            stem += ("-graph" if args.cuda_graph else "") + ("-compile" if args.compile else "")
         out = Path("docs") / f"{stem}-{device.type}.md"
     if out is None:
         return

@@ -1,7 +1,13 @@
-"""PSPNet-101 training-step benchmark: forward, backward and SGD step per norm, time and peak memory vs BN."""
+"""Training-step benchmark: forward, backward and SGD step per norm, time and peak memory vs BN.
+
+Two models: PSPNet-101 as the segmentation stage trains it (2 images per device), and torchvision's ResNet-50 at
+small inputs (e.g. batch 8 at 160 px), where the norms and the per-layer host work weigh more. Compiled rows
+(``torch.compile``, fullgraph) run beside the eager ones and are compared with compiled BN.
+"""
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from functools import partial
 from types import SimpleNamespace
@@ -9,16 +15,22 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+import torchvision
+from torch import nn
 
 from ..callbacks import MABNCallback
 from ..cudagraph import training_call
 from ..data.cityscapes import IGNORE_INDEX
 from ..models import PSPNet
+from ..norm import convert_norm
+from ..norm.cenconv import centre_after_sgd_steps
 from .measure import median_times, peak_memory
 
+MODELS = {"pspnet101": "PSPNet-101", "resnet50": "ResNet-50"}
 NORMS = ("bn", "gn", "brn", "mabn")
 LOGGED = "mabn + stats logging"  # MABN with MABNCallback's statistics logging at every step
 ROWS = (*NORMS, LOGGED)
+COMPILED = ("bn", "mabn")  # the norms of the compiled rows, named "<norm> compiled" (compiling takes minutes)
 # The recipe's per-device batch is one ghost batch of 2: BRN and MABN normalize groups of this size.
 NORM_BATCH_SIZE = 2
 # SegmentationTask's defaults: auxiliary loss weight and SGD settings.
@@ -31,37 +43,56 @@ STEADY_STATE = {"brn": {"r_ramp": (0, 1), "d_ramp": (0, 1)}, "mabn": {"warmup_it
 
 @dataclass(frozen=True)
 class StepRow:
-    """One norm's median step time and peak memory, and both as ratios to BN's."""
+    """One row's median step time and peak memory, and both as ratios to BN's (compiled BN's for a compiled
+    row); for a compiled row also the time of its first step, which compiled it."""
 
     norm: str
     seconds: float
     peak_bytes: int
     time_ratio: float
     mem_ratio: float
+    first_step_s: float | None = None
 
 
-def build(norm: str, num_classes: int = 19) -> PSPNet:
-    """PSPNet-101 with ``norm`` as trained here. BN is plain ``nn.BatchNorm2d``: at a batch of 2 its
-    normalization batch is the ghost batch of 2 that ``norm_batch_size`` would give, without the ghost-batch
-    machinery, so it is the fastest BN baseline. GN has no batch dimension to split."""
-    norm_batch_size = NORM_BATCH_SIZE if norm in ("brn", "mabn") else None
-    return PSPNet(num_classes, norm, norm_batch_size, STEADY_STATE)
+def build(norm: str, num_classes: int = 19, model: str = "pspnet101", norm_batch_size: int | None = 2) -> nn.Module:
+    """``model`` with ``norm``, BRN and MABN normalizing groups of ``norm_batch_size`` (None: the whole batch).
+    BN is plain ``nn.BatchNorm2d`` over the batch: at PSPNet's batch of 2 that is the ghost batch of 2 without
+    the ghost-batch machinery, so it is the fastest BN baseline. GN has no batch dimension to split."""
+    groups = norm_batch_size if norm in ("brn", "mabn") else None
+    if model == "pspnet101":
+        return PSPNet(num_classes, norm, groups, STEADY_STATE)
+    net = torchvision.models.resnet50(num_classes=num_classes)  # weights=None: never downloads
+    options = {**STEADY_STATE.get(norm, {}), "norm_batch_size": groups} if norm in ("brn", "mabn") else {}
+    return convert_norm(net, norm, **options)
+
+
+def _loss(out: Any, labels: torch.Tensor) -> torch.Tensor:
+    """SegmentationTask's loss for PSPNet's (main, auxiliary) logits, cross-entropy for a classifier's."""
+    if isinstance(out, tuple):
+        main, aux = out
+        loss = F.cross_entropy(main, labels, ignore_index=IGNORE_INDEX)
+        return loss + AUX_WEIGHT * F.cross_entropy(aux, labels, ignore_index=IGNORE_INDEX)
+    return F.cross_entropy(out, labels)
 
 
 class _Trainer:
-    """A model and its optimizer; ``step`` is one training iteration as SegmentationTask runs it (once
-    ``cuda_graph`` is set, the next step captures the forward and backward for its shape, later ones replay)."""
+    """A model and its optimizer; ``step`` is one training iteration as the tasks run it (once ``cuda_graph`` is
+    set, the next step captures the forward and backward for its shape, later ones replay; with ``compile_mode``
+    the forward and backward run through ``torch.compile``, compiled at the first step)."""
 
-    def __init__(self, model: PSPNet) -> None:
+    def __init__(self, model: nn.Module, compile_mode: str | None = None) -> None:
         self.model = model
         self.cuda_graph = False
         self.optimizer = torch.optim.SGD(model.parameters(), **SGD)
+        centre_after_sgd_steps(model, self.optimizer)  # as the tasks train: centred convs kept centred by SGD
+        self.compiled = None if compile_mode is None else torch.compile(model, fullgraph=True, mode=compile_mode)
 
     def step(self, images: torch.Tensor, labels: torch.Tensor) -> None:
-        out, aux = training_call(self.model, images, self.cuda_graph)
-        loss = F.cross_entropy(out, labels, ignore_index=IGNORE_INDEX)
-        loss = loss + AUX_WEIGHT * F.cross_entropy(aux, labels, ignore_index=IGNORE_INDEX)
-        loss.backward()
+        if self.compiled is not None:
+            out = self.compiled(images)
+        else:
+            out = training_call(self.model, images, self.cuda_graph)
+        _loss(out, labels).backward()
         self.optimizer.step()
         # Gradients are freed after every step, so models waiting their turn hold none and each step
         # allocates its own: every measured step then counts the same things.
@@ -95,11 +126,18 @@ class _LoggingTrainer(_Trainer):
         self.trainer.global_step += 1
 
 
-def _batch(batch: int, crop: int, num_classes: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def _batch(
+    batch: int, crop: int, num_classes: int, device: torch.device, dense: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(0)
     images = torch.randn(batch, 3, crop, crop, generator=gen)
-    labels = torch.randint(0, num_classes, (batch, crop, crop), generator=gen)
+    labels = torch.randint(0, num_classes, (batch, crop, crop) if dense else (batch,), generator=gen)
     return images.to(device), labels.to(device)
+
+
+def row_names(compile_mode: str | None) -> tuple[str, ...]:
+    """The rows a run measures: every norm eager, and with ``compile_mode`` the compiled ones."""
+    return ROWS + (tuple(f"{norm} compiled" for norm in COMPILED) if compile_mode else ())
 
 
 def run(
@@ -107,51 +145,83 @@ def run(
     repeats: int = 5,
     crop: int = 512,
     batch: int = 2,
-    num_classes: int = 19,
+    num_classes: int | None = None,
     cuda_graph: bool = False,
+    model: str = "pspnet101",
+    norm_batch_size: int | None = NORM_BATCH_SIZE,
+    compile_mode: str | None = None,
 ) -> list[StepRow]:
     """Time and peak memory of one training step per norm, all on the same images and labels.
 
-    A first step at a small crop creates the optimizer's momentum buffers (so the measured steps do not
-    allocate them), then one step per norm is measured for peak memory, then ``repeats`` interleaved
-    rounds are timed (median reported). With ``cuda_graph`` (CUDA) every model's training forward and
-    backward are CUDA graphs: the memory step is the one that captures them, so its peak includes the
-    capture's.
+    A first step creates the optimizer's momentum buffers (so the measured steps do not allocate them), at a
+    small crop for the eager rows and at the measured one for the compiled rows (it compiles them, and its time
+    is reported); then one step per row is measured for peak memory, then ``repeats`` interleaved rounds are
+    timed (median reported). With ``cuda_graph`` (CUDA) every eager model's training forward and backward are
+    CUDA graphs: the memory step is the one that captures them, so its peak includes the capture's.
+    ``num_classes``: 19 (Cityscapes) for PSPNet-101, 1000 for ResNet-50 when not given.
     """
-    if batch % NORM_BATCH_SIZE:
-        raise ValueError(f"batch must be a multiple of the normalization batch {NORM_BATCH_SIZE}, got {batch}")
-    warmup = _batch(batch, min(crop, 64), num_classes, device)
-    images, labels = _batch(batch, crop, num_classes, device)
+    if norm_batch_size and batch % norm_batch_size:
+        raise ValueError(f"batch must be a multiple of the normalization batch {norm_batch_size}, got {batch}")
+    dense = model == "pspnet101"
+    num_classes = num_classes or (19 if dense else 1000)
+    warmup = _batch(batch, min(crop, 64), num_classes, device, dense)
+    images, labels = _batch(batch, crop, num_classes, device, dense)
     trainers: dict[str, Any] = {}
-    for name in ROWS:
+    first_step: dict[str, float] = {}
+    for name in row_names(compile_mode):
         torch.manual_seed(0)
-        trainer_cls, norm = (_LoggingTrainer, "mabn") if name == LOGGED else (_Trainer, name)
-        trainers[name] = trainer_cls(build(norm, num_classes).to(device).train())
+        norm = "mabn" if name == LOGGED else name.removesuffix(" compiled")
+        net = build(norm, num_classes, model, norm_batch_size).to(device).train()
+        if name == LOGGED:
+            trainers[name] = _LoggingTrainer(net)
+        elif name.endswith(" compiled"):
+            trainers[name] = _Trainer(net, compile_mode)
+            started = time.perf_counter()
+            trainers[name].step(images, labels)
+            first_step[name] = time.perf_counter() - started
+            print(f"training step {name}: first step (compiling) {first_step[name]:.1f} s", flush=True)
+            continue
+        else:
+            trainers[name] = _Trainer(net)
         trainers[name].step(*warmup)
         trainers[name].cuda_graph = cuda_graph  # captured at the measured shape, by the memory step below
     if not trainers[LOGGED].logged:
         raise RuntimeError("MABNCallback logged no statistics: the logging row would measure nothing")
-    steps = {norm: partial(t.step, images, labels) for norm, t in trainers.items()}
+    steps = {name: partial(t.step, images, labels) for name, t in trainers.items()}
     peaks = {}
-    for norm, step in steps.items():
-        peaks[norm] = peak_memory(step, device)
-        print(f"training step {norm}: peak memory {peaks[norm] / 2**30:.3f} GiB", flush=True)
+    for name, step in steps.items():
+        peaks[name] = peak_memory(step, device)
+        print(f"training step {name}: peak memory {peaks[name] / 2**30:.3f} GiB", flush=True)
     times = median_times(steps, device, repeats, warmup=0)
-    results = [StepRow(n, times[n], peaks[n], times[n] / times["bn"], peaks[n] / peaks["bn"]) for n in ROWS]
-    for row in results:
-        print(f"training step {row.norm}: {row.seconds:.3f} s, {row.time_ratio:.3f} x BN", flush=True)
+    results = []
+    for name in steps:
+        base = "bn compiled" if name in first_step else "bn"
+        ratios = (times[name] / times[base], peaks[name] / peaks[base])
+        results.append(StepRow(name, times[name], peaks[name], *ratios, first_step.get(name)))
+        print(f"training step {name}: {times[name]:.3f} s, {ratios[0]:.3f} x {base}", flush=True)
     return results
 
 
-def table(rows: list[StepRow], repeats: int, crop: int, batch: int, cuda_graph: bool = False) -> str:
+def table(
+    rows: list[StepRow],
+    repeats: int,
+    crop: int,
+    batch: int,
+    cuda_graph: bool = False,
+    model: str = "pspnet101",
+    norm_batch_size: int | None = NORM_BATCH_SIZE,
+    compile_mode: str | None = None,
+) -> str:
     """The markdown section for ``rows``."""
     graphs = ", forward and backward as CUDA graphs" if cuda_graph else ""
+    size = f"crop {crop}x{crop}" if model == "pspnet101" else f"{crop}x{crop} px"
+    groups = f"ghost batches of {norm_batch_size}" if norm_batch_size else "the whole batch"
     lines = [
-        f"### PSPNet-101 training step: batch {batch}, crop {crop}x{crop}, forward + backward + SGD step{graphs}",
+        f"### {MODELS[model]} training step: batch {batch}, {size}, forward + backward + SGD step{graphs}",
         "",
         f"Median of {repeats} interleaved repeats; peak memory above what was allocated before the step (so weights "
         "and momentum buffers are not counted, gradients are). "
-        f"BRN and MABN normalize ghost batches of {NORM_BATCH_SIZE}; BN is `nn.BatchNorm2d` over the batch.",
+        f"BRN and MABN normalize {groups}; BN is `nn.BatchNorm2d` over the batch.",
         "",
         "| norm | s / step | time / BN | peak memory (GiB) | memory / BN |",
         "|---|---:|---:|---:|---:|",
@@ -167,7 +237,14 @@ def table(rows: list[StepRow], repeats: int, crop: int, batch: int, cuda_graph: 
     ]
     if cuda_graph:
         lines.append(
-            "Every model's training forward and backward replay CUDA graphs (`mabn.cudagraph`). Peak memory is "
-            "that of the step which captured the graphs."
+            "Every eager model's training forward and backward replay CUDA graphs (`mabn.cudagraph`). Peak memory "
+            "is that of the step which captured the graphs."
+        )
+    compiled = [r for r in rows if r.first_step_s is not None]
+    if compiled:
+        firsts = ", ".join(f"{r.norm.removesuffix(' compiled')} {r.first_step_s:.0f} s" for r in compiled)
+        lines.append(
+            f"`compiled` rows: `torch.compile(model, fullgraph=True, mode={compile_mode!r})` of the forward and "
+            f"backward, their ratios to `bn compiled`; the first step, which compiles, took {firsts}."
         )
     return "\n".join(lines)

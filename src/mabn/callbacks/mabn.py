@@ -166,8 +166,10 @@ class MABNCallback(pl.Callback):
         log_now = self.log_every_n_steps > 0 and step % self.log_every_n_steps == 0
         self._step, self._log_now = step, log_now
         # A CUDA-graphed model runs the layers' Python forward once, at capture: the logged layers track from
-        # then on, and every replay refreshes the statistics tensors they captured.
-        self._graphed = getattr(pl_module, "cuda_graph", False) and self.log_every_n_steps > 0
+        # then on, and every replay refreshes the statistics tensors they captured. A compiled one tracks at every
+        # step too: switching tracking would compile a second graph.
+        graphed = getattr(pl_module, "cuda_graph", False) or getattr(pl_module, "compile_mode", None) is not None
+        self._graphed = graphed and self.log_every_n_steps > 0
         for name in self._logging:
             self._layers[name].track_stats = log_now or self._graphed
             if not self._graphed:

@@ -91,3 +91,21 @@ def all_gather_stacked(t: Tensor) -> Tensor:
     parts = [torch.empty_like(t) for _ in range(torch.distributed.get_world_size())]
     torch.distributed.all_gather(parts, t.contiguous())
     return torch.stack(parts)
+
+
+@torch.library.custom_op("mabn::snapshot", mutates_args=())
+def _snapshot(tensors: list[Tensor]) -> list[Tensor]:
+    return [t.clone() for t in tensors]
+
+
+@_snapshot.register_fake
+def _(tensors: list[Tensor]) -> list[Tensor]:
+    return [torch.empty_like(t) for t in tensors]
+
+
+def values_before_update(*buffers: Tensor) -> tuple[Tensor, ...]:
+    """The buffers' values for a statistic step that then updates them in place: the buffers themselves, and
+    under ``torch.compile`` copies made by an op that the compiler does not recompute. Its partitioner may
+    otherwise recompute what the backward needs (r, the active flags) from the buffers' inputs, which the forward
+    has updated by then."""
+    return tuple(_snapshot(list(buffers))) if torch.compiler.is_compiling() else buffers

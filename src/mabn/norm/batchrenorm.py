@@ -19,6 +19,7 @@ from ._common import (
     per_sample_bn_backward,
     stat_dtype,
     sync_group,
+    values_before_update,
 )
 from ._managed import ManagedNorm
 
@@ -198,9 +199,12 @@ class BatchRenorm2d(ManagedNorm):
             ok = torch.isfinite(var + mu).all()
             self._check(ok, 0, x.device)  # the CPU raises here; CUDA commits nothing below when not ok
             sigma = (var + self.eps).sqrt()
-            run_mean, run_std = self.running_mean.to(sdt), self.running_std.to(sdt)
-            rmax, dmax = self.limits(self.num_batches_tracked + 1)
-            if self.policy is not None:
+            run_mean, run_std, tracked = values_before_update(
+                self.running_mean, self.running_std, self.num_batches_tracked
+            )
+            run_mean, run_std = run_mean.to(sdt), run_std.to(sdt)
+            rmax, dmax = self.limits(tracked + 1)
+            if self.has_policy:
                 # MABNCallback's (unused, renormalize): without renormalization r = 1 and d = 0 (plain BN). Read
                 # from the device tensor, so that a captured CUDA graph follows the callback.
                 renorm_on = self.policy_flags(x.device)[1] != 0

@@ -31,6 +31,7 @@ from ._common import (
     per_sample_bn_backward,
     stat_dtype,
     sync_group,
+    values_before_update,
 )
 from ._managed import ManagedNorm
 from ._triton import kernels_for
@@ -106,16 +107,17 @@ def _forward_stats(
     returns that verdict as a tensor, so that the caller decides when to read it (see MABN2d).
     """
     stats, momentum, eps, renorm, renorm_clip, buffer_size, timeline = cfg
-    moving_ok, renorm_ok = _phase(iters + 1, *timeline)
+    old_x2, old_var, old_iters, old_count = values_before_update(buffer_x2, running_var, iters, count_x2)
+    moving_ok, renorm_ok = _phase(old_iters + 1, *timeline)
     groups, c = chi2.shape
     n = groups * b
     ok = torch.isfinite(chi2).all()
     ks = torch.arange(groups, device=chi2.device)
-    active = moving_ok & (count_x2 + ks >= buffer_size)
+    active = moving_ok & (old_count + ks >= buffer_size)
     if stats == "batch":
         active = torch.zeros_like(active)
-    ema_prev = running_var.to(chi2.dtype)
-    var, history, stream_ema = _stream_stat(buffer_x2.to(chi2.dtype), chi2, active, stats, momentum, ema_prev)
+    ema_prev = old_var.to(chi2.dtype)
+    var, history, stream_ema = _stream_stat(old_x2.to(chi2.dtype), chi2, active, stats, momentum, ema_prev)
     std = (var + eps).sqrt()
     r = torch.ones_like(std)
     if renorm:
@@ -190,57 +192,42 @@ def _backward_stats(
 
 def _fused_kernels(x: Tensor) -> ModuleType | None:
     """The one-launch Triton statistic steps (``_mabn_kernels``) for ``x``, or None for the torch-op steps
-    above: on the CPU, without Triton, or with MABN_FUSED=0."""
-    return kernels_for(x, "_mabn_kernels")
+    above: on the CPU, without Triton, with MABN_FUSED=0, and inside a region ``torch.compile`` traces (there
+    the compiler fuses the torch-op steps itself, with the ops around them)."""
+    return None if torch.compiler.is_compiling() else kernels_for(x, "_mabn_kernels")
 
 
 class _MABNFunction(torch.autograd.Function):
+    """out = bias + x * scale with MABN's backward; the statistic step (``MABN2d._statistics``, no gradient flows
+    through it) runs before and hands over what the backward needs."""
+
     @staticmethod
-    def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor, layer: MABN2d, groups: int) -> Tensor:
-        n, c, h, w = x.shape
-        host = layer._begin_training_forward(x)
-        # The one pass over x: per sample and channel, in float32 or better.
-        norm = torch.linalg.vector_norm(x, 2, dim=(2, 3), dtype=stat_dtype(x))
-        synced = layer.sync_stats and sync_group()
-        kernels = None if synced else _fused_kernels(x)
-        cfg = layer._cfg(x.device)
-        if kernels is not None:
-            stats = kernels.forward_stats(norm, h * w, groups, weight, layer, cfg, x.dtype)
-        else:
-            chi2 = _group_chi2(norm, groups, h * w)
-            if synced:  # the chi^2 of group k over every device, weighted by the devices' element counts
-                count = (n // groups) * h * w
-                total, counts = _sum_across_devices(chi2 * count, count)
-                chi2 = total / counts
-            stats = _forward_stats(
-                chi2,
-                weight,
-                layer.buffer_x2,
-                layer.running_var,
-                layer.iters,
-                layer.count_x2,
-                cfg,
-                n // groups,
-                x.dtype,
-            )
-        scale, weight_flat, var_flat, mean_flat, var, r, active, chi2_g, ema, ok = stats
-        layer._check(ok, 0, x.device)
-        layer._end_training_forward(x, host)
-        out = torch.addcmul((bias if bias.dtype == x.dtype else bias.to(x.dtype)).view(1, c, 1, 1), x, scale)
-        ctx.save_for_backward(x, weight)
+    def forward(
+        ctx,
+        x: Tensor,
+        weight: Tensor,
+        bias: Tensor,
+        scale: Tensor,
+        weight_flat: Tensor,
+        var_flat: Tensor,
+        mean_flat: Tensor,
+        var: Tensor,
+        r: Tensor,
+        active: Tensor,
+        layer: MABN2d,
+        groups: int,
+        synced: bool,
+        kernels: ModuleType | None,
+    ) -> Tensor:
+        ctx.save_for_backward(x, weight, weight_flat, var_flat, mean_flat, var, r, active)
         ctx.layer, ctx.synced, ctx.kernels, ctx.groups = layer, synced, kernels, groups
-        ctx.stats = (weight_flat, var_flat, mean_flat, var, r, active)
-        if layer.track_stats:
-            per_group = {"chi2_batch": chi2_g, "chi2_used": var, "r": r}
-            layer.last_stats = {k: v.view(groups, c) for k, v in per_group.items()}
-            layer.last_stats.update(chi2_ema=ema, active=active.view(groups) != 0)
-        return out
+        c = x.shape[1]
+        return torch.addcmul((bias if bias.dtype == x.dtype else bias.to(x.dtype)).view(1, c, 1, 1), x, scale)
 
     @staticmethod
     def backward(ctx, grad_out: Tensor):
-        x, weight = ctx.saved_tensors
+        x, weight, weight_flat, var_flat, mean_flat, var, r, active = ctx.saved_tensors
         layer = ctx.layer
-        weight_flat, var_flat, mean_flat, var, r, active = ctx.stats
         n, c, h, w = x.shape
 
         # With mean 0, var and weight * r of each sample's group: g / sqrt(var + eps), and sum(dL/dout * z)
@@ -282,10 +269,11 @@ class _MABNFunction(torch.autograd.Function):
         coef, grad_weight, grad_bias, psi, psi_bar, ok = stats
         if layer.loss_scale is None:  # under a loss scaler a non-finite gradient skips the step instead
             layer._check(ok, 1, x.device)
-        if layer.track_stats and layer.last_stats is not None:
+        # Under torch.compile the backward cannot hand tensors to the host side: only the forward's are logged.
+        if layer.track_stats and layer.last_stats is not None and not torch.compiler.is_compiling():
             layer.last_stats.update(psi_batch=psi.view(groups, c), psi_used=psi_bar.view(groups, c))
         grad_x = g_scaled.view(n, c, h, w).addcmul_(x, coef) if need_x else None
-        return grad_x, grad_weight, grad_bias, None, None
+        return grad_x, grad_weight, grad_bias, *[None] * 11
 
 
 class MABN2d(ManagedNorm):
@@ -372,7 +360,7 @@ class MABN2d(ManagedNorm):
 
     def _cfg(self, device: torch.device) -> tuple:
         # The policy as the device tensor the callback updates in place: a captured CUDA graph follows it.
-        policy = None if self._policy is None else self.policy_flags(device)
+        policy = self.policy_flags(device) if self.has_policy else None
         timeline = (policy, self.warmup_iters, self.renorm_warmup_iters)
         return (self.stats, self.momentum, self.eps, self.renorm, self.renorm_clip, self.buffer_size, timeline)
 
@@ -390,13 +378,43 @@ class MABN2d(ManagedNorm):
         scale = self.weight / (self.running_var + self.eps).sqrt()
         return scale, self.bias
 
+    @torch.no_grad()
+    def _statistics(self, x: Tensor, groups: int, synced: bool, kernels: ModuleType | None) -> tuple[Tensor, ...]:
+        """A training forward's statistic step (``_forward_stats``'s outputs), committed to the buffers."""
+        n, _, h, w = x.shape
+        # The one pass over x: per sample and channel, in float32 or better.
+        norm = torch.linalg.vector_norm(x, 2, dim=(2, 3), dtype=stat_dtype(x))
+        cfg = self._cfg(x.device)
+        if kernels is not None:
+            return kernels.forward_stats(norm, h * w, groups, self.weight, self, cfg, x.dtype)
+        chi2 = _group_chi2(norm, groups, h * w)
+        if synced:  # the chi^2 of group k over every device, weighted by the devices' element counts
+            count = (n // groups) * h * w
+            total, counts = _sum_across_devices(chi2 * count, count)
+            chi2 = total / counts
+        buffers = (self.buffer_x2, self.running_var, self.iters, self.count_x2)
+        return _forward_stats(chi2, self.weight, *buffers, cfg, n // groups, x.dtype)
+
     def forward(self, x: Tensor) -> Tensor:
         groups = check_input(type(self).__name__, x, self.num_features, self.norm_batch_size, self.training)
+        c = self.num_features
         if not self.training:
             scale, shift = self.inference_affine()
-            c = self.num_features
             return torch.addcmul(shift.to(x.dtype).view(1, c, 1, 1), x, scale.to(x.dtype).view(1, c, 1, 1))
-        return _MABNFunction.apply(x, self.weight, self.bias, self, groups)
+        host = self._begin_training_forward(x)
+        synced = self.sync_stats and sync_group()
+        kernels = None if synced else _fused_kernels(x)
+        scale, weight_flat, var_flat, mean_flat, var, r, active, chi2, ema, ok = self._statistics(
+            x, groups, synced, kernels
+        )
+        self._check(ok, 0, x.device)
+        self._end_training_forward(x, host)
+        if self.track_stats:
+            per_group = {"chi2_batch": chi2, "chi2_used": var, "r": r}
+            self.last_stats = {k: v.view(groups, c) for k, v in per_group.items()}
+            self.last_stats.update(chi2_ema=ema, active=active.view(groups) != 0)
+        saved = (weight_flat, var_flat, mean_flat, var, r, active)
+        return _MABNFunction.apply(x, self.weight, self.bias, scale, *saved, self, groups, synced, kernels)
 
     def extra_repr(self) -> str:
         return (

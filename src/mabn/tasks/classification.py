@@ -39,6 +39,7 @@ class ClassificationTask(NormTask):
     precedes the drops.
     At the end of fitting the best checkpoint's backbone is exported to ``export_dir``.
     ``cuda_graph``: replay the training forward and backward as CUDA graphs (GPU; see ``mabn.cudagraph``).
+    ``compile``: run them through ``torch.compile`` (true, or a mode name; see ``NormTask``).
     """
 
     def __init__(
@@ -59,6 +60,7 @@ class ClassificationTask(NormTask):
         norm_policy: dict[str, Any] | None = None,
         export_dir: str | None = "pretrain",
         cuda_graph: bool = False,
+        compile: bool | str = False,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()

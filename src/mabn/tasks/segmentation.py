@@ -42,6 +42,7 @@ class SegmentationTask(NormTask):
     with the predicted and the ground-truth classes as masks (see ``prediction_masks``); only rank 0 logs,
     and only when a WandbLogger is among the trainer's loggers.
     ``cuda_graph``: replay the training forward and backward as CUDA graphs (GPU; see ``mabn.cudagraph``).
+    ``compile``: run them through ``torch.compile`` (true, or a mode name; see ``NormTask``).
     """
 
     def __init__(
@@ -66,6 +67,7 @@ class SegmentationTask(NormTask):
         log_predictions_every_n_epochs: int = 1,
         num_logged_predictions: int = 2,
         cuda_graph: bool = False,
+        compile: bool | str = False,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
