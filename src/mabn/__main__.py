@@ -59,8 +59,12 @@ def _demo_data(argv: list[str]) -> object:
     parser = argparse.ArgumentParser(
         prog="python -m mabn demo-data", description="Generate the demo data sets the stages use without --data."
     )
-    parser.add_argument("stages", nargs="*", choices=sorted(launch.PROFILES), help="default: both")
-    for stage in parser.parse_args(argv).stages or sorted(launch.PROFILES):
+    parser.add_argument("stages", nargs="*", help=f"any of {', '.join(sorted(launch.PROFILES))} (default: both)")
+    stages = parser.parse_args(argv).stages or sorted(launch.PROFILES)
+    for stage in stages:
+        if stage not in launch.PROFILES:
+            parser.error(f"unknown stage {stage!r}: choose from {', '.join(sorted(launch.PROFILES))}")
+    for stage in stages:
         profile = launch.PROFILES[stage]
         profile.generate_demo(launch.DEMO_DATA / profile.demo.replace("_", "-"))
     return 0

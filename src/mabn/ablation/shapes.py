@@ -55,7 +55,7 @@ def generate(
             (folder / MARKER).unlink()  # our own generation, with other parameters: rewritten in place
             for split in ("train", "val"):
                 shutil.rmtree(folder / split, ignore_errors=True)
-        print(f"Generating the ablation shape set ({len(CLASSES)} classes, {n_train}+{n_val} per class) in {folder}")
+        print(f"Generating the ablation shape set ({len(CLASSES)} classes, {n_train}+{n_val} per class)")
         rng = np.random.default_rng(seed)
         for split, count in (("train", n_train), ("val", n_val)):
             for label, name in enumerate(CLASSES):

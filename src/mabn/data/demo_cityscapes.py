@@ -279,5 +279,5 @@ def generate(
             Image.fromarray(label).save(label_dir / f"{stem}_gtFine_labelIds.png")
     done.write_text(json.dumps(params))
     busy.unlink()
-    print(f"Wrote the demo Cityscapes set ({n_train} train + {n_val} val images, {height}x{width}) to {root}")
+    print(f"Wrote the demo Cityscapes set ({n_train} train + {n_val} val images, {height}x{width})")
     return root

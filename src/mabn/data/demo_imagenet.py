@@ -79,7 +79,7 @@ def generate(root: str | Path, n_train: int = 200, n_val: int = 30, size: int = 
         for split in ("train", "val"):  # our own earlier generation, with other parameters
             shutil.rmtree(root / split, ignore_errors=True)
         marker.unlink()
-    print(f"Generating the demo classification set ({len(CLASSES)} classes, {n_train}+{n_val} per class) in {root}")
+    print(f"Generating the demo classification set ({len(CLASSES)} classes, {n_train}+{n_val} per class)")
     rng = np.random.default_rng(seed)
     for split, count in (("train", n_train), ("val", n_val)):
         for label, name in enumerate(CLASSES):

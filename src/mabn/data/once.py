@@ -37,6 +37,7 @@ def generate_once(root: Path, generate: Callable[[Path], Path], say: Callable[[s
         try:
             generate(scratch)
             scratch.rename(root)
+            say(f"Data set complete: {root}")
         except BaseException:
             shutil.rmtree(scratch, ignore_errors=True)
             raise
