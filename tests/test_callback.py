@@ -87,8 +87,10 @@ def test_phases_follow_optimizer_steps_per_group_under_accumulation(tmp_path):
     assert len(model.seen) == 16  # two micro-batches per optimizer step
     for i, (step, enc_moving, enc_renorm, head_moving, head_renorm) in enumerate(model.seen):
         assert step == i // 2
-        assert (enc_moving, enc_renorm) == (step >= 2, step >= 4), i
-        assert (head_moving, head_renorm) == (step >= 5, step >= 6), i
+        # The 2nd optimizer step (index 1) is the encoder's first with moving averages, as a layer's 2nd forward
+        # with warmup_iters=2; r from index 4, after 4 steps.
+        assert (enc_moving, enc_renorm) == (step >= 1, step >= 4), i
+        assert (head_moving, head_renorm) == (step >= 4, step >= 6), i
 
 
 def test_groups_must_match_layers(tmp_path):
@@ -227,3 +229,34 @@ def test_brn_summary_holds_the_running_statistics_its_step_used():
     for key, buffer in (("mu_ema", "running_mean"), ("sigma_ema", "running_std")):
         assert summary[key] == pytest.approx(float(torch.linalg.vector_norm(before[buffer])), rel=1e-6), key
         assert not torch.equal(brn.get_buffer(buffer).double(), before[buffer]), "the step updated it afterwards"
+
+
+@pytest.mark.parametrize(("warmup", "renorm"), [(3, 6), (1, 2), (4, 4)])
+def test_callback_rule_switches_at_the_layers_own_forward_numbers(warmup, renorm):
+    """A layer on its own timeline (warmup_iters, renorm_warmup_iters) and one driven by the callback's rule
+    with the same numbers, one forward per optimizer step, give the same outputs, gradients and buffers at every
+    step: both switch to moving averages at the same forward and start renormalizing at the same forward."""
+    from mabn.callbacks.mabn import PhaseRule
+
+    torch.manual_seed(0)
+    kw = dict(buffer_size=2, momentum=0.5, renorm_clip=1.2)
+    own = MABN2d(3, warmup_iters=warmup, renorm_warmup_iters=renorm, **kw).double()
+    driven = MABN2d(3, warmup_iters=10**6, renorm_warmup_iters=10**6, **kw).double()  # only the policy decides
+    rule = PhaseRule(prefixes=["x"], moving_stats_from=warmup, renorm_from=renorm)
+    switched = []
+    for step in range(renorm + 4):
+        driven.policy = rule.phase(step)
+        x = torch.randn(2, 3, 2, 2, dtype=torch.float64) * (1 + step)  # a changing scale makes r differ from 1
+        xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+        out_own, out_driven = own(xa), driven(xb)
+        assert torch.equal(out_own, out_driven), step
+        grad = torch.randn_like(out_own)
+        out_own.backward(grad)
+        out_driven.backward(grad)
+        assert torch.equal(xa.grad, xb.grad), step
+        switched.append(rule.phase(step))
+    for key, value in own.state_dict().items():
+        if key != "iters":
+            assert torch.equal(driven.state_dict()[key], value), key
+    moving, renormalizing = [s[0] for s in switched], [s[1] for s in switched]
+    assert moving.index(True) == warmup - 1 and renormalizing.index(True) == max(renorm, warmup)

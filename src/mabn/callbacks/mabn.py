@@ -49,12 +49,20 @@ STREAMS_KEY = "norm_streams"
 
 @dataclass
 class PhaseRule:
-    """Layers whose qualified name starts with one of ``prefixes``: batch statistics until optimizer step
-    ``moving_stats_from``, moving averages afterwards; renormalization from step ``renorm_from``."""
+    """Layers whose qualified name starts with one of ``prefixes`` follow MABN2d's own timeline counted in
+    optimizer steps instead of forwards: the ``moving_stats_from``-th step is the first with moving averages
+    (as a layer's ``warmup_iters``-th forward), and r renormalizes after ``renorm_from`` steps (as after
+    ``renorm_warmup_iters`` forwards)."""
 
     prefixes: list[str]
     moving_stats_from: int = 100
     renorm_from: int = 1000
+
+    def phase(self, step: int) -> tuple[bool, bool]:
+        """(moving averages, renormalization) at the 0-based optimizer step ``step``: the layer's rule
+        (t >= warmup_iters, t > max(renorm_warmup_iters, warmup_iters)) at its step number t = step + 1."""
+        t = step + 1
+        return t >= self.moving_stats_from, t > max(self.renorm_from, self.moving_stats_from)
 
 
 class MABNCallback(pl.Callback):
@@ -162,7 +170,7 @@ class MABNCallback(pl.Callback):
         if self.reset_at_step is not None and step == self.reset_at_step and step not in self.resets:
             self._reset(step)
         for name, rule in self._rules.items():
-            self._layers[name].policy = (step >= rule.moving_stats_from, step >= rule.renorm_from)
+            self._layers[name].policy = rule.phase(step)
         log_now = self.log_every_n_steps > 0 and step % self.log_every_n_steps == 0
         self._step, self._log_now = step, log_now
         # A CUDA-graphed model runs the layers' Python forward once, at capture: the logged layers track from
