@@ -24,6 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from .files import first_line, load_weights_file, write_atomic
+from .models import key_differences
 from .norm import fold_norms
 from .tasks import ClassificationTask, SegmentationTask
 
@@ -91,10 +92,7 @@ def _task_name(path: Path, ckpt: dict[str, Any]) -> str:
 def _mismatch(expected: dict[str, Tensor], given: dict[str, Tensor]) -> str | None:
     """One line on how ``given`` fails to fit ``expected`` (missing, unexpected, mis-shaped keys), or None."""
     problems = []
-    missing = sorted(expected.keys() - given.keys())
-    unexpected = sorted(given.keys() - expected.keys())
-    shapes = sorted(k for k in expected.keys() & given.keys() if expected[k].shape != given[k].shape)
-    for what, keys in (("missing", missing), ("unexpected", unexpected), ("mis-shaped", shapes)):
+    for what, keys in zip(("missing", "unexpected", "mis-shaped"), key_differences(expected, given)):
         if keys:
             problems.append(f"{len(keys)} {what} key(s) (e.g. {keys[0]})")
     return ", ".join(problems) or None

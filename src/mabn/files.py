@@ -88,12 +88,12 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         return torch.load(path, map_location=map_location or "cpu", weights_only=True)
 
 
-def load_weights_file(path: Path, what: str, error: type[Exception]) -> Any:
+def load_weights_file(path: Path, what: str, error: type[Exception], mmap: bool = False) -> Any:
     """``torch.load`` of ``path`` on the CPU, weights only; ``error`` naming ``what`` and the path when the file
-    is missing or unreadable."""
+    is missing or unreadable. ``mmap`` maps the tensors instead of reading them (for the metadata alone)."""
     if not path.is_file():
         raise error(f"{what} not found: {path}")
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except Exception as err:  # torch raises several types for a corrupt or foreign file
         raise error(f"{path} is not a readable {what}: {first_line(err)}") from err

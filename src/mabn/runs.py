@@ -23,10 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from .errors import ConfigError
-from .files import TMP_SUFFIX, first_line, write_atomic
+from .files import TMP_SUFFIX, load_weights_file, write_atomic
 from .process import say as say_once
 
 AUTO = "auto"
@@ -65,12 +63,7 @@ class Checkpoint:
 def read_checkpoint(path: Path) -> Checkpoint:
     """The checkpoint's counters and hyperparameters (its tensors stay mapped, not read); ``ConfigError``
     naming the file when it is missing, cut short or not a checkpoint."""
-    try:
-        ckpt = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
-    except FileNotFoundError as err:
-        raise ConfigError(f"checkpoint not found: {path}") from err
-    except Exception as err:  # torch raises several types for a corrupt or foreign file
-        raise ConfigError(f"{path} is not a readable checkpoint: {first_line(err)}") from err
+    ckpt = load_weights_file(Path(path), "checkpoint", ConfigError, mmap=True)
     if not isinstance(ckpt, dict) or "state_dict" not in ckpt and "hyper_parameters" not in ckpt:
         raise ConfigError(f"{path} is not a Lightning checkpoint (no state_dict)")
     hparams = dict(ckpt.get("hyper_parameters") or {})

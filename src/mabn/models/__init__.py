@@ -1,6 +1,13 @@
 """Networks built with a chosen norm: ResNet-101 (stage 1) and PSPNet-101 (stage 2)."""
 
-from .backbone import BackboneError, check_backbone, load_backbone, load_backbone_into, save_backbone
+from .backbone import (
+    BackboneError,
+    check_backbone,
+    key_differences,
+    load_backbone,
+    load_backbone_into,
+    save_backbone,
+)
 from .pspnet import PSPNet
 from .resnet import norm_kwargs_for, resnet101
 
@@ -13,4 +20,5 @@ __all__ = [
     "load_backbone_into",
     "check_backbone",
     "BackboneError",
+    "key_differences",
 ]

@@ -196,16 +196,24 @@ def adapt_statistics(state: dict[str, torch.Tensor], encoder: nn.Module, eps: fl
     return out
 
 
+def key_differences(
+    expected: dict[str, torch.Tensor], given: dict[str, torch.Tensor]
+) -> tuple[list[str], list[str], list[str]]:
+    """How a state dict ``given`` fails to fit ``expected``: its missing, unexpected and mis-shaped keys, sorted."""
+    missing, unexpected = sorted(expected.keys() - given.keys()), sorted(given.keys() - expected.keys())
+    shaped = sorted(k for k in expected.keys() & given.keys() if expected[k].shape != given[k].shape)
+    return missing, unexpected, shaped
+
+
 def _key_mismatch(expected: dict[str, torch.Tensor], given: dict[str, torch.Tensor]) -> str | None:
     """The first missing, unexpected or mis-shaped key with the counts, or None when the two fit."""
-    missing, unexpected = sorted(expected.keys() - given.keys()), sorted(given.keys() - expected.keys())
-    shaped = [k for k in expected.keys() & given.keys() if expected[k].shape != given[k].shape]
+    missing, unexpected, shaped = key_differences(expected, given)
     if missing:
         return f"{len(missing)} encoder key(s) missing from the file, e.g. {missing[0]}"
     if unexpected:
         return f"{len(unexpected)} key(s) the encoder does not have, e.g. {unexpected[0]}"
     if shaped:
-        k = sorted(shaped)[0]
+        k = shaped[0]
         shapes = f"{tuple(given[k].shape)} for {tuple(expected[k].shape)}"
         return f"{len(shaped)} key(s) of another shape, e.g. {k}: {shapes}"
     return None
