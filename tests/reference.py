@@ -284,3 +284,67 @@ class RefBRN:
         x = x.detach().to(torch.float64)
         xhat = (x - per_channel(self.running_mean)) / per_channel(self.running_std)
         return per_channel(self.weight) * xhat + per_channel(self.bias)
+
+
+class RefOfficialImageNetMABN:
+    """The official ImageNet MABN (megvii-model/MABN, ``cls/networks/MABN.py``) in float64, written as that code
+    computes: 16 groups of 2 samples per forward, the SMAs as a (B, 2B) averaging matrix over the previous
+    forward's B group statistics and this forward's, batch statistics at iteration 1 only, r clipped to
+    [1/5, 5] from iteration 100, and the EMA set to the first iteration's mean statistic. Its timeline is the
+    official code's constants; only B (the window, also the number of groups per forward) varies."""
+
+    RENORM_FROM = 100  # r = 1 while iters < 100
+    CLIP = 5.0
+
+    def __init__(self, weight, bias, *, buffer_size=16, momentum=0.98, eps=1e-5):
+        self.weight = weight.detach().to(torch.float64).clone()
+        self.bias = bias.detach().to(torch.float64).clone()
+        c, b = self.weight.numel(), buffer_size
+        self.B, self.momentum, self.eps = b, momentum, eps
+        self.running_var = torch.ones(c, dtype=torch.float64)
+        # Row i averages columns i+1 .. B+i of [previous forward's B statistics; this forward's B].
+        self.sta_matrix = torch.zeros(b, 2 * b, dtype=torch.float64)
+        for i in range(b):
+            self.sta_matrix[i, i + 1 : b + i + 1] = 1.0 / b
+        self.pre_x2 = torch.ones(b, c, dtype=torch.float64)
+        self.pre_gz = torch.zeros(b, c, dtype=torch.float64)
+        self.iters = 0
+        self.saved: dict = {}
+        self.log: list[dict] = []  # per forward: iteration, batch statistics used, r applied
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.detach().to(torch.float64)
+        self.iters += 1
+        n, c, h, w = x.shape
+        assert n == 2 * self.B, "the official layer needs exactly 2 * buffer_size samples per forward"
+        xg = x.view(n // 2, 2, c, h, w)
+        x2 = (xg * xg).mean(dim=(1, 3, 4))  # (B, C)
+        var = self.sta_matrix @ torch.cat([self.pre_x2, x2])
+        if self.iters == 1:
+            var = x2
+        var = var.view(n // 2, 1, c, 1, 1)
+        z = xg / (var + self.eps).sqrt()
+        r = (var + self.eps).sqrt() / (self.running_var.view(1, 1, c, 1, 1) + self.eps).sqrt()
+        r = torch.ones_like(r) if self.iters < self.RENORM_FROM else r.clamp(1 / self.CLIP, self.CLIP)
+        if self.iters == 1:
+            self.running_var = var.mean(dim=0).view(-1)
+        self.running_var = self.momentum * self.running_var + (1 - self.momentum) * var.mean(dim=0).view(-1)
+        self.pre_x2 = x2
+        self.saved = {"z": z, "var": var, "r": r}
+        self.log.append({"t": self.iters, "batch_stats": self.iters == 1, "r": r.view(n // 2, c)})
+        y = (r * z).view(n, c, h, w)
+        return self.weight.view(1, c, 1, 1) * y + self.bias.view(1, c, 1, 1)
+
+    def backward(self, grad_out: torch.Tensor):
+        grad_out = grad_out.detach().to(torch.float64)
+        n, c, h, w = grad_out.shape
+        z, var, r = self.saved["z"], self.saved["var"], self.saved["r"]
+        g = (grad_out * self.weight.view(1, c, 1, 1)).view(n // 2, 2, c, h, w) * r
+        gz = (g * z).mean(dim=(1, 3, 4))
+        mean_gz = self.sta_matrix @ torch.cat([self.pre_gz, gz])
+        if self.iters == 1:
+            mean_gz = gz
+        grad_x = ((g - z * mean_gz.view(n // 2, 1, c, 1, 1)) / (var + self.eps).sqrt()).view(n, c, h, w)
+        self.pre_gz = gz
+        y = (r * z).view(n, c, h, w)
+        return grad_x, (grad_out * y).sum(dim=(0, 2, 3)), grad_out.sum(dim=(0, 2, 3))

@@ -9,12 +9,16 @@ cover the phases in which the layers are exact derivatives.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
+import yaml
 from torch.func import functional_call
 
+from mabn.callbacks.mabn import PhaseRule
 from mabn.norm import BatchRenorm2d, MABN2d
-from reference import RefBRN, RefMABN, group_slices
+from reference import RefBRN, RefMABN, RefOfficialImageNetMABN, group_slices
 
 RTOL = 1e-9
 ATOL = 1e-10
@@ -310,3 +314,53 @@ def test_mabn_without_input_gradient_matches(device):
         # Equal up to rounding: without dL/dx the native kernel reduces in another order (on CUDA).
         for (name, a), b in zip(layers[0].named_buffers(), layers[1].buffers()):
             close(b.cpu(), a.cpu().to(b.dtype), f"buffer {name}", step)
+
+
+# ------------------------------------------------------------------------- the official ImageNet timeline
+def stage1_mabn_layer(channels: int) -> tuple[MABN2d, PhaseRule, int]:
+    """A MABN2d as stage 1 builds it from configs/pretrain.yaml (norm_options, norm_batch_size), the phase rule of
+    its module group, and the per-device batch."""
+    config = yaml.safe_load((Path(__file__).resolve().parents[1] / "configs" / "pretrain.yaml").read_text())
+    model = config["model"]["init_args"]
+    options = dict(model["norm_options"]["mabn"])
+    (rule,) = model["norm_policy"]["groups"].values()
+    layer = MABN2d(channels, norm_batch_size=model["norm_batch_size"], **options)
+    return layer, PhaseRule(**rule), config["data"]["init_args"]["batch_size"]
+
+
+@pytest.mark.parametrize("path", ["torch ops", "fused"])
+def test_stage1_mabn_follows_the_official_imagenet_code(path, monkeypatch, device):
+    """Stage 1's MABN layer, driven by its phase rule step by step as MABNCallback drives it, equals the official
+    ImageNet layer (RefOfficialImageNetMABN) forward by forward: batch statistics at the first forward only, SMA
+    from the second, r clipped from the 100th, the EMA started at the first forward's statistic. Triton's
+    interpreter runs the fused kernels through the start of the timeline only (0.7 s a step); on a GPU they run
+    all of it."""
+    import mabn.norm.mabn as mabn_module
+    from mabn.norm._triton import load
+
+    kernels = load("_mabn_kernels") if path == "fused" else None
+    if path == "fused":
+        assert kernels is not None, "Triton (or its interpreter) is not importable"
+    monkeypatch.setattr(mabn_module, "_fused_kernels", lambda x: kernels)
+    gen = torch.Generator().manual_seed(7)
+    layer, rule, n = stage1_mabn_layer(C)
+    layer = layer.double().to(device)
+    weight, bias = random_affine(gen)
+    set_affine(layer, weight, bias)
+    ref = RefOfficialImageNetMABN(weight, bias, buffer_size=layer.buffer_size, momentum=layer.momentum, eps=layer.eps)
+    jumps = {101: 10.0, 104: 0.05}  # far outside the EMA: r must meet both clip bounds
+    steps = 5 if path == "fused" and device.type == "cpu" else 106
+    for step in range(steps):
+        layer.policy = rule.phase(step)
+        x = random_input(gen, n, step) * jumps.get(step + 1, 1.0)
+        grad_out = torch.randn(n, C, H, W, generator=gen, dtype=torch.float64)
+        out, gx, gw, gb = train_step(layer, x, grad_out)
+        t = step + 1
+        close(out, ref.forward(x), "output", t)
+        for what, mine, theirs in zip(("grad wrt input", "grad wrt weight", "grad wrt bias"), (gx, gw, gb),
+                                      ref.backward(grad_out), strict=True):  # fmt: skip
+            close(mine, theirs, what, t)
+        close(layer.running_var.cpu(), ref.running_var, "running_var (EMA)", t)
+    if steps > 99:  # the run crossed what it is meant to test: r = 1 for 99 forwards, then clipped at both bounds
+        r = torch.stack([rec["r"] for rec in ref.log])
+        assert torch.all(r[:99] == 1) and (r[100:] == 5.0).any() and (r[100:] == 0.2).any()

@@ -155,3 +155,30 @@ def test_unreadable_image_is_named_also_from_a_worker(tiny_data, tmp_path, monke
     args = _fit_args(tiny_data, "bn", "--data.init_args.data_dir", str(broken))
     _expect_error(capsys, args + ["--data.init_args.num_workers", str(workers)], "cannot read image", "broken/train")
     assert victim.read_bytes() == b"not a png"  # nothing rewritten
+
+
+@pytest.mark.parametrize(
+    "norm, timeline",
+    [("mabn", (2, 99, "first")), ("mabn-det", (100, 1000, "one"))],
+    ids=["imagenet-timeline", "detection-timeline"],
+)
+@pytest.mark.parametrize("demo", [False, True], ids=["recipe", "demo"])
+def test_stage1_mabn_timelines(norm, timeline, demo, tiny_data, tmp_path, monkeypatch):
+    """NORM=mabn runs the official ImageNet code's timeline with label smoothing 0.1; NORM=mabn-det the detection
+    code's (the demo: shortened), in folders of its own."""
+    monkeypatch.chdir(tmp_path)
+    data = None if demo else tiny_data
+    args = launch.build_args("pretrain", data, norm, 0, 1, ["--data.init_args.data_dir", str(tiny_data)])
+    assert f"--trainer.default_root_dir {'runs/demo' if demo else 'runs'}/pretrain/{norm}" in " ".join(args)
+    model = cli.run_cli(args[1:], run=False).model  # without the subcommand: build, do not run
+    (rule,) = model.hparams.norm_policy["groups"].values()
+    moving, renorm, ema_start = timeline
+    if demo and norm == "mabn-det":
+        moving, renorm = 20, 100
+    assert (rule["moving_stats_from"], rule["renorm_from"]) == (moving, renorm)
+    layers = [m for m in model.modules() if isinstance(m, MABN2d)]
+    assert layers and all(m.ema_start == ema_start and m.norm_batch_size == 2 for m in layers)
+    assert model.hparams.label_smoothing == 0.1
+    if norm == "mabn-det":  # stage 2 starts from its backbone as NORM=mabn
+        with pytest.raises(launch.LaunchError, match="NORM=mabn with BACKBONE=pretrain/mabn-det/resnet101-mabn.pt"):
+            launch.build_args("cityscapes", None, norm, 0, 1, [])

@@ -113,18 +113,32 @@ PROFILES = {
 
 @dataclass(frozen=True)
 class Stage1Preset:
-    """A stage-1 run of a norm under a name of its own: its own experiment folder and backbone folder."""
+    """A stage-1 run of a norm under a name of its own: its own experiment folder and backbone folder. ``config``
+    (a file of configs/, and its configs/demo/ version for the demo profile) and ``args`` follow the profile's."""
 
     norm: str
-    args: tuple[str, ...]
     description: str
+    stage2_norms: str  # the stage-2 norms that start from its backbone
+    args: tuple[str, ...] = ()
+    config: str | None = None
+
+    def configs(self, demo: bool) -> list[str]:
+        if self.config is None:
+            return []
+        return [self.config] + ([f"demo/{self.config}"] if demo and (CONFIGS / "demo" / self.config).is_file() else [])
 
 
-# The paper's BN backbone (its Cityscapes BN, BRN and SyncBN rows all start from it) normalizes over each
-# device's batch of 32 (configs/pretrain.yaml): pretrain/bn32/resnet101-bn.pt, never to be taken for the
-# bn backbone at normalization batch 2 (pretrain/resnet101-bn.pt).
 STAGE1_PRESETS = {
-    "bn32": Stage1Preset("bn", ("--model.init_args.norm_batch_size", "null"), "BN over each device's batch of 32"),
+    # The paper's BN backbone (its Cityscapes BN, BRN and SyncBN rows all start from it) normalizes over each
+    # device's batch of 32: pretrain/bn32/resnet101-bn.pt, never to be taken for the bn backbone at
+    # normalization batch 2 (pretrain/resnet101-bn.pt).
+    "bn32": Stage1Preset(
+        "bn", "BN over each device's batch of 32", "bn, brn or syncbn", ("--model.init_args.norm_batch_size", "null")
+    ),
+    # MABN on the official detection code's timeline instead of the ImageNet code's (docs/design.md).
+    "mabn-det": Stage1Preset(
+        "mabn", "MABN on the detection code's timeline", "mabn", config="pretrain-detection-timeline.yaml"
+    ),
 }
 
 
@@ -221,8 +235,8 @@ def build_args(
     label, preset = norm, STAGE1_PRESETS.get(norm)  # the run's name: the norm, or a stage-1 preset
     if preset is not None and stage != "pretrain":
         raise LaunchError(
-            f"NORM={label} is a stage-1 preset ({preset.description}); stage 2 loads its backbone into NORM=bn, brn or "
-            f"syncbn with BACKBONE={backbone_path(BACKBONES / label, preset.norm)}"
+            f"NORM={label} is a stage-1 preset ({preset.description}); stage 2 loads its backbone into "
+            f"NORM={preset.stage2_norms} with BACKBONE={backbone_path(BACKBONES / label, preset.norm)}"
         )
     norm = preset.norm if preset else norm
     if norm not in NORM_PRESETS:
@@ -234,7 +248,7 @@ def build_args(
     configs, data_dir = PROFILES[stage].resolve(data)
     demo = data is None
     args = ["fit"]
-    for name in configs:
+    for name in configs + (preset.configs(data is None) if preset else []):
         args += ["--config", str(CONFIGS / name)]
     args += ["--data.init_args.data_dir", str(data_dir), "--model.init_args.norm", norm]
     args += ["--trainer.default_root_dir", str(run_dir(stage, label, demo, folder))]
@@ -254,7 +268,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("stage", choices=sorted(PROFILES))
     parser.add_argument("--data", type=Path, help="dataset root; the demo profile runs when it is absent")
     parser.add_argument(
-        "--norm", default="mabn", help="bn, syncbn, gn, brn, mabn or an ablation preset; stage 1 also bn32"
+        "--norm", default="mabn", help="bn, syncbn, gn, brn, mabn or an ablation preset; stage 1 also bn32 and mabn-det"
     )
     parser.add_argument("--gpus", type=int, default=0, help="GPUs per node (0: CPU)")
     parser.add_argument("--nodes", type=int, default=1)

@@ -30,6 +30,14 @@ def check_input(layer: str, x: Tensor, num_features: int, norm_batch_size: int |
     return n // b
 
 
+def check_norm_args(layer: str, momentum: float, norm_batch_size: int | None) -> None:
+    """The constructor checks that MABN2d and BatchRenorm2d share."""
+    if not 0.0 <= momentum < 1.0:
+        raise ValueError(f"{layer}: momentum must be in [0, 1), got {momentum}")
+    if norm_batch_size is not None and norm_batch_size < 1:
+        raise ValueError(f"{layer}: norm_batch_size must be >= 1 or None, got {norm_batch_size}")
+
+
 def nonfinite_error(layer: str, what: str) -> FloatingPointError:
     """The error for a non-finite statistic, which the layer refused to store."""
     return FloatingPointError(

@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 from torch import Tensor, nn
 
+from ._mabn_types import BackwardStats, ForwardStats, NativeBackward, StepConfig
 from ._triton import Launcher, aligned, key_of
 
 STATS_CODE = {"batch": 0, "sma": 1, "ema": 2}
@@ -122,10 +123,12 @@ def forward_kernel(
     STATS: tl.constexpr,
     RENORM: tl.constexpr,
     POLICY: tl.constexpr,
+    EMA_FIRST: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    """norm (N, C): per-sample l2 norms over H*W, N = G * B -> ``_forward_stats``'s outputs (with zeros for the
-    native backward's mean) and commits; a non-finite chi^2 sets flags[0] (sticky) instead of a verdict."""
+    """norm (N, C): per-sample l2 norms over H*W, N = G * B -> ``_forward_stats``'s and
+    ``_scale_and_native_inputs``' outputs, and commits; a non-finite chi^2 sets flags[0] (sticky) instead of a
+    verdict."""
     offs = tl.arange(0, BLOCK)
     dt = norm_ptr.dtype.element_ty
     momentum, eps, clip = tl.full((), momentum_, dt), tl.full((), eps_, dt), tl.full((), clip_, dt)
@@ -157,8 +160,14 @@ def forward_kernel(
     for c0 in range(0, C, BLOCK):
         cols = c0 + offs
         cmask = cols < C
-        ema_prev = tl.load(running_ptr + cols, mask=cmask, other=1.0).to(dt)
-        e = _stream(hist_ptr, chi2_ptr, var_ptr, active_ptr, ema_prev, momentum, cols, cmask, C, G, ok, M, STATS)
+        ema_prev = tl.load(running_ptr + cols, mask=cmask, other=1.0).to(dt)  # what r compares with
+        ema_base = ema_prev  # the EMA before this forward's update
+        if EMA_FIRST:  # a stream's first forward starts the EMA at its groups' mean chi^2
+            chi_sum = tl.zeros((BLOCK,), dt)
+            for k in range(G):
+                chi_sum += tl.load(chi2_ptr + k * C + cols, mask=cmask, other=0.0)
+            ema_base = tl.where(t == 1, _div(chi_sum, tl.full((BLOCK,), G, dt)), ema_prev)
+        e = _stream(hist_ptr, chi2_ptr, var_ptr, active_ptr, ema_base, momentum, cols, cmask, C, G, ok, M, STATS)
         w = tl.load(weight_ptr + cols, mask=cmask, other=0.0).to(dt)
         ema_std = _sqrt(ema_prev + eps)
         var_sum = tl.zeros((BLOCK,), dt)
@@ -182,7 +191,7 @@ def forward_kernel(
         if STATS == 2:
             ema = e
         else:
-            ema = momentum * ema_prev + (1.0 - momentum) * _div(var_sum, tl.full((BLOCK,), G, dt))
+            ema = momentum * ema_base + (1.0 - momentum) * _div(var_sum, tl.full((BLOCK,), G, dt))
         tl.store(ema_ptr + cols, ema, mask=cmask)
         tl.store(running_ptr + cols, ema, mask=cmask & ok)
     tl.store(iters_ptr, t - 1 + ok.to(tl.int64))
@@ -284,11 +293,11 @@ _backward = Launcher(backward_kernel)
 
 
 def forward_stats(
-    norm: Tensor, hw: int, groups: int, weight: Tensor, layer: nn.Module, cfg: tuple, x_dtype: torch.dtype
-) -> tuple[Tensor, ...]:
-    """``_forward_stats(_group_chi2(norm, groups, hw), ...)`` of mabn.py in one launch; the same outputs, but
-    flat (the (G, C) ones as G * C, ``active`` as 0/1 floats) and the verdict in ``layer``'s flags (None)."""
-    stats, momentum, eps, renorm, renorm_clip, buffer_size, (policy, warmup, renorm_warmup) = cfg
+    norm: Tensor, hw: int, groups: int, weight: Tensor, layer: nn.Module, cfg: StepConfig, x_dtype: torch.dtype
+) -> tuple[Tensor, ForwardStats, NativeBackward]:
+    """``_forward_stats(_group_chi2(norm, groups, hw), ...)`` and ``_scale_and_native_inputs`` of mabn.py in one
+    launch; the same outputs, but flat (the (G, C) ones as G * C, ``active`` as 0/1 floats) and the verdict in
+    ``layer``'s flags (``ok`` None)."""
     n, c = norm.shape
     gc, nc = groups * c, n * c
     # One allocation for the statistic-dtype outputs (host time, not memory, is what counts here).
@@ -296,8 +305,15 @@ def forward_stats(
     chi2, var, r, ema, weight_flat, var_flat, mean_flat, active = outs
     scale = torch.empty(n, c, 1, 1, dtype=x_dtype, device=norm.device)
     ints = (c, groups, n // groups)
-    timeline = (warmup, max(renorm_warmup, warmup))
-    consts = dict(M=buffer_size, STATS=STATS_CODE[stats], RENORM=renorm, POLICY=policy is not None, BLOCK=_block(c))
+    timeline = (cfg.warmup_iters, max(cfg.renorm_warmup_iters, cfg.warmup_iters))
+    consts = dict(
+        M=cfg.buffer_size,
+        STATS=STATS_CODE[cfg.stats],
+        RENORM=cfg.renorm,
+        POLICY=cfg.policy is not None,
+        EMA_FIRST=cfg.ema_start == "first",
+        BLOCK=_block(c),
+    )
     key = key_of(
         norm, x_dtype, weight.dtype, layer.buffer_x2.dtype, aligned(weight), *ints, *timeline, *consts.values()
     )
@@ -307,11 +323,11 @@ def forward_stats(
             *(norm, weight, layer.buffer_x2, layer.running_var, layer.iters, layer.count_x2),
             *(chi2, var, r, active, ema, scale, weight_flat, var_flat, mean_flat),
             *(layer.nonfinite_flags(norm.device), layer.policy_flags(norm.device)),
-            *(*ints, float(hw), momentum, eps, renorm_clip, *timeline),
+            *(*ints, float(hw), cfg.momentum, cfg.eps, cfg.renorm_clip, *timeline),
         ),
         consts,
     )
-    return scale, weight_flat, var_flat, mean_flat, var, r, active, chi2, ema, None
+    return scale, ForwardStats(chi2, var, r, active, ema, None), NativeBackward(weight_flat, var_flat, mean_flat)
 
 
 def backward_stats(
@@ -324,13 +340,12 @@ def backward_stats(
     weight: Tensor,
     groups: int,
     layer: nn.Module,
-    cfg: tuple,
+    cfg: StepConfig,
     x_dtype: torch.dtype,
     loss_scale: Tensor | None = None,
-) -> tuple[Tensor, ...]:
+) -> BackwardStats:
     """``_backward_stats`` of mabn.py in one launch, from per-(sample, channel) sums ``dout_z`` (N * C) instead
     of per-group ones and ``forward_stats``'s flat outputs; the same outputs, flat, the verdict in the flags."""
-    stats, momentum, eps, _, _, buffer_size, _ = cfg
     c = weight.numel()
     n = dout_z.numel() // c
     gc = groups * c
@@ -338,7 +353,7 @@ def backward_stats(
     coef = torch.empty(n, c, 1, 1, dtype=x_dtype, device=var.device)
     grad_weight, grad_bias = weight.new_empty(c), weight.new_empty(c)
     ints = (c, groups, n // groups)
-    consts = dict(M=buffer_size, STATS=STATS_CODE[stats], SCALED=loss_scale is not None, BLOCK=_block(c))
+    consts = dict(M=cfg.buffer_size, STATS=STATS_CODE[cfg.stats], SCALED=loss_scale is not None, BLOCK=_block(c))
     scale = layer.nonfinite_flags(var.device) if loss_scale is None else loss_scale  # any pointer when unscaled
     key = key_of(
         var,
@@ -356,8 +371,8 @@ def backward_stats(
         (
             *(dout_z, dout_sum, r, var, active, weight, layer.buffer_gz, layer.running_psi, layer.count_gz),
             *(psi, psi_bar, psi_active, coef, grad_weight, grad_bias, layer.nonfinite_flags(var.device), scale),
-            *(*ints, float(psi_count), momentum, eps),
+            *(*ints, float(psi_count), cfg.momentum, cfg.eps),
         ),
         consts,
     )
-    return coef, grad_weight, grad_bias, psi, psi_bar, None
+    return BackwardStats(coef, grad_weight, grad_bias, psi, psi_bar, None)

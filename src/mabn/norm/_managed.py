@@ -72,6 +72,17 @@ class ManagedNorm(nn.Module):
             self._policy_flags = self._new_policy_flags(device)
         return self._policy_flags
 
+    # -- inference ------------------------------------------------------------------------------------
+    def inference_affine(self) -> tuple[Tensor, Tensor]:
+        """(scale, shift) per channel such that the eval output is x * scale + shift."""
+        raise NotImplementedError
+
+    def inference(self, x: Tensor) -> Tensor:
+        """The eval-mode output: the per-channel affine map ``inference_affine``, in x's dtype."""
+        scale, shift = self.inference_affine()
+        c = x.shape[1]
+        return torch.addcmul(shift.to(x.dtype).view(1, c, 1, 1), x, scale.to(x.dtype).view(1, c, 1, 1))
+
     # -- non-finite statistics -------------------------------------------------------------------------
     def nonfinite_flags(self, device: torch.device) -> Tensor:
         """(len(NONFINITE),) bool on ``device``: a non-finite statistic was met, per direction. Sticky until

@@ -15,6 +15,7 @@ from ._common import (
     all_gather_stacked,
     all_reduce_sum_,
     check_input,
+    check_norm_args,
     per_sample,
     per_sample_bn_backward,
     stat_dtype,
@@ -136,12 +137,9 @@ class BatchRenorm2d(ManagedNorm):
         sync_stats: bool = False,
     ) -> None:
         super().__init__()
-        if not 0.0 <= momentum < 1.0:
-            raise ValueError(f"BatchRenorm2d: momentum must be in [0, 1), got {momentum}")
+        check_norm_args(type(self).__name__, momentum, norm_batch_size)
         if r_max < 1.0 or d_max < 0.0:
             raise ValueError(f"BatchRenorm2d: need r_max >= 1 and d_max >= 0, got {r_max}, {d_max}")
-        if norm_batch_size is not None and norm_batch_size < 1:
-            raise ValueError(f"BatchRenorm2d: norm_batch_size must be >= 1 or None, got {norm_batch_size}")
         self.num_features = num_features
         self.eps = eps
         self.momentum = momentum
@@ -177,11 +175,9 @@ class BatchRenorm2d(ManagedNorm):
 
     def forward(self, x: Tensor) -> Tensor:
         groups = check_input(type(self).__name__, x, self.num_features, self.norm_batch_size, self.training)
-        c = self.num_features
         if not self.training:
-            scale, shift = self.inference_affine()
-            return torch.addcmul(shift.to(x.dtype).view(1, c, 1, 1), x, scale.to(x.dtype).view(1, c, 1, 1))
-
+            return self.inference(x)
+        c = self.num_features
         n, _, h, w = x.shape
         b, sdt = n // groups, stat_dtype(x)
         synced = self.sync_stats and sync_group()

@@ -7,7 +7,8 @@ Per channel, with chi2 the second moment E[x^2] of a normalization batch (no mea
 
 ``var`` is the simple moving average (SMA) of the last ``buffer_size`` chi2 values once warmed up,
 ``psi_bar`` the SMA of psi = mean(g * z), and ``r`` renormalizes the forward to the exponential moving
-average (EMA) used at inference, clipped to [1/renorm_clip, renorm_clip]. See docs/library.md, "MABN2d semantics".
+average (EMA) used at inference, clipped to [1/renorm_clip, renorm_clip]. See docs/library.md, "MABN2d semantics",
+and docs/design.md for the official code's two timelines (detection and ImageNet).
 
 The autograd Function saves the input and the weight (as ``nn.BatchNorm2d`` does) plus a few
 per-channel vectors; z is recomputed in backward from x. Every reduction runs in float32 or better.
@@ -27,16 +28,263 @@ from torch import Tensor, nn
 from ._common import (
     all_reduce_sum_,
     check_input,
+    check_norm_args,
     per_sample,
     per_sample_bn_backward,
     stat_dtype,
     sync_group,
     values_before_update,
 )
+from ._mabn_types import EMA_STARTS, STATS, BackwardStats, ForwardStats, NativeBackward, StepConfig
 from ._managed import ManagedNorm
 from ._triton import kernels_for
 
-STATS = ("batch", "sma", "ema")
+
+class MABN2d(ManagedNorm):
+    """Moving Average Batch Normalization for NCHW input.
+
+    On CUDA a non-finite statistic is reported without stalling the GPU (see ``ManagedNorm``).
+
+    ``loss_scale`` (set by MABNCallback under a GradScaler, e.g. ``precision="16-mixed"``): a 0-d float tensor
+    on the layer's device holding the scale S of the gradients that backward receives. psi is kept in the
+    loss's own units (psi / S), so its moving average stays exact when the scaler changes S, and a non-finite
+    psi is left out of the streams without an error: the scaler skips that optimizer step.
+
+    Args:
+        num_features: channels C.
+        buffer_size: m, the number of normalization batches the simple moving averages span.
+        momentum: EMA weight of the old value: ema = momentum * ema + (1 - momentum) * var
+            (the opposite of ``nn.BatchNorm2d``'s convention, as in the paper).
+        eps: added to the second moment inside every square root.
+        warmup_iters: the first training forward that may use the SMAs (they also need m recorded statistics).
+        renorm_warmup_iters: r is 1 until this many training forwards (and until warmup_iters).
+        renorm_clip: r is clipped to [1 / renorm_clip, renorm_clip] afterwards.
+        norm_batch_size: split each batch into ghost batches of this many samples, normalized
+            one after another as a stream (None: the whole batch is one normalization batch).
+        stats: statistic for the normalizer and for psi: "batch", "sma" (MABN) or "ema".
+        renorm: renormalize the forward to the EMA through r ("EMAS in FP").
+        sync_stats: under ``torch.distributed`` with two or more processes, combine each normalization
+            group's chi^2 and psi over the devices (group k of every device forms one normalization batch),
+            so every device holds the same streams; every device must then run the same number of groups.
+            Off (the paper's setting): each device keeps its own streams. Without a process group it
+            changes nothing.
+        ema_start: where the EMA of chi^2 starts. "one": at 1 (the official detection code). "first": at the
+            first training forward's statistic of the stream (the official ImageNet code): that forward's
+            EMA update takes the groups' mean chi^2 as the previous value, and a restarted stream
+            (``reset_stream``) starts it again. r always compares with the EMA the layer held before the forward.
+    """
+
+    NONFINITE = ("batch statistic chi^2", "gradient statistic psi")
+
+    def __init__(
+        self,
+        num_features: int,
+        buffer_size: int = 16,
+        momentum: float = 0.98,
+        eps: float = 1e-5,
+        warmup_iters: int = 100,
+        renorm_warmup_iters: int = 1000,
+        renorm_clip: float = 5.0,
+        norm_batch_size: int | None = None,
+        stats: str = "sma",
+        renorm: bool = True,
+        sync_stats: bool = False,
+        ema_start: str = "one",
+    ) -> None:
+        super().__init__()
+        name = type(self).__name__
+        check_norm_args(name, momentum, norm_batch_size)
+        if stats not in STATS:
+            raise ValueError(f"{name}: stats must be one of {STATS}, got {stats!r}")
+        if ema_start not in EMA_STARTS:
+            raise ValueError(f"{name}: ema_start must be one of {EMA_STARTS}, got {ema_start!r}")
+        if buffer_size < 1:
+            raise ValueError(f"{name}: buffer_size must be >= 1, got {buffer_size}")
+        if renorm_clip < 1.0:
+            raise ValueError(f"{name}: renorm_clip must be >= 1, got {renorm_clip}")
+        self.num_features = num_features
+        self.buffer_size = buffer_size
+        self.momentum = momentum
+        self.eps = eps
+        self.warmup_iters = warmup_iters
+        self.renorm_warmup_iters = renorm_warmup_iters
+        self.renorm_clip = renorm_clip
+        self.norm_batch_size = norm_batch_size
+        self.stats = stats
+        self.renorm = renorm
+        self.sync_stats = sync_stats
+        self.ema_start = ema_start
+        self.weight = nn.Parameter(torch.ones(num_features))
+        self.bias = nn.Parameter(torch.zeros(num_features))
+        # EMA of the normalizing second moment: what inference divides by.
+        self.register_buffer("running_var", torch.ones(num_features))
+        # EMA of psi, used by the stats="ema" ablation.
+        self.register_buffer("running_psi", torch.zeros(num_features))
+        # The last m group statistics of chi^2 and psi, oldest first.
+        self.register_buffer("buffer_x2", torch.zeros(buffer_size, num_features))
+        self.register_buffer("buffer_gz", torch.zeros(buffer_size, num_features))
+        self.register_buffer("iters", torch.zeros((), dtype=torch.long))  # training forwards t
+        self.register_buffer("count_x2", torch.zeros((), dtype=torch.long))  # chi^2 stats recorded
+        self.register_buffer("count_gz", torch.zeros((), dtype=torch.long))  # psi stats recorded
+        self.loss_scale: Tensor | None = None
+
+    def step_config(self, device: torch.device) -> StepConfig:
+        # The policy as the device tensor the callback updates in place: a captured CUDA graph follows it.
+        policy = self.policy_flags(device) if self.has_policy else None
+        return StepConfig(
+            self.stats,
+            self.momentum,
+            self.eps,
+            self.renorm,
+            self.renorm_clip,
+            self.buffer_size,
+            self.ema_start,
+            policy,
+            self.warmup_iters,
+            self.renorm_warmup_iters,
+        )
+
+    def reset_stream(self, reset_ema: bool = False) -> None:
+        """Forget the statistic streams (ring buffers, counters) so warm-up starts again, e.g. when
+        fine-tuning from a pre-trained backbone; ``reset_ema`` also returns the EMAs to their start."""
+        for buf in (self.buffer_x2, self.buffer_gz, self.iters, self.count_x2, self.count_gz):
+            buf.zero_()
+        if reset_ema:
+            self.running_var.fill_(1.0)
+            self.running_psi.zero_()
+
+    def inference_affine(self) -> tuple[Tensor, Tensor]:
+        """(scale, shift) per channel such that the eval output is x * scale + shift."""
+        scale = self.weight / (self.running_var + self.eps).sqrt()
+        return scale, self.bias
+
+    @torch.no_grad()
+    def _statistics(
+        self, x: Tensor, groups: int, synced: bool, kernels: ModuleType | None
+    ) -> tuple[Tensor, ForwardStats, NativeBackward]:
+        """A training forward's statistic step, committed to the buffers: the per-sample scale
+        weight * r / sqrt(var + eps) (N, C, 1, 1), the statistics, and the native backward's inputs."""
+        n, _, h, w = x.shape
+        # The one pass over x: per sample and channel, in float32 or better.
+        norm = torch.linalg.vector_norm(x, 2, dim=(2, 3), dtype=stat_dtype(x))
+        cfg = self.step_config(x.device)
+        if kernels is not None:
+            return kernels.forward_stats(norm, h * w, groups, self.weight, self, cfg, x.dtype)
+        chi2 = _group_chi2(norm, groups, h * w)
+        if synced:  # the chi^2 of group k over every device, weighted by the devices' element counts
+            count = (n // groups) * h * w
+            total, counts = _sum_across_devices(chi2 * count, count)
+            chi2 = total / counts
+        stats = _forward_stats(chi2, self.buffer_x2, self.running_var, self.iters, self.count_x2, cfg)
+        scale, native = _scale_and_native_inputs(self.weight, stats, self.eps, n // groups, x.dtype)
+        return scale, stats, native
+
+    def forward(self, x: Tensor) -> Tensor:
+        groups = check_input(type(self).__name__, x, self.num_features, self.norm_batch_size, self.training)
+        if not self.training:
+            return self.inference(x)
+        c = self.num_features
+        host = self._begin_training_forward(x)
+        synced = self.sync_stats and sync_group()
+        kernels = None if synced else _fused_kernels(x)
+        scale, stats, native = self._statistics(x, groups, synced, kernels)
+        self._check(stats.ok, 0, x.device)
+        self._end_training_forward(x, host)
+        if self.track_stats:
+            per_group = {"chi2_batch": stats.chi2, "chi2_used": stats.var, "r": stats.r}
+            self.last_stats = {k: v.view(groups, c) for k, v in per_group.items()}
+            self.last_stats.update(chi2_ema=stats.ema, active=stats.active.view(groups) != 0)
+        # Tensors only through apply (autograd and torch.compile see each one); the records are rebuilt inside.
+        saved = (*native, stats.var, stats.r, stats.active)
+        return _MABNFunction.apply(x, self.weight, self.bias, scale, *saved, self, groups, synced, kernels)
+
+    def extra_repr(self) -> str:
+        return (
+            f"{self.num_features}, buffer_size={self.buffer_size}, momentum={self.momentum}, eps={self.eps}, "
+            f"warmup_iters={self.warmup_iters}, renorm_warmup_iters={self.renorm_warmup_iters}, "
+            f"renorm_clip={self.renorm_clip}, norm_batch_size={self.norm_batch_size}, stats={self.stats!r}, "
+            f"renorm={self.renorm}"
+            + (", sync_stats=True" if self.sync_stats else "")
+            + (f", ema_start={self.ema_start!r}" if self.ema_start != "one" else "")
+        )
+
+
+class _MABNFunction(torch.autograd.Function):
+    """out = bias + x * scale with MABN's backward; the statistic step (``MABN2d._statistics``, no gradient flows
+    through it) runs before and hands over what the backward needs."""
+
+    @staticmethod
+    def forward(
+        ctx,
+        x: Tensor,
+        weight: Tensor,
+        bias: Tensor,
+        scale: Tensor,
+        native_weight: Tensor,
+        native_var: Tensor,
+        native_mean: Tensor,
+        var: Tensor,
+        r: Tensor,
+        active: Tensor,
+        layer: MABN2d,
+        groups: int,
+        synced: bool,
+        kernels: ModuleType | None,
+    ) -> Tensor:
+        ctx.save_for_backward(x, weight, native_weight, native_var, native_mean, var, r, active)
+        ctx.layer, ctx.synced, ctx.kernels, ctx.groups = layer, synced, kernels, groups
+        c = x.shape[1]
+        return torch.addcmul((bias if bias.dtype == x.dtype else bias.to(x.dtype)).view(1, c, 1, 1), x, scale)
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor):
+        x, weight, native_weight, native_var, native_mean, var, r, active = ctx.saved_tensors
+        native = NativeBackward(native_weight, native_var, native_mean)
+        layer = ctx.layer
+        n, c, h, w = x.shape
+
+        # With mean 0, var and weight * r of each sample's group: g / sqrt(var + eps), and sum(dL/dout * z)
+        # and sum(dL/dout) per sample and channel, in one fused pass.
+        need_x = ctx.needs_input_grad[0]
+        g_scaled, dout_z, dout_sum = per_sample_bn_backward(
+            grad_out, x, native.weight, native.mean, native.var, layer.eps, need_x
+        )
+        groups = ctx.groups
+        b = n // groups
+        psi_count = b * h * w  # elements behind each group's sum of dL/dout * z
+        cfg = layer.step_config(x.device)
+        if ctx.kernels is not None:
+            stats = ctx.kernels.backward_stats(
+                dout_z, psi_count, dout_sum, r, var, active, weight, groups, layer, cfg, x.dtype, layer.loss_scale
+            )
+        else:
+            dout_z = dout_z.view(groups, b, c).sum(1)  # per group
+            local_dout_z = None
+            if ctx.synced:  # psi of the cross-device normalization batch: over every device's group k
+                local_dout_z = dout_z
+                dout_z, psi_count = _sum_across_devices(dout_z, psi_count)
+            streams = (layer.buffer_gz, layer.running_psi, layer.count_gz)
+            stats = _backward_stats(
+                dout_z, psi_count, dout_sum, r, var, active, weight, *streams, cfg, x.dtype, local_dout_z,
+                layer.loss_scale,
+            )  # fmt: skip
+        if layer.loss_scale is None:  # under a loss scaler a non-finite gradient skips the step instead
+            layer._check(stats.ok, 1, x.device)
+        # Under torch.compile the backward cannot hand tensors to the host side: only the forward's are logged.
+        if layer.track_stats and layer.last_stats is not None and not torch.compiler.is_compiling():
+            layer.last_stats.update(psi_batch=stats.psi.view(groups, c), psi_used=stats.psi_bar.view(groups, c))
+        grad_x = g_scaled.view(n, c, h, w).addcmul_(x, stats.coef) if need_x else None
+        return grad_x, stats.grad_weight, stats.grad_bias, *[None] * 11
+
+
+def _fused_kernels(x: Tensor) -> ModuleType | None:
+    """The one-launch Triton statistic steps (``_mabn_kernels``) for ``x``, or None for the torch-op steps
+    below: on the CPU, without Triton, with MABN_FUSED=0, and inside a region ``torch.compile`` traces (there
+    the compiler fuses the torch-op steps itself, with the ops around them)."""
+    return None if torch.compiler.is_compiling() else kernels_for(x, "_mabn_kernels")
+
+
+# -- the statistic steps: the semantics, and the path for the CPU, sync_stats and torch.compile ---------------
 
 
 def _stream_stat(
@@ -67,12 +315,12 @@ def _stream_stat(
     return used, seq[-m:], e
 
 
-def _phase(t: Tensor, policy: Tensor | None, warmup_iters: int, renorm_warmup_iters: int) -> tuple[Tensor, Tensor]:
+def _phase(t: Tensor, cfg: StepConfig) -> tuple[Tensor, Tensor]:
     """Whether training forward number t may use moving statistics and renormalize (before the buffer
     check): the callback's policy (``MABN2d.policy_flags``) when one is set, else the layer's own timeline."""
-    if policy is not None:
-        return policy[0] != 0, policy[1] != 0
-    return t >= warmup_iters, t > max(renorm_warmup_iters, warmup_iters)
+    if cfg.policy is not None:
+        return cfg.policy[0] != 0, cfg.policy[1] != 0
+    return t >= cfg.warmup_iters, t > max(cfg.renorm_warmup_iters, cfg.warmup_iters)
 
 
 def _group_chi2(norm: Tensor, groups: int, hw: int) -> Tensor:
@@ -90,55 +338,52 @@ def _sum_across_devices(sums: Tensor, count: int) -> tuple[Tensor, Tensor]:
 
 
 def _forward_stats(
-    chi2: Tensor,
-    weight: Tensor,
-    buffer_x2: Tensor,
-    running_var: Tensor,
-    iters: Tensor,
-    count_x2: Tensor,
-    cfg: tuple,
-    b: int,
-    x_dtype: torch.dtype,
-) -> tuple[Tensor, ...]:
-    """The per-channel part of the forward, from the groups' chi^2 (G, C) to the per-sample scale
-    (b samples per group on this device).
+    chi2: Tensor, buffer_x2: Tensor, running_var: Tensor, iters: Tensor, count_x2: Tensor, cfg: StepConfig
+) -> ForwardStats:
+    """The per-channel statistics of a training forward from the groups' chi^2 (G, C).
 
     Commits the new statistics to the buffers (in place) only when every group's chi^2 is finite, and
     returns that verdict as a tensor, so that the caller decides when to read it (see MABN2d).
     """
-    stats, momentum, eps, renorm, renorm_clip, buffer_size, timeline = cfg
     old_x2, old_var, old_iters, old_count = values_before_update(buffer_x2, running_var, iters, count_x2)
-    moving_ok, renorm_ok = _phase(old_iters + 1, *timeline)
-    groups, c = chi2.shape
-    n = groups * b
+    moving_ok, renorm_ok = _phase(old_iters + 1, cfg)
+    groups = chi2.shape[0]
     ok = torch.isfinite(chi2).all()
     ks = torch.arange(groups, device=chi2.device)
-    active = moving_ok & (old_count + ks >= buffer_size)
-    if stats == "batch":
+    active = moving_ok & (old_count + ks >= cfg.buffer_size)
+    if cfg.stats == "batch":
         active = torch.zeros_like(active)
-    ema_prev = old_var.to(chi2.dtype)
-    var, history, stream_ema = _stream_stat(old_x2.to(chi2.dtype), chi2, active, stats, momentum, ema_prev)
-    std = (var + eps).sqrt()
-    r = torch.ones_like(std)
-    if renorm:
-        clipped = (std / (ema_prev + eps).sqrt()).clamp(1.0 / renorm_clip, renorm_clip)
+    ema_prev = old_var.to(chi2.dtype)  # what r compares with: the EMA the layer holds
+    ema_base = ema_prev  # the EMA before this forward's update
+    if cfg.ema_start == "first":
+        ema_base = torch.where(old_iters == 0, chi2.mean(0), ema_prev)
+    var, history, stream_ema = _stream_stat(old_x2.to(chi2.dtype), chi2, active, cfg.stats, cfg.momentum, ema_base)
+    r = torch.ones_like(var)
+    if cfg.renorm:
+        clipped = ((var + cfg.eps).sqrt() / (ema_prev + cfg.eps).sqrt()).clamp(1.0 / cfg.renorm_clip, cfg.renorm_clip)
         r = torch.where(renorm_ok, clipped, r)
-    if stats == "ema":
+    if cfg.stats == "ema":
         ema = stream_ema
     else:
-        ema = momentum * ema_prev + (1.0 - momentum) * var.mean(0)
-    weight_r = weight.to(chi2.dtype) * r
-    scale = per_sample((weight_r / std).to(x_dtype), b)
-    # What the native BN backward needs, per (sample, channel) of x viewed as one sample of N*C channels.
-    weight_flat = per_sample(weight_r, b).reshape(n * c)
-    var_flat = per_sample(var, b).reshape(n * c)
-    mean_flat = torch.zeros_like(var_flat)  # no mean: x is normalized by its second moment
+        ema = cfg.momentum * ema_base + (1.0 - cfg.momentum) * var.mean(0)
 
     iters.add_(ok.to(iters.dtype))
     count_x2.add_(ok.to(count_x2.dtype) * groups)
     buffer_x2.copy_(torch.where(ok, history.to(buffer_x2.dtype), buffer_x2))
     running_var.copy_(torch.where(ok, ema.to(running_var.dtype), running_var))
-    return scale, weight_flat, var_flat, mean_flat, var, r, active, chi2, ema, ok
+    return ForwardStats(chi2, var, r, active, ema, ok)
+
+
+def _scale_and_native_inputs(
+    weight: Tensor, stats: ForwardStats, eps: float, b: int, x_dtype: torch.dtype
+) -> tuple[Tensor, NativeBackward]:
+    """From the statistics to what the forward and the native BN backward use, per sample (b per group):
+    the scale weight * r / sqrt(var + eps) (N, C, 1, 1) in x's dtype, and the native backward's inputs."""
+    weight_r = weight.to(stats.var.dtype) * stats.r
+    scale = per_sample((weight_r / (stats.var + eps).sqrt()).to(x_dtype), b)
+    nc = scale.numel()
+    native_var = per_sample(stats.var, b).reshape(nc)
+    return scale, NativeBackward(per_sample(weight_r, b).reshape(nc), native_var, torch.zeros_like(native_var))
 
 
 def _backward_stats(
@@ -152,11 +397,11 @@ def _backward_stats(
     buffer_gz: Tensor,
     running_psi: Tensor,
     count_gz: Tensor,
-    cfg: tuple,
+    cfg: StepConfig,
     x_dtype: torch.dtype,
     local_dout_z: Tensor | None = None,
     loss_scale: Tensor | None = None,
-) -> tuple[Tensor, ...]:
+) -> BackwardStats:
     """The per-channel part of the backward, from the sums of dL/dout * z per group (G, C), over
     ``psi_count`` elements each, and the native kernel's per-(sample, channel) sums of dL/dout.
 
@@ -164,7 +409,6 @@ def _backward_stats(
     streams as psi / S, and psi_bar * S meets the scaled gradient. Commits psi to its buffers only when it
     is finite, like ``_forward_stats``.
     """
-    stats, momentum, eps, _, _, buffer_size, _ = cfg
     groups, c = var.shape
     b = dout_sum.numel() // (groups * c)
     weight_r = weight.to(var.dtype) * r
@@ -173,12 +417,12 @@ def _backward_stats(
         psi = psi / loss_scale.to(var.dtype)
     ok = torch.isfinite(psi).all()
     ks = torch.arange(groups, device=var.device)
-    psi_active = active & (count_gz + ks >= buffer_size)
+    psi_active = active & (count_gz + ks >= cfg.buffer_size)
     psi_bar, history, psi_ema = _stream_stat(
-        buffer_gz.to(var.dtype), psi, psi_active, stats, momentum, running_psi.to(var.dtype)
+        buffer_gz.to(var.dtype), psi, psi_active, cfg.stats, cfg.momentum, running_psi.to(var.dtype)
     )
     psi_bar_g = psi_bar if loss_scale is None else psi_bar * loss_scale.to(var.dtype)  # in the gradient's scale
-    coef = per_sample((-psi_bar_g / (var + eps)).to(x_dtype), b)  # dL/dx = g / sqrt(var + eps) + x * coef
+    coef = per_sample((-psi_bar_g / (var + cfg.eps)).to(x_dtype), b)  # dL/dx = g / sqrt(var + eps) + x * coef
     # The weight's gradient is this device's share; DDP averages it like any other parameter's.
     local = dout_z if local_dout_z is None else local_dout_z
     grad_weight = (r * local).sum(0).to(weight.dtype)
@@ -187,239 +431,4 @@ def _backward_stats(
     count_gz.add_(ok.to(count_gz.dtype) * groups)
     buffer_gz.copy_(torch.where(ok, history.to(buffer_gz.dtype), buffer_gz))
     running_psi.copy_(torch.where(ok, psi_ema.to(running_psi.dtype), running_psi))
-    return coef, grad_weight, grad_bias, psi, psi_bar, ok
-
-
-def _fused_kernels(x: Tensor) -> ModuleType | None:
-    """The one-launch Triton statistic steps (``_mabn_kernels``) for ``x``, or None for the torch-op steps
-    above: on the CPU, without Triton, with MABN_FUSED=0, and inside a region ``torch.compile`` traces (there
-    the compiler fuses the torch-op steps itself, with the ops around them)."""
-    return None if torch.compiler.is_compiling() else kernels_for(x, "_mabn_kernels")
-
-
-class _MABNFunction(torch.autograd.Function):
-    """out = bias + x * scale with MABN's backward; the statistic step (``MABN2d._statistics``, no gradient flows
-    through it) runs before and hands over what the backward needs."""
-
-    @staticmethod
-    def forward(
-        ctx,
-        x: Tensor,
-        weight: Tensor,
-        bias: Tensor,
-        scale: Tensor,
-        weight_flat: Tensor,
-        var_flat: Tensor,
-        mean_flat: Tensor,
-        var: Tensor,
-        r: Tensor,
-        active: Tensor,
-        layer: MABN2d,
-        groups: int,
-        synced: bool,
-        kernels: ModuleType | None,
-    ) -> Tensor:
-        ctx.save_for_backward(x, weight, weight_flat, var_flat, mean_flat, var, r, active)
-        ctx.layer, ctx.synced, ctx.kernels, ctx.groups = layer, synced, kernels, groups
-        c = x.shape[1]
-        return torch.addcmul((bias if bias.dtype == x.dtype else bias.to(x.dtype)).view(1, c, 1, 1), x, scale)
-
-    @staticmethod
-    def backward(ctx, grad_out: Tensor):
-        x, weight, weight_flat, var_flat, mean_flat, var, r, active = ctx.saved_tensors
-        layer = ctx.layer
-        n, c, h, w = x.shape
-
-        # With mean 0, var and weight * r of each sample's group: g / sqrt(var + eps), and sum(dL/dout * z)
-        # and sum(dL/dout) per sample and channel, in one fused pass.
-        need_x = ctx.needs_input_grad[0]
-        g_scaled, dout_z, dout_sum = per_sample_bn_backward(
-            grad_out, x, weight_flat, mean_flat, var_flat, layer.eps, need_x
-        )
-        groups = ctx.groups
-        b = n // groups
-        psi_count = b * h * w  # elements behind each group's sum of dL/dout * z
-        cfg = layer._cfg(x.device)
-        if ctx.kernels is not None:
-            stats = ctx.kernels.backward_stats(
-                dout_z, psi_count, dout_sum, r, var, active, weight, groups, layer, cfg, x.dtype, layer.loss_scale
-            )
-        else:
-            dout_z = dout_z.view(groups, b, c).sum(1)  # per group
-            local_dout_z = None
-            if ctx.synced:  # psi of the cross-device normalization batch: over every device's group k
-                local_dout_z = dout_z
-                dout_z, psi_count = _sum_across_devices(dout_z, psi_count)
-            stats = _backward_stats(
-                dout_z,
-                psi_count,
-                dout_sum,
-                r,
-                var,
-                active,
-                weight,
-                layer.buffer_gz,
-                layer.running_psi,
-                layer.count_gz,
-                cfg,
-                x.dtype,
-                local_dout_z,
-                layer.loss_scale,
-            )
-        coef, grad_weight, grad_bias, psi, psi_bar, ok = stats
-        if layer.loss_scale is None:  # under a loss scaler a non-finite gradient skips the step instead
-            layer._check(ok, 1, x.device)
-        # Under torch.compile the backward cannot hand tensors to the host side: only the forward's are logged.
-        if layer.track_stats and layer.last_stats is not None and not torch.compiler.is_compiling():
-            layer.last_stats.update(psi_batch=psi.view(groups, c), psi_used=psi_bar.view(groups, c))
-        grad_x = g_scaled.view(n, c, h, w).addcmul_(x, coef) if need_x else None
-        return grad_x, grad_weight, grad_bias, *[None] * 11
-
-
-class MABN2d(ManagedNorm):
-    """Moving Average Batch Normalization for NCHW input.
-
-    On CUDA a non-finite statistic is reported without stalling the GPU (see ``ManagedNorm``).
-
-    ``loss_scale`` (set by MABNCallback under a GradScaler, e.g. ``precision="16-mixed"``): a 0-d float tensor
-    on the layer's device holding the scale S of the gradients that backward receives. psi is kept in the
-    loss's own units (psi / S), so its moving average stays exact when the scaler changes S, and a non-finite
-    psi is left out of the streams without an error: the scaler skips that optimizer step.
-
-    Args:
-        num_features: channels C.
-        buffer_size: m, the number of normalization batches the simple moving averages span.
-        momentum: EMA weight of the old value: ema = momentum * ema + (1 - momentum) * var
-            (the opposite of ``nn.BatchNorm2d``'s convention, as in the paper).
-        eps: added to the second moment inside every square root.
-        warmup_iters: training forwards that use batch statistics before the SMAs take over.
-        renorm_warmup_iters: r is 1 until this many training forwards (and until warmup_iters).
-        renorm_clip: r is clipped to [1 / renorm_clip, renorm_clip] afterwards.
-        norm_batch_size: split each batch into ghost batches of this many samples, normalized
-            one after another as a stream (None: the whole batch is one normalization batch).
-        stats: statistic for the normalizer and for psi: "batch", "sma" (MABN) or "ema".
-        renorm: renormalize the forward to the EMA through r ("EMAS in FP").
-        sync_stats: under ``torch.distributed`` with two or more processes, combine each normalization
-            group's chi^2 and psi over the devices (group k of every device forms one normalization batch),
-            so every device holds the same streams; every device must then run the same number of groups.
-            Off (the paper's setting): each device keeps its own streams. Without a process group it
-            changes nothing.
-    """
-
-    NONFINITE = ("batch statistic chi^2", "gradient statistic psi")
-
-    def __init__(
-        self,
-        num_features: int,
-        buffer_size: int = 16,
-        momentum: float = 0.98,
-        eps: float = 1e-5,
-        warmup_iters: int = 100,
-        renorm_warmup_iters: int = 1000,
-        renorm_clip: float = 5.0,
-        norm_batch_size: int | None = None,
-        stats: str = "sma",
-        renorm: bool = True,
-        sync_stats: bool = False,
-    ) -> None:
-        super().__init__()
-        if stats not in STATS:
-            raise ValueError(f"MABN2d: stats must be one of {STATS}, got {stats!r}")
-        if buffer_size < 1:
-            raise ValueError(f"MABN2d: buffer_size must be >= 1, got {buffer_size}")
-        if not 0.0 <= momentum < 1.0:
-            raise ValueError(f"MABN2d: momentum must be in [0, 1), got {momentum}")
-        if renorm_clip < 1.0:
-            raise ValueError(f"MABN2d: renorm_clip must be >= 1, got {renorm_clip}")
-        if norm_batch_size is not None and norm_batch_size < 1:
-            raise ValueError(f"MABN2d: norm_batch_size must be >= 1 or None, got {norm_batch_size}")
-        self.num_features = num_features
-        self.buffer_size = buffer_size
-        self.momentum = momentum
-        self.eps = eps
-        self.warmup_iters = warmup_iters
-        self.renorm_warmup_iters = renorm_warmup_iters
-        self.renorm_clip = renorm_clip
-        self.norm_batch_size = norm_batch_size
-        self.stats = stats
-        self.renorm = renorm
-        self.sync_stats = sync_stats
-        self.weight = nn.Parameter(torch.ones(num_features))
-        self.bias = nn.Parameter(torch.zeros(num_features))
-        # EMA of the normalizing second moment: what inference divides by.
-        self.register_buffer("running_var", torch.ones(num_features))
-        # EMA of psi, used by the stats="ema" ablation.
-        self.register_buffer("running_psi", torch.zeros(num_features))
-        # The last m group statistics of chi^2 and psi, oldest first.
-        self.register_buffer("buffer_x2", torch.zeros(buffer_size, num_features))
-        self.register_buffer("buffer_gz", torch.zeros(buffer_size, num_features))
-        self.register_buffer("iters", torch.zeros((), dtype=torch.long))  # training forwards t
-        self.register_buffer("count_x2", torch.zeros((), dtype=torch.long))  # chi^2 stats recorded
-        self.register_buffer("count_gz", torch.zeros((), dtype=torch.long))  # psi stats recorded
-        self.loss_scale: Tensor | None = None
-
-    def _cfg(self, device: torch.device) -> tuple:
-        # The policy as the device tensor the callback updates in place: a captured CUDA graph follows it.
-        policy = self.policy_flags(device) if self.has_policy else None
-        timeline = (policy, self.warmup_iters, self.renorm_warmup_iters)
-        return (self.stats, self.momentum, self.eps, self.renorm, self.renorm_clip, self.buffer_size, timeline)
-
-    def reset_stream(self, reset_ema: bool = False) -> None:
-        """Forget the statistic streams (ring buffers, counters) so warm-up starts again, e.g. when
-        fine-tuning from a pre-trained backbone; ``reset_ema`` also returns the EMAs to their start."""
-        for buf in (self.buffer_x2, self.buffer_gz, self.iters, self.count_x2, self.count_gz):
-            buf.zero_()
-        if reset_ema:
-            self.running_var.fill_(1.0)
-            self.running_psi.zero_()
-
-    def inference_affine(self) -> tuple[Tensor, Tensor]:
-        """(scale, shift) per channel such that the eval output is x * scale + shift."""
-        scale = self.weight / (self.running_var + self.eps).sqrt()
-        return scale, self.bias
-
-    @torch.no_grad()
-    def _statistics(self, x: Tensor, groups: int, synced: bool, kernels: ModuleType | None) -> tuple[Tensor, ...]:
-        """A training forward's statistic step (``_forward_stats``'s outputs), committed to the buffers."""
-        n, _, h, w = x.shape
-        # The one pass over x: per sample and channel, in float32 or better.
-        norm = torch.linalg.vector_norm(x, 2, dim=(2, 3), dtype=stat_dtype(x))
-        cfg = self._cfg(x.device)
-        if kernels is not None:
-            return kernels.forward_stats(norm, h * w, groups, self.weight, self, cfg, x.dtype)
-        chi2 = _group_chi2(norm, groups, h * w)
-        if synced:  # the chi^2 of group k over every device, weighted by the devices' element counts
-            count = (n // groups) * h * w
-            total, counts = _sum_across_devices(chi2 * count, count)
-            chi2 = total / counts
-        buffers = (self.buffer_x2, self.running_var, self.iters, self.count_x2)
-        return _forward_stats(chi2, self.weight, *buffers, cfg, n // groups, x.dtype)
-
-    def forward(self, x: Tensor) -> Tensor:
-        groups = check_input(type(self).__name__, x, self.num_features, self.norm_batch_size, self.training)
-        c = self.num_features
-        if not self.training:
-            scale, shift = self.inference_affine()
-            return torch.addcmul(shift.to(x.dtype).view(1, c, 1, 1), x, scale.to(x.dtype).view(1, c, 1, 1))
-        host = self._begin_training_forward(x)
-        synced = self.sync_stats and sync_group()
-        kernels = None if synced else _fused_kernels(x)
-        scale, weight_flat, var_flat, mean_flat, var, r, active, chi2, ema, ok = self._statistics(
-            x, groups, synced, kernels
-        )
-        self._check(ok, 0, x.device)
-        self._end_training_forward(x, host)
-        if self.track_stats:
-            per_group = {"chi2_batch": chi2, "chi2_used": var, "r": r}
-            self.last_stats = {k: v.view(groups, c) for k, v in per_group.items()}
-            self.last_stats.update(chi2_ema=ema, active=active.view(groups) != 0)
-        saved = (weight_flat, var_flat, mean_flat, var, r, active)
-        return _MABNFunction.apply(x, self.weight, self.bias, scale, *saved, self, groups, synced, kernels)
-
-    def extra_repr(self) -> str:
-        return (
-            f"{self.num_features}, buffer_size={self.buffer_size}, momentum={self.momentum}, eps={self.eps}, "
-            f"warmup_iters={self.warmup_iters}, renorm_warmup_iters={self.renorm_warmup_iters}, "
-            f"renorm_clip={self.renorm_clip}, norm_batch_size={self.norm_batch_size}, stats={self.stats!r}, "
-            f"renorm={self.renorm}" + (", sync_stats=True" if self.sync_stats else "")
-        )
+    return BackwardStats(coef, grad_weight, grad_bias, psi, psi_bar, ok)
