@@ -14,7 +14,6 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from mabn import BatchRenorm2d, MABN2d, convert_norm
 from mabn.callbacks import MABNCallback, norm_callbacks
-from mabn.callbacks.mabn import summarize
 from mabn.loggers import WandbLogger
 from wandb_reader import history, offline_run, wandb_session
 
@@ -225,7 +224,7 @@ def test_brn_summary_holds_the_running_statistics_its_step_used():
     before = {k: brn.get_buffer(k).detach().double().clone() for k in ("running_mean", "running_std")}
     brn.track_stats = True
     brn(torch.randn(4, 3, 5, 5) + 2.0)
-    summary = summarize(brn)
+    summary = brn.summary()
     for key, buffer in (("mu_ema", "running_mean"), ("sigma_ema", "running_std")):
         assert summary[key] == pytest.approx(float(torch.linalg.vector_norm(before[buffer])), rel=1e-6), key
         assert not torch.equal(brn.get_buffer(buffer).double(), before[buffer]), "the step updated it afterwards"

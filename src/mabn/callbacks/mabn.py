@@ -41,8 +41,6 @@ from .distributed import (
 from .syncbn import SyncBatchNormCheck, has_sync_batchnorm
 
 MANAGED = (MABN2d, BatchRenorm2d)
-# The exponential moving averages that inference uses, per layer type.
-EMA_BUFFERS = {MABN2d: ("running_var", "running_psi"), BatchRenorm2d: ("running_mean", "running_std")}
 # Checkpoint key of every device's statistic streams: {"world_size": W, "ranks": [{buffer key: tensor}] * W}.
 STREAMS_KEY = "norm_streams"
 
@@ -133,9 +131,7 @@ class MABNCallback(pl.Callback):
 
     def _ema_tensors(self) -> dict[str, Tensor]:
         """The per-device layers' EMA buffers by state-dict key."""
-        return {
-            f"{name}.{buf}": getattr(m, buf) for name, m in self._per_device().items() for buf in EMA_BUFFERS[type(m)]
-        }
+        return {f"{name}.{buf}": getattr(m, buf) for name, m in self._per_device().items() for buf in m.ema_buffers}
 
     def _stream_tensors(self) -> dict[str, Tensor]:
         """Every buffer of the per-device layers by state-dict key: what a device needs to continue exactly."""
@@ -203,7 +199,7 @@ class MABNCallback(pl.Callback):
         for name in self._logging:
             layer = self._layers[name]
             if self._log_now and layer.last_stats is not None:
-                metrics.update({f"norm/{name}/{k}": v for k, v in summarize(layer).items()})
+                metrics.update({f"norm/{name}/{k}": v for k, v in layer.summary().items()})
             layer.track_stats = self._graphed
         if metrics:  # straight to the loggers: the trainer's log_every_n_steps must not thin these out
             for logger in trainer.loggers:
@@ -327,43 +323,3 @@ def default_log_layers(names: list[str]) -> list[str]:
         if top not in ("encoder", "layer1", "layer2", "layer3", "layer4", "bn1"):
             parts.setdefault(top, n)
     return [n for n in [*chosen, *parts.values()] if n is not None]
-
-
-def _l2(t: Tensor) -> float:
-    """l2 norm over channels of the statistic averaged over the step's normalization batches."""
-    return float(torch.linalg.vector_norm(t.float().reshape(-1, t.shape[-1]).mean(0)))
-
-
-def summarize(layer: nn.Module) -> dict[str, float]:
-    """Scalars for the paper's statistics figures (l2 norms over channels) from a layer's last step."""
-    s = layer.last_stats
-    if isinstance(layer, MABN2d):
-        moving = bool(s["active"].any())
-        r = s["r"].float()
-        renorm = bool((r != 1).any())
-        clip = layer.renorm_clip
-        out = {
-            "chi2_batch": _l2(s["chi2_batch"]),
-            "chi2_sma": _l2(s["chi2_used"]),
-            "chi2_ema": _l2(s["chi2_ema"]),
-            "r_mean": float(r.mean()),
-            "r_clipped": float(((r <= 1 / clip + 1e-6) | (r >= clip - 1e-6)).float().mean()) if renorm else 0.0,
-            "phase": 0.0 + moving + renorm,
-        }
-        if "psi_batch" in s:
-            out.update(psi_batch=_l2(s["psi_batch"]), psi_bar=_l2(s["psi_used"]))
-        return out
-    r, d = s["r"].float(), s["d"].float()
-    rmax, dmax = float(s["rmax"]), float(s["dmax"])
-    clipped = (r <= 1 / rmax + 1e-6) | (r >= rmax - 1e-6) if rmax > 1 else torch.zeros_like(r, dtype=torch.bool)
-    return {
-        "mu_batch": _l2(s["mu_batch"]),
-        "sigma_batch": _l2(s["sigma_batch"]),
-        "mu_ema": _l2(s["mu_ema"]),
-        "sigma_ema": _l2(s["sigma_ema"]),
-        "r_mean": float(r.mean()),
-        "r_clipped": float(clipped.float().mean()),
-        "d_abs_mean": float(d.abs().mean()),
-        "rmax": rmax,
-        "dmax": dmax,
-    }
