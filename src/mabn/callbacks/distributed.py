@@ -18,19 +18,11 @@ import torch.distributed as dist
 from pytorch_lightning.utilities import rank_zero_warn
 from torch import Tensor
 
-
-def world_size() -> int:
-    """Processes in the default group; 1 without one."""
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-
-
-def rank() -> int:
-    """This process's rank in the default group; 0 without one."""
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+from ..process import has_process_group, rank, world_size
 
 
 def _end_process_group() -> None:
-    if dist.is_available() and dist.is_initialized():
+    if has_process_group():
         dist.destroy_process_group()
 
 

@@ -22,7 +22,7 @@ import time
 import pytorch_lightning as pl
 import torch.distributed as dist
 
-from .distributed import rank, world_size
+from ..process import rank, world_size
 
 FAILED_KEY = "mabn/failfast/failed"  # the first failing process's one-line error
 SEEN_KEY = "mabn/failfast/seen"  # how many other processes have read it

@@ -30,13 +30,13 @@ from torch import Tensor, nn
 
 from ..norm import BatchRenorm2d, MABN2d
 from ..norm._managed import raise_if_any_nonfinite
+from ..process import world_size
 from .distributed import (
     device_mean,
     end_process_group_at_exit,
     gather_to_cpu,
     per_device_record,
     this_device_entry,
-    world_size,
 )
 from .syncbn import SyncBatchNormCheck, has_sync_batchnorm
 
