@@ -1,5 +1,5 @@
-"""MABNCallback: owns the warm-up policy, stream resets, statistics logging and the multi-device state of
-MABN2d/BatchRenorm2d.
+"""MABNCallback: the phase policy of MABN2d/BatchRenorm2d per module group, stream resets, statistics logging,
+the loss scale and the non-finite check before each optimizer step.
 
 The official layer keeps its own forward counter, which breaks in known ways: fine-tuning from a checkpoint
 with a large counter skips warm-up, and the paper keeps the heads on batch statistics for their first
@@ -7,14 +7,12 @@ with a large counter skips warm-up, and the paper keeps the heads on batch stati
 from the optimizer step (``trainer.global_step``, so gradient accumulation counts once per update), restarts
 the streams when a fit starts from a pre-trained backbone, and logs the batch statistics every k steps.
 
-Under DDP each device keeps its own statistic streams, as in the paper (layers built with
-``sync_stats=True`` share them instead): the callback stops DDP from overwriting them with device 0's at
-every forward, evaluates and saves the model with the devices' mean EMA, and stores every device's streams
-in the checkpoint so that a resume on as many devices continues each one exactly.
-
 Under a loss scaler (``precision="16-mixed"``) the callback hands the scale of every backward to the MABN2d
 layers (``MABN2d.loss_scale``), so psi's moving average stays in the loss's units when the scaler changes the
 scale, and an overflowing backward is skipped by the scaler as with any other layer rather than refused.
+
+The layers' state on several devices is PerDeviceStreams' (``mabn.callbacks.streams``); ``norm_callbacks``
+gives a model both.
 """
 
 from __future__ import annotations
@@ -24,25 +22,12 @@ from typing import Any
 
 import pytorch_lightning as pl
 import torch
-from pytorch_lightning.strategies import DDPStrategy
-from pytorch_lightning.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor, nn
 
-from ..norm import BatchRenorm2d, MABN2d
-from ..norm._managed import raise_if_any_nonfinite
-from ..process import world_size
-from .distributed import (
-    device_mean,
-    end_process_group_at_exit,
-    gather_to_cpu,
-    per_device_record,
-    this_device_entry,
-)
+from ..norm import MABN2d
+from ..norm._managed import ManagedNorm, managed_norms, raise_if_any_nonfinite
+from .streams import PerDeviceStreams
 from .syncbn import SyncBatchNormCheck, has_sync_batchnorm
-
-MANAGED = (MABN2d, BatchRenorm2d)
-# Checkpoint key of every device's statistic streams: {"world_size": W, "ranks": [{buffer key: tensor}] * W}.
-STREAMS_KEY = "norm_streams"
 
 
 @dataclass
@@ -64,9 +49,8 @@ class PhaseRule:
 
 
 class MABNCallback(pl.Callback):
-    """Warm-up policy per module group, stream resets, batch-statistics logging, and the layers' state on
-    several devices (per-device streams kept by DDP, mean EMA for validation and checkpoints, every device's
-    streams in the checkpoint and back on the same rank at a resume).
+    """Warm-up policy per module group, stream resets, batch-statistics logging, the loss scale and the
+    non-finite check of the callback-managed norms.
 
     Args:
         groups: rules by group name (e.g. ``encoder``, ``heads``); layers in no group keep their own
@@ -98,17 +82,16 @@ class MABNCallback(pl.Callback):
         self.log_every_n_steps = log_every_n_steps
         self.log_layers = log_layers
         self.resets: list[int] = []  # optimizer steps at which the streams were restarted (checkpointed)
-        self._layers: dict[str, nn.Module] = {}
+        self._layers: dict[str, ManagedNorm] = {}
         self._rules: dict[str, PhaseRule] = {}
         self._logging: list[str] = []
         self._step, self._log_now, self._graphed = 0, False, False
-        self._own_ema: dict[str, Tensor] | None = None  # this device's EMAs while validation uses the mean
         self._scaler: torch.amp.GradScaler | None = None  # the fit's loss scaler, and its scale on the device
         self._loss_scale: Tensor | None = None
 
     # -- setup -------------------------------------------------------------------------------------
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        self._layers = {name: m for name, m in pl_module.named_modules() if isinstance(m, MANAGED)}
+        self._layers = managed_norms(pl_module)
         self._rules = {}
         for name in self._layers:
             for rule in self.groups.values():
@@ -122,20 +105,6 @@ class MABNCallback(pl.Callback):
         missing = [n for n in self._logging if n not in self._layers]
         if missing:
             raise ValueError(f"MABNCallback: log_layers {missing} are not MABN2d/BatchRenorm2d layers of the model")
-        if self._layers:
-            configure_ddp(trainer)
-
-    def _per_device(self) -> dict[str, nn.Module]:
-        """Layers whose streams differ between devices (all but those built with sync_stats=True)."""
-        return {name: m for name, m in self._layers.items() if not m.sync_stats}
-
-    def _ema_tensors(self) -> dict[str, Tensor]:
-        """The per-device layers' EMA buffers by state-dict key."""
-        return {f"{name}.{buf}": getattr(m, buf) for name, m in self._per_device().items() for buf in m.ema_buffers}
-
-    def _stream_tensors(self) -> dict[str, Tensor]:
-        """Every buffer of the per-device layers by state-dict key: what a device needs to continue exactly."""
-        return {f"{name}.{key}": buf for name, m in self._per_device().items() for key, buf in m.named_buffers()}
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         resuming = trainer.ckpt_path is not None
@@ -205,59 +174,6 @@ class MABNCallback(pl.Callback):
             for logger in trainer.loggers:
                 logger.log_metrics(metrics, step=self._step)  # the step the statistics were taken at
 
-    # -- several devices: evaluate and save the mean EMA, checkpoint every device's streams ------------
-    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if world_size() > 1 and self._per_device():
-            live = self._ema_tensors()
-            self._own_ema = {key: t.clone() for key, t in live.items()}
-            _copy_into(live, device_mean(live))
-
-    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        # Training goes on with each device's own EMA, as an uninterrupted per-device stream.
-        if self._own_ema is not None:
-            _copy_into(self._ema_tensors(), self._own_ema)
-            self._own_ema = None
-
-    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        # The model left after fit (tested, exported) is the one the checkpoints hold: the mean EMA everywhere.
-        if world_size() > 1 and self._per_device():
-            live = self._ema_tensors()
-            _copy_into(live, device_mean(live))
-
-    def on_save_checkpoint(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
-    ) -> None:
-        # Runs on every device (Lightning's save is collective; device 0 writes the file).
-        if world_size() == 1 or not self._per_device():
-            return
-        state = checkpoint["state_dict"]
-        for key, mean in device_mean(self._ema_tensors()).items():
-            if key in state:
-                state[key] = mean  # a new tensor: the live buffer keeps this device's EMA
-        checkpoint[STREAMS_KEY] = per_device_record(gather_to_cpu(self._stream_tensors()))
-
-    def on_load_checkpoint(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
-    ) -> None:
-        mine = this_device_entry(
-            checkpoint,
-            STREAMS_KEY,
-            "MABNCallback",
-            "statistic streams",
-            "every device continues from the saved model (device 0's streams, the devices' mean EMA), so the "
-            "resumed run is not the continuation of each device's stream",
-        )
-        if mine is None:
-            return
-        live = self._stream_tensors()
-        if set(mine) != set(live):
-            raise ValueError(
-                "MABNCallback: the checkpoint's per-device streams do not match the model's norm layers: "
-                f"only in the checkpoint {sorted(set(mine) - set(live))[:5]}, "
-                f"only in the model {sorted(set(live) - set(mine))[:5]}"
-            )
-        _copy_into(live, mine)
-
     # -- checkpoint --------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         return {"resets": list(self.resets), "groups": {k: asdict(v) for k, v in self.groups.items()}}
@@ -266,49 +182,11 @@ class MABNCallback(pl.Callback):
         self.resets = list(state_dict["resets"])
 
 
-def configure_ddp(trainer: pl.Trainer) -> None:
-    """Keep each device's statistic streams under DDP: no buffer broadcast from device 0 at every forward.
-
-    DDP's default (``broadcast_buffers=True``) would overwrite every device's ring buffers and EMA with
-    device 0's before each training forward, so the other devices' statistics would be lost each step
-    (the official code runs with ``broadcast_buffers=False``). Runs before the strategy wraps the model.
-    An explicit ``DDPStrategy(broadcast_buffers=True)`` is kept, with a warning.
-
-    torch warns that ``broadcast_buffers`` is deprecated for ``forward_sync_buffers``; that replacement still
-    copies device 0's buffers to every device when DDP wraps the model, which would overwrite the per-device
-    streams a resume has just restored, so ``broadcast_buffers=False`` is the one that keeps them.
-    """
-    strategy = trainer.strategy
-    if isinstance(strategy, DDPStrategy):
-        end_process_group_at_exit()
-        kwargs = strategy._ddp_kwargs  # passed to DistributedDataParallel when the model is wrapped
-        if kwargs.get("broadcast_buffers") is True:
-            rank_zero_warn(
-                "MABNCallback: DDPStrategy(broadcast_buffers=True) overwrites every device's MABN/BRN statistics "
-                "with device 0's at each forward; leave it unset to keep per-device statistics"
-            )
-        elif "broadcast_buffers" not in kwargs:
-            kwargs["broadcast_buffers"] = False
-            rank_zero_info("MABN/BRN statistics stay per device: DDP runs with broadcast_buffers=False")
-    if getattr(strategy, "_layer_sync", None) is not None:
-        rank_zero_warn(
-            "Trainer(sync_batchnorm=True) converts only BatchNorm layers; MABN2d and BatchRenorm2d share "
-            "statistics across devices with sync_stats=True (norm_options: {mabn: {sync_stats: true}})"
-        )
-
-
-def _copy_into(live: dict[str, Tensor], values: dict[str, Tensor]) -> None:
-    """Write ``values`` into the live buffers of the same keys, in place (DDP and the optimizer hold them)."""
-    with torch.no_grad():
-        for key, value in values.items():
-            live[key].copy_(value)
-
-
 def norm_callbacks(module: nn.Module, policy: dict[str, Any] | None) -> list[pl.Callback]:
-    """A MABNCallback built from ``policy`` when ``module`` holds callback-managed norms, the SyncBatchNorm
-    check when it holds SyncBatchNorm, else nothing."""
-    if any(isinstance(m, MANAGED) for m in module.modules()):
-        return [MABNCallback(**(policy or {}))]
+    """MABNCallback built from ``policy`` and PerDeviceStreams when ``module`` holds callback-managed norms, the
+    SyncBatchNorm check when it holds SyncBatchNorm, else nothing."""
+    if managed_norms(module):
+        return [MABNCallback(**(policy or {})), PerDeviceStreams()]
     if has_sync_batchnorm(module):
         return [SyncBatchNormCheck()]
     return []

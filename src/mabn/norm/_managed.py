@@ -161,3 +161,8 @@ def raise_if_any_nonfinite(layers: Iterable[ManagedNorm]) -> None:
     if layers and bool(torch.cat([layer._flags for layer in layers]).any()):
         for layer in layers:
             layer.raise_if_nonfinite()
+
+
+def managed_norms(module: nn.Module) -> dict[str, ManagedNorm]:
+    """The callback-managed norms (MABN2d, BatchRenorm2d) of ``module`` by qualified name, in module order."""
+    return {name: m for name, m in module.named_modules() if isinstance(m, ManagedNorm)}
