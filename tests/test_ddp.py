@@ -506,7 +506,7 @@ def test_checkpoint_of_another_device_count_is_left_alone_with_a_warning(callbac
     before = {k: v.clone() for k, v in model.state_dict().items()}
     if callback == "mabn":
         cb, key, what = PerDeviceStreams(), STREAMS_KEY, "statistic streams of 2 devices"
-        cb.setup(SimpleNamespace(strategy=None, global_step=0, loggers=[]), model, "fit")
+        cb.setup(SimpleNamespace(strategy=None), model, "fit")
         poisoned = {k: torch.full_like(v, 7) for k, v in model.named_buffers()}
     else:
         cb, key, what = RandomStateCallback(), RNG_KEY, "random states of 2 devices"

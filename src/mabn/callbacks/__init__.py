@@ -3,7 +3,8 @@ resume, the SyncBatchNorm check, and the multi-process guards (a failing process
 saves at an agreed step)."""
 
 from .failfast import FailFast
-from .mabn import MABNCallback, PhaseRule, norm_callbacks
+from .mabn import MABNCallback, norm_callbacks
+from .policy import NormPolicy, PhaseRule
 from .requeue import AgreedRequeue
 from .rng import RandomStateCallback
 from .streams import PerDeviceStreams
@@ -13,6 +14,7 @@ __all__ = [
     "AgreedRequeue",
     "FailFast",
     "MABNCallback",
+    "NormPolicy",
     "PerDeviceStreams",
     "PhaseRule",
     "RandomStateCallback",

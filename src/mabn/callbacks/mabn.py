@@ -17,70 +17,27 @@ gives a model both.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from collections.abc import Mapping
 from typing import Any
 
 import pytorch_lightning as pl
 import torch
 from torch import Tensor, nn
 
+from ..models import logged_norms
 from ..norm import MABN2d
 from ..norm._managed import ManagedNorm, managed_norms, raise_if_any_nonfinite
+from .policy import NormPolicy, PhaseRule
 from .streams import PerDeviceStreams
 from .syncbn import SyncBatchNormCheck, has_sync_batchnorm
 
 
-@dataclass
-class PhaseRule:
-    """Layers whose qualified name starts with one of ``prefixes`` follow MABN2d's own timeline counted in
-    optimizer steps instead of forwards: the ``moving_stats_from``-th step is the first with moving averages
-    (as a layer's ``warmup_iters``-th forward), and r renormalizes after ``renorm_from`` steps (as after
-    ``renorm_warmup_iters`` forwards)."""
-
-    prefixes: list[str]
-    moving_stats_from: int = 100
-    renorm_from: int = 1000
-
-    def phase(self, step: int) -> tuple[bool, bool]:
-        """(moving averages, renormalization) at the 0-based optimizer step ``step``: the layer's rule
-        (t >= warmup_iters, t > max(renorm_warmup_iters, warmup_iters)) at its step number t = step + 1."""
-        t = step + 1
-        return t >= self.moving_stats_from, t > max(self.renorm_from, self.moving_stats_from)
-
-
 class MABNCallback(pl.Callback):
     """Warm-up policy per module group, stream resets, batch-statistics logging, the loss scale and the
-    non-finite check of the callback-managed norms.
+    non-finite check of the callback-managed norms, as ``policy`` (a ``NormPolicy``) sets them."""
 
-    Args:
-        groups: rules by group name (e.g. ``encoder``, ``heads``); layers in no group keep their own
-            timeline (the layer arguments warmup_iters / renorm_warmup_iters, counted in forwards).
-        reset_from_pretrained: when a fit starts from a pre-trained backbone (the task's ``backbone``
-            argument) and is not a resume, restart every stream so warm-up runs again on the new data.
-        reset_ema: also return the EMAs to their initial value on a reset. Off by default: the backbone's
-            EMA makes evaluations before renormalization starts meaningful, and by the time r is used
-            (renorm_from steps later, momentum 0.98) its weight in the EMA is 0.98**renorm_from ~ 0.
-        reset_at_step: optionally restart the streams once more at this optimizer step (e.g. the end of the
-            lr warm-up), so the SMA and EMA hold only statistics of the settled weights.
-        log_every_n_steps: log the statistics of ``log_layers`` every this many optimizer steps (0: never).
-        log_layers: qualified layer names; default: the first norm of layer1 and the first of each head.
-    """
-
-    def __init__(
-        self,
-        groups: dict[str, PhaseRule] | None = None,
-        reset_from_pretrained: bool = True,
-        reset_ema: bool = False,
-        reset_at_step: int | None = None,
-        log_every_n_steps: int = 50,
-        log_layers: list[str] | None = None,
-    ) -> None:
-        self.groups = {k: v if isinstance(v, PhaseRule) else PhaseRule(**v) for k, v in (groups or {}).items()}
-        self.reset_from_pretrained = reset_from_pretrained
-        self.reset_ema = reset_ema
-        self.reset_at_step = reset_at_step
-        self.log_every_n_steps = log_every_n_steps
-        self.log_layers = log_layers
+    def __init__(self, policy: NormPolicy | None = None) -> None:
+        self.policy = policy or NormPolicy()
         self.resets: list[int] = []  # optimizer steps at which the streams were restarted (checkpointed)
         self._layers: dict[str, ManagedNorm] = {}
         self._rules: dict[str, PhaseRule] = {}
@@ -92,23 +49,25 @@ class MABNCallback(pl.Callback):
     # -- setup -------------------------------------------------------------------------------------
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._layers = managed_norms(pl_module)
+        groups = self.policy.groups
         self._rules = {}
         for name in self._layers:
-            for rule in self.groups.values():
+            for rule in groups.values():
                 if any(name.startswith(p) for p in rule.prefixes):
                     self._rules[name] = rule
                     break
-        unmatched = [g for g, r in self.groups.items() if not any(v is r for v in self._rules.values())]
+        unmatched = [g for g, r in groups.items() if not any(v is r for v in self._rules.values())]
         if self._layers and unmatched:
             raise ValueError(f"MABNCallback: groups {unmatched} match no MABN2d/BatchRenorm2d layer by name prefix")
-        self._logging = self.log_layers if self.log_layers is not None else default_log_layers(list(self._layers))
+        logged = self.policy.log_layers
+        self._logging = logged if logged is not None else logged_norms(list(self._layers))
         missing = [n for n in self._logging if n not in self._layers]
         if missing:
             raise ValueError(f"MABNCallback: log_layers {missing} are not MABN2d/BatchRenorm2d layers of the model")
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         resuming = trainer.ckpt_path is not None
-        if self.reset_from_pretrained and not resuming and pl_module.hparams.get("backbone"):
+        if self.policy.reset_from_pretrained and not resuming and pl_module.hparams.get("backbone"):
             self._reset(trainer.global_step)
         scaler = getattr(trainer.precision_plugin, "scaler", None)
         self._scaler = scaler if scaler is not None and scaler.is_enabled() else None
@@ -126,23 +85,23 @@ class MABNCallback(pl.Callback):
 
     def _reset(self, step: int) -> None:
         for layer in self._layers.values():
-            layer.reset_stream(self.reset_ema)
+            layer.reset_stream(self.policy.reset_ema)
         self.resets.append(step)
 
     # -- every step --------------------------------------------------------------------------------
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, idx: int) -> None:
-        step = trainer.global_step
-        if self.reset_at_step is not None and step == self.reset_at_step and step not in self.resets:
+        step, every, reset_at = trainer.global_step, self.policy.log_every_n_steps, self.policy.reset_at_step
+        if reset_at is not None and step == reset_at and step not in self.resets:
             self._reset(step)
         for name, rule in self._rules.items():
             self._layers[name].policy = rule.phase(step)
-        log_now = self.log_every_n_steps > 0 and step % self.log_every_n_steps == 0
+        log_now = every > 0 and step % every == 0
         self._step, self._log_now = step, log_now
         # A CUDA-graphed model runs the layers' Python forward once, at capture: the logged layers track from
         # then on, and every replay refreshes the statistics tensors they captured. A compiled one tracks at every
         # step too: switching tracking would compile a second graph.
         graphed = getattr(pl_module, "cuda_graph", False) or getattr(pl_module, "compile_mode", None) is not None
-        self._graphed = graphed and self.log_every_n_steps > 0
+        self._graphed = graphed and every > 0
         for name in self._logging:
             self._layers[name].track_stats = log_now or self._graphed
             if not self._graphed:
@@ -176,28 +135,17 @@ class MABNCallback(pl.Callback):
 
     # -- checkpoint --------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        return {"resets": list(self.resets), "groups": {k: asdict(v) for k, v in self.groups.items()}}
+        return {"resets": list(self.resets), "groups": self.policy.as_dict()["groups"]}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.resets = list(state_dict["resets"])
 
 
-def norm_callbacks(module: nn.Module, policy: dict[str, Any] | None) -> list[pl.Callback]:
-    """MABNCallback built from ``policy`` and PerDeviceStreams when ``module`` holds callback-managed norms, the
-    SyncBatchNorm check when it holds SyncBatchNorm, else nothing."""
+def norm_callbacks(module: nn.Module, policy: NormPolicy | Mapping[str, Any] | None) -> list[pl.Callback]:
+    """MABNCallback following ``policy`` (``NormPolicy.parse`` checks a mapping) and PerDeviceStreams when
+    ``module`` holds callback-managed norms, the SyncBatchNorm check when it holds SyncBatchNorm, else nothing."""
     if managed_norms(module):
-        return [MABNCallback(**(policy or {})), PerDeviceStreams()]
+        return [MABNCallback(NormPolicy.parse(policy)), PerDeviceStreams()]
     if has_sync_batchnorm(module):
         return [SyncBatchNormCheck()]
     return []
-
-
-def default_log_layers(names: list[str]) -> list[str]:
-    """The first norm under ``layer1`` and the first norm of each other top-level part (the heads)."""
-    chosen = [next((n for n in names if ".layer1." in f".{n}"), None)]
-    parts: dict[str, str] = {}
-    for n in names:
-        top = n.split(".")[1] if n.startswith("model.") else n.split(".")[0]
-        if top not in ("encoder", "layer1", "layer2", "layer3", "layer4", "bn1"):
-            parts.setdefault(top, n)
-    return [n for n in [*chosen, *parts.values()] if n is not None]
