@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,9 +21,9 @@ from . import cli, runs
 from .data.cityscapes import CLASS_NAMES, CityscapesDataset
 from .data.loading import make_loader
 from .errors import ConfigError
-from .files import load_weights_file
 from .metrics import format_iou_table
 from .tasks import SegmentationTask
+from .tasks.restore import load_task
 
 STAGE2 = f"{SegmentationTask.__module__}.{SegmentationTask.__name__}"
 STAGE2_NAMES = (STAGE2, "mabn.tasks.SegmentationTask")  # the class path as the configs spell it
@@ -46,21 +45,14 @@ class Stage2Checkpoint:
 
 
 def load_stage2(path: Path) -> Stage2Checkpoint:
-    """The PSPNet of a stage-2 checkpoint with its weights; ``ConfigError`` naming the file when it is not one.
-
-    The encoder is built without reading the fit's backbone file (the checkpoint holds the trained weights).
-    """
-    info = runs.read_checkpoint(path)
+    """The SegmentationTask of a stage-2 checkpoint with its weights (``mabn.tasks.restore``); ``ConfigError`` in
+    one line naming the file when it is not one or its weights do not fit."""
+    info = runs.read_checkpoint(path)  # mapped: a checkpoint of another stage is refused before its weights are read
     class_path = info.hparams.get("_class_path")
     if (class_path is not None and class_path not in STAGE2_NAMES) or "eval_scales" not in info.hparams:
         raise ConfigError(f"{path} is not a stage-2 checkpoint ({class_path or 'unknown task'}); expected {STAGE2}")
-    ckpt = load_weights_file(path, "checkpoint", ConfigError)
-    hparams = {k: v for k, v in info.hparams.items() if not k.startswith("_")} | {"backbone": None}
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="No backbone given")  # the weights come next
-        task = SegmentationTask(**hparams)
-    task.load_state_dict(ckpt["state_dict"], strict=True)
-    return Stage2Checkpoint(path, task.eval(), dict(ckpt.get("datamodule_hyper_parameters") or {}))
+    restored = load_task(path)
+    return Stage2Checkpoint(path, restored.task, restored.data)
 
 
 def add_eval_options(parser: argparse.ArgumentParser) -> None:
