@@ -30,7 +30,7 @@ from . import runs
 from .callbacks import AgreedRequeue, FailFast, RandomStateCallback
 from .callbacks.distributed import end_process_group_at_exit
 from .data.errors import DatasetError
-from .errors import ConfigError
+from .errors import ConfigError, own_message
 from .files import AtomicCheckpointIO, write_text_atomic
 from .models import BackboneError
 from .process import first_process
@@ -226,10 +226,7 @@ def user_error(err: BaseException) -> str | None:
     while err is not None and id(err) not in seen:
         seen.add(id(err))
         if isinstance(err, DatasetError | BackboneError | ConfigError):
-            lines = str(err).strip().splitlines()
-            if len(lines) > 1 and lines[0].startswith("Caught "):
-                return lines[-1].split(": ", 1)[-1]
-            return str(err)
+            return own_message(err)
         err = err.__cause__ or err.__context__
     return None
 
