@@ -15,9 +15,11 @@ Beyond LightningCLI, for ``fit``:
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import sys
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -238,6 +240,18 @@ def exit_on_user_error(err: BaseException) -> None:
         raise err
     print(f"error: {message}", file=sys.stderr)
     sys.exit(2)
+
+
+def run_command(
+    parser: argparse.ArgumentParser, run: Callable[[argparse.Namespace], object], argv: list[str] | None
+) -> None:
+    """``run`` the arguments ``parser`` reads from ``argv`` (default: the command line's), a user error as one
+    ``error:`` line and exit status 2: the ``main`` of ``python -m mabn test`` and ``predict``."""
+    ns = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        run(ns)
+    except Exception as err:
+        exit_on_user_error(err)
 
 
 def main(args: list[str] | None = None) -> None:

@@ -9,7 +9,6 @@ code path of validation (crop, flip and scales as options, the checkpoint's own 
 from __future__ import annotations
 
 import argparse
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -124,8 +123,4 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ns = parser().parse_args(sys.argv[1:] if argv is None else argv)
-    try:
-        run_test(ns)
-    except Exception as err:
-        cli.exit_on_user_error(err)
+    cli.run_command(parser(), run_test, argv)

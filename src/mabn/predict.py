@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -195,8 +194,4 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ns = parser().parse_args(sys.argv[1:] if argv is None else argv)
-    try:
-        run_predict(ns)
-    except Exception as err:
-        cli.exit_on_user_error(err)
+    cli.run_command(parser(), run_predict, argv)
