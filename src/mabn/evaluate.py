@@ -54,8 +54,10 @@ def load_stage2(path: Path) -> Stage2Checkpoint:
     return Stage2Checkpoint(path, restored.task, restored.data)
 
 
-def add_eval_options(parser: argparse.ArgumentParser) -> None:
-    """The checkpoint and the sliding-window options of ``test`` and ``predict``."""
+def eval_parser(command: str, description: str) -> argparse.ArgumentParser:
+    """The parser of ``python -m mabn <command>`` with what ``test`` and ``predict`` share: the checkpoint, the
+    sliding-window options, the DataLoader workers and the Cityscapes root."""
+    parser = argparse.ArgumentParser(prog=f"python -m mabn {command}", description=description)
     parser.add_argument("checkpoint", type=Path, help="a stage-2 checkpoint (runs/cityscapes/<norm>/checkpoints/...)")
     parser.add_argument("--crop", type=int, help="window size (default: the checkpoint's eval_crop or crop_size)")
     parser.add_argument(
@@ -65,6 +67,8 @@ def add_eval_options(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--scales", type=float, nargs="+", help="image scales to average (default: the checkpoint's)")
     parser.add_argument("--num-workers", type=int, default=4, help="DataLoader workers")
+    parser.add_argument("--data", type=Path, help="Cityscapes root (default: the checkpoint's data_dir)")
+    return parser
 
 
 def configure(checkpoint: Stage2Checkpoint, ns: argparse.Namespace) -> None:
@@ -115,9 +119,7 @@ def run_test(ns: argparse.Namespace) -> dict[str, torch.Tensor]:
 
 
 def parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m mabn test", description=__doc__)
-    add_eval_options(parser)
-    parser.add_argument("--data", type=Path, help="Cityscapes root (default: the checkpoint's data_dir)")
+    parser = eval_parser("test", __doc__)
     parser.add_argument("--split", help="the split under leftImg8bit/ and gtFine/ (default: the checkpoint's val)")
     return parser
 
