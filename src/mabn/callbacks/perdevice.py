@@ -3,6 +3,7 @@ checkpoint and given back to the same rank at a resume."""
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from typing import Any
 
 import pytorch_lightning as pl
@@ -11,7 +12,7 @@ from pytorch_lightning.utilities import rank_zero_warn
 from ..process import rank, world_size
 
 
-class PerDeviceState(pl.Callback):
+class PerDeviceState(pl.Callback, ABC):
     """Keeps one state per device in the checkpoint under ``key``: ``{"world_size": W, "ranks": [state of rank r]}``.
 
     Saving is collective: Lightning saves on every device and device 0 writes the file, so ``gather_states`` runs
@@ -23,13 +24,13 @@ class PerDeviceState(pl.Callback):
     what: str  # the state, as the warning names it
     otherwise: str  # what a resume on another number of devices gets instead
 
+    @abstractmethod
     def gather_states(self) -> list[Any]:
         """Every device's state, by rank (a collective)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def restore_state(self, state: Any) -> None:
         """Continue from this device's saved ``state``."""
-        raise NotImplementedError
 
     def on_save_checkpoint(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
