@@ -58,7 +58,9 @@ class MABNCallback(pl.Callback):
                     break
         unmatched = [g for g, r in groups.items() if not any(v is r for v in self._rules.values())]
         if self._layers and unmatched:
-            raise ValueError(f"MABNCallback: groups {unmatched} match no MABN2d/BatchRenorm2d layer by name prefix")
+            raise ValueError(
+                f"MABNCallback: module groups {unmatched} match no MABN2d/BatchRenorm2d layer by name prefix"
+            )
         logged = self.policy.log_layers
         self._logging = logged if logged is not None else logged_norms(list(self._layers))
         missing = [n for n in self._logging if n not in self._layers]
