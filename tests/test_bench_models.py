@@ -45,7 +45,7 @@ def test_step_and_infer_report_one_row_per_norm_with_finite_positive_ratios(meas
         values = [float(c) for c in cells[1:]]  # s / step, time / BN, peak GiB, memory / BN
         assert all(math.isfinite(v) and v > 0 for v in values), cells
     assert [float(r[2]) for r in step_table][0] == 1.0 and [float(r[4]) for r in step_table][0] == 1.0
-    assert "MABNCallback(log_every_n_steps=1)" in text  # what the logging row runs is said
+    assert "MABNCallback(NormPolicy(log_every_n_steps=1))" in text  # what the logging row runs is said
 
     infer_table = _table_rows(text, "Inference")
     assert [r[0] for r in infer_table] == ["bn (folded)", "brn (folded)", "mabn (folded)", "gn"]

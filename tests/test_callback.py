@@ -13,8 +13,8 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from mabn import BatchRenorm2d, MABN2d, convert_norm
-from mabn.callbacks import MABNCallback, norm_callbacks
-from mabn.callbacks.mabn import summarize
+from mabn.callbacks import MABNCallback, PhaseRule, norm_callbacks
+from mabn.errors import ConfigError
 from mabn.loggers import WandbLogger
 from wandb_reader import history, offline_run, wandb_session
 
@@ -97,6 +97,30 @@ def test_groups_must_match_layers(tmp_path):
     policy = {"groups": {"neck": {"prefixes": ["model.neck"]}}}
     with pytest.raises(ValueError, match="neck"):
         _trainer(tmp_path, max_steps=1).fit(Tiny(norm_policy=policy), _loader())
+
+
+@pytest.mark.parametrize(
+    ("policy", "message"),
+    [
+        (
+            {**POLICY, "log_every_n_step": 3},
+            "norm_policy has no setting 'log_every_n_step' (did you mean 'log_every_n_steps'?",
+        ),
+        (
+            {"groups": {"encoder": {"prefixes": ["model.encoder"], "renorm_form": 4}}},
+            "norm_policy.groups.encoder has no setting 'renorm_form' (did you mean 'renorm_from'?",
+        ),
+        ({"groups": {"encoder": {"moving_stats_from": 2}}}, "norm_policy.groups.encoder needs 'prefixes'"),
+    ],
+    ids=["policy-key", "group-key", "group-without-prefixes"],
+)
+def test_a_misspelt_policy_key_is_refused_naming_it(policy, message):
+    """A typo in norm_policy or in one of its module groups is a ConfigError, one line naming the key and the
+    setting meant: ignored, it would leave that setting at its default without a word."""
+    with pytest.raises(ConfigError) as info:
+        norm_callbacks(Tiny().model, policy)
+    assert str(info.value).startswith(message), str(info.value)
+    assert len(str(info.value).splitlines()) == 1
 
 
 def _prefill(model, running_var=7.0):
@@ -225,7 +249,7 @@ def test_brn_summary_holds_the_running_statistics_its_step_used():
     before = {k: brn.get_buffer(k).detach().double().clone() for k in ("running_mean", "running_std")}
     brn.track_stats = True
     brn(torch.randn(4, 3, 5, 5) + 2.0)
-    summary = summarize(brn)
+    summary = brn.summary()
     for key, buffer in (("mu_ema", "running_mean"), ("sigma_ema", "running_std")):
         assert summary[key] == pytest.approx(float(torch.linalg.vector_norm(before[buffer])), rel=1e-6), key
         assert not torch.equal(brn.get_buffer(buffer).double(), before[buffer]), "the step updated it afterwards"
@@ -236,8 +260,6 @@ def test_callback_rule_switches_at_the_layers_own_forward_numbers(warmup, renorm
     """A layer on its own timeline (warmup_iters, renorm_warmup_iters) and one driven by the callback's rule
     with the same numbers, one forward per optimizer step, give the same outputs, gradients and buffers at every
     step: both switch to moving averages at the same forward and start renormalizing at the same forward."""
-    from mabn.callbacks.mabn import PhaseRule
-
     torch.manual_seed(0)
     kw = dict(buffer_size=2, momentum=0.5, renorm_clip=1.2)
     own = MABN2d(3, warmup_iters=warmup, renorm_warmup_iters=renorm, **kw).double()

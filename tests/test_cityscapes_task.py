@@ -11,9 +11,11 @@ from pathlib import Path
 import pytest
 import pytorch_lightning as pl
 import torch
+import yaml
 from torch import nn
 
 from mabn import cli, launch
+from mabn.callbacks import MABNCallback, PhaseRule
 from mabn.data import demo_cityscapes
 from mabn.models import BackboneError, PSPNet, resnet101, save_backbone
 from mabn.norm import BatchRenorm2d, CenConv2d, MABN2d
@@ -276,7 +278,42 @@ def test_global_batch_splits_over_devices(tiny_data, tmp_path, monkeypatch):
         dm.setup("fit")
 
 
-# 6. Bad input
+# 6. The norm policy
+
+
+def test_norm_policy_settings_from_the_config_and_the_command_line_reach_the_callback(tiny_data, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    parsed = cli.run_cli(
+        _task_args(tiny_data, "mabn", "--model.init_args.norm_policy.log_every_n_steps", "7"), run=False
+    )
+    callback = next(c for c in parsed.model.configure_callbacks() if isinstance(c, MABNCallback))
+    assert callback.policy.log_every_n_steps == 7  # the command line's
+    config = yaml.safe_load((launch.CONFIGS / "cityscapes.yaml").read_text())["model"]["init_args"]["norm_policy"]
+    for name, rule in config["groups"].items():  # the config's module groups, typed
+        assert callback.policy.groups[name] == PhaseRule(**rule), name
+    assert parsed.model.hparams["norm_policy"]["groups"] == config["groups"]  # plain values, as checkpoints hold them
+
+
+@pytest.mark.parametrize(
+    ("override", "culprit"),
+    [
+        (["--model.init_args.norm_policy.log_every_n_step", "5"], "log_every_n_step"),
+        (['--model.init_args.norm_policy={"groups": {"heads": {"prefixes": ["model.ppm"], "renorm_form": 3}}}'],
+         "renorm_form"),
+    ],
+    ids=["policy-key", "group-key"],
+)  # fmt: skip
+def test_a_misspelt_norm_policy_key_stops_the_command_naming_it(
+    tiny_data, tmp_path, monkeypatch, capsys, override, culprit
+):
+    monkeypatch.chdir(tmp_path)
+    code, lines = _cli_error_lines(_fit_args(tiny_data, "mabn", *override), capsys)
+    assert code == 2
+    assert f"Option '{culprit}' is not accepted" in "\n".join(lines), lines[-15:]
+    assert not (tmp_path / "runs").exists()  # refused while parsing: no run folder, no data read
+
+
+# 7. Bad input
 
 
 @pytest.mark.parametrize("present", [(), ("leftImg8bit/train", "leftImg8bit/val")])

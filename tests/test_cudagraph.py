@@ -23,7 +23,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import mabn.cudagraph as cudagraph
 import mabn.norm.mabn as mabn_module
 from mabn import BatchRenorm2d, CenConv2d, MABN2d
-from mabn.callbacks import MABNCallback
+from mabn.callbacks import MABNCallback, NormPolicy
 from mabn.tasks.base import NormTask
 from test_callback import _trainer
 
@@ -92,10 +92,10 @@ def test_callback_keeps_logged_layers_tracking_under_graphs():
     and keep the statistics tensors they captured, and still log only every k steps."""
     task = SimpleNamespace(cuda_graph=True)
     net = nn.Sequential(small_net())
-    callback = MABNCallback(log_every_n_steps=2, log_layers=["0.1"])
+    callback = MABNCallback(NormPolicy(log_every_n_steps=2, log_layers=["0.1"]))
     logged = []
     logger = SimpleNamespace(log_metrics=lambda metrics, step: logged.append(step))
-    trainer = SimpleNamespace(global_step=0, strategy=None, loggers=[logger])
+    trainer = SimpleNamespace(global_step=0, loggers=[logger])
     callback.setup(trainer, net, "fit")
     layer = net[0][1]
     for step in range(4):

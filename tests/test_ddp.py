@@ -30,8 +30,8 @@ from torch.utils.data import DataLoader, Subset, TensorDataset
 
 from mabn import BatchRenorm2d, MABN2d, convert_norm
 from mabn.callbacks import RandomStateCallback, SyncBatchNormCheck, norm_callbacks
-from mabn.callbacks.mabn import STREAMS_KEY, configure_ddp
 from mabn.callbacks.rng import RNG_KEY, collect_rng_states
+from mabn.callbacks.streams import STREAMS_KEY, PerDeviceStreams, configure_ddp
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -505,8 +505,8 @@ def test_checkpoint_of_another_device_count_is_left_alone_with_a_warning(callbac
     model = convert_norm(nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4)), "mabn")
     before = {k: v.clone() for k, v in model.state_dict().items()}
     if callback == "mabn":
-        cb, key, what = norm_callbacks(model, None)[0], STREAMS_KEY, "statistic streams of 2 devices"
-        cb.setup(SimpleNamespace(strategy=None, global_step=0, loggers=[]), model, "fit")
+        cb, key, what = PerDeviceStreams(), STREAMS_KEY, "statistic streams of 2 devices"
+        cb.setup(SimpleNamespace(strategy=None), model, "fit")
         poisoned = {k: torch.full_like(v, 7) for k, v in model.named_buffers()}
     else:
         cb, key, what = RandomStateCallback(), RNG_KEY, "random states of 2 devices"

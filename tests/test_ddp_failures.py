@@ -30,8 +30,8 @@ from torch.utils.data import DataLoader, Dataset
 
 from mabn.callbacks import AgreedRequeue, FailFast, RandomStateCallback
 from mabn.callbacks.failfast import one_line
-from mabn.callbacks.mabn import STREAMS_KEY
 from mabn.callbacks.rng import RNG_KEY
+from mabn.callbacks.streams import STREAMS_KEY
 from mabn.cli import run_cli
 from mabn.data.loading import make_loader
 from mabn.metrics import SegmentationMetric

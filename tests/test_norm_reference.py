@@ -16,7 +16,7 @@ import torch
 import yaml
 from torch.func import functional_call
 
-from mabn.callbacks.mabn import PhaseRule
+from mabn.callbacks.policy import PhaseRule
 from mabn.norm import BatchRenorm2d, MABN2d
 from reference import RefBRN, RefMABN, RefOfficialImageNetMABN, group_slices
 

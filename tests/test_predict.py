@@ -156,3 +156,14 @@ def test_test_refuses_a_checkpoint_of_stage_1(tmp_path, capsys):
         f"error: {path} is not a stage-2 checkpoint (mabn.tasks.ClassificationTask); "
         "expected mabn.tasks.segmentation.SegmentationTask"
     ]
+
+
+def test_test_refuses_a_stage_2_checkpoint_whose_weights_do_not_fit_in_one_line(tmp_path, capsys):
+    path = tmp_path / "mismatch.ckpt"
+    hparams = {"_class_path": "mabn.tasks.SegmentationTask", "norm": "bn", "num_classes": 3, "eval_scales": (1.0,)}
+    state = {"model.classifier.2.weight": torch.zeros(5, 512, 1, 1)}  # 5 classes, where the arguments say 3
+    torch.save({"state_dict": state, "hyper_parameters": hparams}, path)
+    code, _, err = _run(evaluate.main, [str(path)], capsys)
+    assert code == 2 and len(err) == 1, err[-5:]
+    assert err[0].startswith(f"error: {path} does not fit the SegmentationTask its hyper_parameters describe: "), err
+    assert "1 mis-shaped key(s) (e.g. classifier.2.weight)" in err[0] and "missing key(s)" in err[0]

@@ -8,6 +8,7 @@ import segmentation_models_pytorch as smp
 import torch
 
 from mabn import MABN2d, cli, convert_norm, launch
+from mabn.callbacks.policy import NormPolicy
 from mabn.data import demo_imagenet
 from mabn.models import BackboneError, load_backbone, load_backbone_into, norm_kwargs_for
 from mabn.tasks import ClassificationTask
@@ -171,11 +172,11 @@ def test_stage1_mabn_timelines(norm, timeline, demo, tiny_data, tmp_path, monkey
     args = launch.build_args("pretrain", data, norm, 0, 1, ["--data.init_args.data_dir", str(tiny_data)])
     assert f"--trainer.default_root_dir {'runs/demo' if demo else 'runs'}/pretrain/{norm}" in " ".join(args)
     model = cli.run_cli(args[1:], run=False).model  # without the subcommand: build, do not run
-    (rule,) = model.hparams.norm_policy["groups"].values()
+    (rule,) = NormPolicy.parse(model.hparams.norm_policy).groups.values()
     moving, renorm, ema_start = timeline
     if demo and norm == "mabn-det":
         moving, renorm = 20, 100
-    assert (rule["moving_stats_from"], rule["renorm_from"]) == (moving, renorm)
+    assert (rule.moving_stats_from, rule.renorm_from) == (moving, renorm)
     layers = [m for m in model.modules() if isinstance(m, MABN2d)]
     assert layers and all(m.ema_start == ema_start and m.norm_batch_size == 2 for m in layers)
     assert model.hparams.label_smoothing == 0.1

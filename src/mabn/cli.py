@@ -15,9 +15,11 @@ Beyond LightningCLI, for ``fit``:
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import sys
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +32,7 @@ from . import runs
 from .callbacks import AgreedRequeue, FailFast, RandomStateCallback
 from .callbacks.distributed import end_process_group_at_exit
 from .data.errors import DatasetError
-from .errors import ConfigError
+from .errors import ConfigError, own_message
 from .files import AtomicCheckpointIO, write_text_atomic
 from .models import BackboneError
 from .process import first_process
@@ -226,10 +228,7 @@ def user_error(err: BaseException) -> str | None:
     while err is not None and id(err) not in seen:
         seen.add(id(err))
         if isinstance(err, DatasetError | BackboneError | ConfigError):
-            lines = str(err).strip().splitlines()
-            if len(lines) > 1 and lines[0].startswith("Caught "):
-                return lines[-1].split(": ", 1)[-1]
-            return str(err)
+            return own_message(err)
         err = err.__cause__ or err.__context__
     return None
 
@@ -241,6 +240,18 @@ def exit_on_user_error(err: BaseException) -> None:
         raise err
     print(f"error: {message}", file=sys.stderr)
     sys.exit(2)
+
+
+def run_command(
+    parser: argparse.ArgumentParser, run: Callable[[argparse.Namespace], object], argv: list[str] | None
+) -> None:
+    """``run`` the arguments ``parser`` reads from ``argv`` (default: the command line's), a user error as one
+    ``error:`` line and exit status 2: the ``main`` of ``python -m mabn test`` and ``predict``."""
+    ns = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        run(ns)
+    except Exception as err:
+        exit_on_user_error(err)
 
 
 def main(args: list[str] | None = None) -> None:

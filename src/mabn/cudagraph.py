@@ -27,6 +27,7 @@ from torch import Tensor, nn
 
 from .norm import BatchRenorm2d, MABN2d
 from .norm._common import sync_group
+from .process import has_process_group
 
 
 def capture_blockers(model: nn.Module) -> list[str]:
@@ -82,8 +83,7 @@ def graph_training_forward(model: nn.Module, sample: Tensor, warmup_iters: int =
     buffers = {name: buf.clone() for name, buf in model.named_buffers()}
     rng_devices = [sample.device] if sample.is_cuda else []
     # Under DDP the communication threads keep working while this thread captures.
-    distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
-    options = {"capture_error_mode": "thread_local"} if distributed else {}
+    options = {"capture_error_mode": "thread_local"} if has_process_group() else {}
     # The graphs' input is a tensor of their own: each replay copies the batch into it. Parameters the
     # training forward does not use get no gradient, as in eager training.
     with _without_autocast_cache(), torch.random.fork_rng(rng_devices, device_type="cuda"):

@@ -9,8 +9,6 @@ code path of validation (crop, flip and scales as options, the checkpoint's own 
 from __future__ import annotations
 
 import argparse
-import sys
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,9 +20,9 @@ from . import cli, runs
 from .data.cityscapes import CLASS_NAMES, CityscapesDataset
 from .data.loading import make_loader
 from .errors import ConfigError
-from .files import load_weights_file
 from .metrics import format_iou_table
 from .tasks import SegmentationTask
+from .tasks.restore import load_task
 
 STAGE2 = f"{SegmentationTask.__module__}.{SegmentationTask.__name__}"
 STAGE2_NAMES = (STAGE2, "mabn.tasks.SegmentationTask")  # the class path as the configs spell it
@@ -46,25 +44,20 @@ class Stage2Checkpoint:
 
 
 def load_stage2(path: Path) -> Stage2Checkpoint:
-    """The PSPNet of a stage-2 checkpoint with its weights; ``ConfigError`` naming the file when it is not one.
-
-    The encoder is built without reading the fit's backbone file (the checkpoint holds the trained weights).
-    """
-    info = runs.read_checkpoint(path)
+    """The SegmentationTask of a stage-2 checkpoint with its weights (``mabn.tasks.restore``); ``ConfigError`` in
+    one line naming the file when it is not one or its weights do not fit."""
+    info = runs.read_checkpoint(path)  # mapped: a checkpoint of another stage is refused before its weights are read
     class_path = info.hparams.get("_class_path")
     if (class_path is not None and class_path not in STAGE2_NAMES) or "eval_scales" not in info.hparams:
         raise ConfigError(f"{path} is not a stage-2 checkpoint ({class_path or 'unknown task'}); expected {STAGE2}")
-    ckpt = load_weights_file(path, "checkpoint", ConfigError)
-    hparams = {k: v for k, v in info.hparams.items() if not k.startswith("_")} | {"backbone": None}
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="No backbone given")  # the weights come next
-        task = SegmentationTask(**hparams)
-    task.load_state_dict(ckpt["state_dict"], strict=True)
-    return Stage2Checkpoint(path, task.eval(), dict(ckpt.get("datamodule_hyper_parameters") or {}))
+    restored = load_task(path)
+    return Stage2Checkpoint(path, restored.task, restored.data)
 
 
-def add_eval_options(parser: argparse.ArgumentParser) -> None:
-    """The checkpoint and the sliding-window options of ``test`` and ``predict``."""
+def eval_parser(command: str, description: str) -> argparse.ArgumentParser:
+    """The parser of ``python -m mabn <command>`` with what ``test`` and ``predict`` share: the checkpoint, the
+    sliding-window options, the DataLoader workers and the Cityscapes root."""
+    parser = argparse.ArgumentParser(prog=f"python -m mabn {command}", description=description)
     parser.add_argument("checkpoint", type=Path, help="a stage-2 checkpoint (runs/cityscapes/<norm>/checkpoints/...)")
     parser.add_argument("--crop", type=int, help="window size (default: the checkpoint's eval_crop or crop_size)")
     parser.add_argument(
@@ -74,6 +67,8 @@ def add_eval_options(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--scales", type=float, nargs="+", help="image scales to average (default: the checkpoint's)")
     parser.add_argument("--num-workers", type=int, default=4, help="DataLoader workers")
+    parser.add_argument("--data", type=Path, help="Cityscapes root (default: the checkpoint's data_dir)")
+    return parser
 
 
 def configure(checkpoint: Stage2Checkpoint, ns: argparse.Namespace) -> None:
@@ -124,16 +119,10 @@ def run_test(ns: argparse.Namespace) -> dict[str, torch.Tensor]:
 
 
 def parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m mabn test", description=__doc__)
-    add_eval_options(parser)
-    parser.add_argument("--data", type=Path, help="Cityscapes root (default: the checkpoint's data_dir)")
+    parser = eval_parser("test", __doc__)
     parser.add_argument("--split", help="the split under leftImg8bit/ and gtFine/ (default: the checkpoint's val)")
     return parser
 
 
 def main(argv: list[str] | None = None) -> None:
-    ns = parser().parse_args(sys.argv[1:] if argv is None else argv)
-    try:
-        run_test(ns)
-    except Exception as err:
-        cli.exit_on_user_error(err)
+    cli.run_command(parser(), run_test, argv)

@@ -17,27 +17,21 @@ import tempfile
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
-import pytorch_lightning as pl
 import torch
 from torch import Tensor, nn
 
-from .files import first_line, load_weights_file, write_atomic
-from .models import key_differences
+from .files import first_line, write_atomic
 from .norm import fold_norms
-from .tasks import ClassificationTask, SegmentationTask
+from .tasks.restore import load_task
 
 # Largest accepted max|a - b| / max|reference| for the folding; float32 outputs may also deviate by
 # twice the unfolded model's own float32 rounding error, whichever is larger.
 TOLERANCE = 1e-4
 
-# The tasks a checkpoint can come from, with the input size checked and exported when none is given:
-# a Cityscapes frame at half resolution, and ImageNet's evaluation crop.
-TASKS: dict[str, tuple[type[pl.LightningModule], tuple[int, int]]] = {
-    "SegmentationTask": (SegmentationTask, (512, 1024)),
-    "ClassificationTask": (ClassificationTask, (224, 224)),
-}
+# The input size checked and exported when none is given, per task: a Cityscapes frame at half resolution, and
+# ImageNet's evaluation crop.
+INPUT_SIZES: dict[str, tuple[int, int]] = {"SegmentationTask": (512, 1024), "ClassificationTask": (224, 224)}
 
 
 class ExportError(ValueError):
@@ -71,62 +65,15 @@ class Exported:
     onnxruntime: Difference | None  # ONNX file vs folded model; None without onnxruntime
 
 
-def _task_name(path: Path, ckpt: dict[str, Any]) -> str:
-    """The task that wrote ``ckpt``: LightningCLI records its class path; otherwise the model's keys tell."""
-    class_path = ckpt["hyper_parameters"].get("_class_path")
-    if class_path is not None:
-        name = str(class_path).rsplit(".", 1)[-1]
-        if name not in TASKS:
-            raise ExportError(f"{path} is a checkpoint of {class_path}; export handles {' and '.join(TASKS)}")
-        return name
-    keys = ckpt["state_dict"].keys()
-    if any(k.startswith("model.ppm.") for k in keys):
-        return "SegmentationTask"
-    if "model.fc.weight" in keys:
-        return "ClassificationTask"
-    raise ExportError(
-        f"{path} holds neither a PSPNet nor a ResNet under 'model.': not a checkpoint of {' or '.join(TASKS)}"
-    )
-
-
-def _mismatch(expected: dict[str, Tensor], given: dict[str, Tensor]) -> str | None:
-    """One line on how ``given`` fails to fit ``expected`` (missing, unexpected, mis-shaped keys), or None."""
-    problems = []
-    for what, keys in zip(("missing", "unexpected", "mis-shaped"), key_differences(expected, given)):
-        if keys:
-            problems.append(f"{len(keys)} {what} key(s) (e.g. {keys[0]})")
-    return ", ".join(problems) or None
-
-
 def load_model(path: str | Path) -> tuple[str, nn.Module]:
-    """Rebuild the task's network from a Lightning checkpoint and load its weights; returns (task, eval model)."""
-    path = Path(path)
-    ckpt = load_weights_file(path, "checkpoint", ExportError)
-    if not isinstance(ckpt, dict) or not {"state_dict", "hyper_parameters"} <= ckpt.keys():
-        raise ExportError(f"{path} is not a Lightning checkpoint (expected 'state_dict' and 'hyper_parameters')")
-    name = _task_name(path, ckpt)
-    task_cls = TASKS[name][0]
-    # LightningCLI's bookkeeping keys start with "_"; everything else is an argument of the task.
-    kwargs = {k: v for k, v in ckpt["hyper_parameters"].items() if not k.startswith("_")}
-    if name == "SegmentationTask":
-        kwargs["backbone"] = None  # the checkpoint holds the trained encoder; the stage-1 file is not needed
-    try:
-        with warnings.catch_warnings():
-            # The task warns that no backbone was given; here the weights come from the checkpoint.
-            warnings.simplefilter("ignore", UserWarning)
-            model = task_cls(**kwargs).model
-    except (TypeError, ValueError) as err:
-        raise ExportError(f"{path}: cannot rebuild {name} from its hyper_parameters: {first_line(err)}") from err
-    state = {k.removeprefix("model."): v for k, v in ckpt["state_dict"].items() if k.startswith("model.")}
-    problem = _mismatch(model.state_dict(), state)
-    if problem is not None:
-        raise ExportError(f"{path} does not fit the {name} its hyper_parameters describe: {problem}")
-    model.load_state_dict(state, strict=True)
+    """The network of a Lightning checkpoint with its weights (``mabn.tasks.restore``); returns (task, eval model)."""
+    restored = load_task(path, ExportError)
+    model, hp = restored.task.model, restored.task.hparams
     print(
-        f"Loaded {name} from {path} (norm {kwargs.get('norm')}, {kwargs.get('num_classes')} classes, "
+        f"Loaded {restored.name} from {path} (norm {hp.get('norm')}, {hp.get('num_classes')} classes, "
         f"{sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters)"
     )
-    return name, model.eval()
+    return restored.name, model
 
 
 def _check(what: str, diff: Difference, limit: float, path: Path, outcome: str) -> None:
@@ -174,7 +121,7 @@ def export(
     """
     checkpoint = Path(checkpoint)
     name, model = load_model(checkpoint)
-    height, width = input_size or TASKS[name][1]
+    height, width = input_size or INPUT_SIZES[name]
     out_dir = Path(out_dir) if out_dir is not None else checkpoint.parent
     out_dir.mkdir(parents=True, exist_ok=True)
     stem = checkpoint.stem

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +34,7 @@ from .data.cityscapes import IGNORE_INDEX, IMAGE_SUFFIX, IMAGENET_MEAN, IMAGENET
 from .data.errors import DatasetError
 from .data.loading import make_loader
 from .errors import ConfigError
-from .evaluate import Stage2Checkpoint, add_eval_options, configure, data_root, inference_trainer, load_stage2
+from .evaluate import Stage2Checkpoint, configure, data_root, eval_parser, inference_trainer, load_stage2
 from .files import atomic_path, write_text_atomic
 
 MANIFEST = "predict.json"
@@ -183,10 +182,8 @@ def run_predict(ns: argparse.Namespace) -> Path:
 
 
 def parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m mabn predict", description=__doc__)
-    add_eval_options(parser)
+    parser = eval_parser("predict", __doc__)
     parser.add_argument("--images", type=Path, help="a folder of images to predict (searched recursively)")
-    parser.add_argument("--data", type=Path, help="Cityscapes root (default: the checkpoint's data_dir)")
     parser.add_argument("--split", help="the split under leftImg8bit/ (default: the checkpoint's val split)")
     parser.add_argument("--out", type=Path, help="output folder (default: <run>/predictions/<ckpt>-<split>)")
     parser.add_argument("--overlay", action="store_true", help="also write the colours blended over each image")
@@ -195,8 +192,4 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ns = parser().parse_args(sys.argv[1:] if argv is None else argv)
-    try:
-        run_predict(ns)
-    except Exception as err:
-        cli.exit_on_user_error(err)
+    cli.run_command(parser(), run_predict, argv)

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 import torchvision
 from torch import nn
 
-from ..callbacks import MABNCallback
+from ..callbacks import MABNCallback, NormPolicy
 from ..cudagraph import training_call
 from ..data.cityscapes import IGNORE_INDEX
 from ..models import PSPNet
@@ -108,11 +108,9 @@ class _LoggingTrainer(_Trainer):
 
     def __init__(self, model: PSPNet) -> None:
         super().__init__(model)
-        self.callback = MABNCallback(log_every_n_steps=1)
+        self.callback = MABNCallback(NormPolicy(log_every_n_steps=1))
         self.logged: dict[str, float] = {}
-        self.trainer = SimpleNamespace(
-            global_step=0, loggers=[SimpleNamespace(log_metrics=self._keep)], strategy=None
-        )  # one process: no distributed strategy to configure
+        self.trainer = SimpleNamespace(global_step=0, loggers=[SimpleNamespace(log_metrics=self._keep)])
         self.callback.setup(self.trainer, model, "fit")
 
     def _keep(self, metrics: dict[str, float], step: int) -> None:
@@ -232,8 +230,8 @@ def table(
         )
     lines += [
         "",
-        f"`{LOGGED}`: MABN with `MABNCallback(log_every_n_steps=1)` computing its statistics summary at every step "
-        "(the default logs every 50 steps).",
+        f"`{LOGGED}`: MABN with `MABNCallback(NormPolicy(log_every_n_steps=1))` computing its statistics summary at "
+        "every step (the default logs every 50 steps).",
     ]
     if cuda_graph:
         lines.append(

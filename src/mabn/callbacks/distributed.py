@@ -11,26 +11,16 @@ import atexit
 import functools
 from collections import defaultdict
 from collections.abc import Mapping
-from typing import Any
 
 import torch
 import torch.distributed as dist
-from pytorch_lightning.utilities import rank_zero_warn
 from torch import Tensor
 
-
-def world_size() -> int:
-    """Processes in the default group; 1 without one."""
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-
-
-def rank() -> int:
-    """This process's rank in the default group; 0 without one."""
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+from ..process import has_process_group, world_size
 
 
 def _end_process_group() -> None:
-    if dist.is_available() and dist.is_initialized():
+    if has_process_group():
         dist.destroy_process_group()
 
 
@@ -99,24 +89,3 @@ def gather_objects(obj: object) -> list[object]:
     out: list[object] = [None] * world_size()
     dist.all_gather_object(out, obj)
     return out
-
-
-def per_device_record(per_rank: list) -> dict:
-    """Checkpoint layout of per-device state: {"world_size": W, "ranks": [state of rank r for r < W]}."""
-    return {"world_size": world_size(), "ranks": per_rank}
-
-
-def this_device_entry(checkpoint: dict, key: str, owner: str, what: str, otherwise: str) -> Any | None:
-    """This device's state from the ``per_device_record`` under ``checkpoint[key]``; None when there is none,
-    or, with a warning saying ``otherwise`` happens, when the checkpoint was written by another number of
-    devices (states cannot be matched to ranks)."""
-    saved = checkpoint.get(key)
-    if saved is None:
-        return None
-    if saved["world_size"] != world_size():
-        rank_zero_warn(
-            f"{owner}: the checkpoint holds the {what} of {saved['world_size']} devices, this run has "
-            f"{world_size()}: {otherwise}"
-        )
-        return None
-    return saved["ranks"][rank()]

@@ -22,7 +22,8 @@ import time
 import pytorch_lightning as pl
 import torch.distributed as dist
 
-from .distributed import rank, world_size
+from ..errors import own_message
+from ..process import rank, world_size
 
 FAILED_KEY = "mabn/failfast/failed"  # the first failing process's one-line error
 SEEN_KEY = "mabn/failfast/seen"  # how many other processes have read it
@@ -30,14 +31,9 @@ STORE_GONE = "rank 0 is gone (the process group's store does not answer)"
 
 
 def one_line(err: BaseException) -> str:
-    """``Type: message`` on one line: the first line of the message, or for an error re-raised from a
-    DataLoader worker ("Caught ... in DataLoader worker process N", then its traceback) the original's."""
-    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
-    if not lines:
-        return type(err).__name__
-    if len(lines) > 1 and lines[0].startswith("Caught "):
-        return f"{type(err).__name__}: {lines[-1].split(': ', 1)[-1]}"
-    return f"{type(err).__name__}: {lines[0]}"
+    """``Type: message`` on one line: the first line of the error's own message (``own_message``)."""
+    lines = [line.strip() for line in own_message(err).splitlines() if line.strip()]
+    return f"{type(err).__name__}: {lines[0]}" if lines else type(err).__name__
 
 
 class FailFast(pl.Callback):

@@ -1,5 +1,5 @@
-"""MABNCallback: owns the warm-up policy, stream resets, statistics logging and the multi-device state of
-MABN2d/BatchRenorm2d.
+"""MABNCallback: the phase policy of MABN2d/BatchRenorm2d per module group, stream resets, statistics logging,
+the loss scale and the non-finite check before each optimizer step.
 
 The official layer keeps its own forward counter, which breaks in known ways: fine-tuning from a checkpoint
 with a large counter skips warm-up, and the paper keeps the heads on batch statistics for their first
@@ -7,143 +7,69 @@ with a large counter skips warm-up, and the paper keeps the heads on batch stati
 from the optimizer step (``trainer.global_step``, so gradient accumulation counts once per update), restarts
 the streams when a fit starts from a pre-trained backbone, and logs the batch statistics every k steps.
 
-Under DDP each device keeps its own statistic streams, as in the paper (layers built with
-``sync_stats=True`` share them instead): the callback stops DDP from overwriting them with device 0's at
-every forward, evaluates and saves the model with the devices' mean EMA, and stores every device's streams
-in the checkpoint so that a resume on as many devices continues each one exactly.
-
 Under a loss scaler (``precision="16-mixed"``) the callback hands the scale of every backward to the MABN2d
 layers (``MABN2d.loss_scale``), so psi's moving average stays in the loss's units when the scaler changes the
 scale, and an overflowing backward is skipped by the scaler as with any other layer rather than refused.
+
+The layers' state on several devices is PerDeviceStreams' (``mabn.callbacks.streams``); ``norm_callbacks``
+gives a model both.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from collections.abc import Mapping
 from typing import Any
 
 import pytorch_lightning as pl
 import torch
-from pytorch_lightning.strategies import DDPStrategy
-from pytorch_lightning.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor, nn
 
-from ..norm import BatchRenorm2d, MABN2d
-from ..norm._managed import raise_if_any_nonfinite
-from .distributed import (
-    device_mean,
-    end_process_group_at_exit,
-    gather_to_cpu,
-    per_device_record,
-    this_device_entry,
-    world_size,
-)
+from ..models import logged_norms
+from ..norm import MABN2d
+from ..norm._managed import ManagedNorm, managed_norms, raise_if_any_nonfinite
+from .policy import NormPolicy, PhaseRule
+from .streams import PerDeviceStreams
 from .syncbn import SyncBatchNormCheck, has_sync_batchnorm
-
-MANAGED = (MABN2d, BatchRenorm2d)
-# The exponential moving averages that inference uses, per layer type.
-EMA_BUFFERS = {MABN2d: ("running_var", "running_psi"), BatchRenorm2d: ("running_mean", "running_std")}
-# Checkpoint key of every device's statistic streams: {"world_size": W, "ranks": [{buffer key: tensor}] * W}.
-STREAMS_KEY = "norm_streams"
-
-
-@dataclass
-class PhaseRule:
-    """Layers whose qualified name starts with one of ``prefixes`` follow MABN2d's own timeline counted in
-    optimizer steps instead of forwards: the ``moving_stats_from``-th step is the first with moving averages
-    (as a layer's ``warmup_iters``-th forward), and r renormalizes after ``renorm_from`` steps (as after
-    ``renorm_warmup_iters`` forwards)."""
-
-    prefixes: list[str]
-    moving_stats_from: int = 100
-    renorm_from: int = 1000
-
-    def phase(self, step: int) -> tuple[bool, bool]:
-        """(moving averages, renormalization) at the 0-based optimizer step ``step``: the layer's rule
-        (t >= warmup_iters, t > max(renorm_warmup_iters, warmup_iters)) at its step number t = step + 1."""
-        t = step + 1
-        return t >= self.moving_stats_from, t > max(self.renorm_from, self.moving_stats_from)
 
 
 class MABNCallback(pl.Callback):
-    """Warm-up policy per module group, stream resets, batch-statistics logging, and the layers' state on
-    several devices (per-device streams kept by DDP, mean EMA for validation and checkpoints, every device's
-    streams in the checkpoint and back on the same rank at a resume).
+    """Warm-up policy per module group, stream resets, batch-statistics logging, the loss scale and the
+    non-finite check of the callback-managed norms, as ``policy`` (a ``NormPolicy``) sets them."""
 
-    Args:
-        groups: rules by group name (e.g. ``encoder``, ``heads``); layers in no group keep their own
-            timeline (the layer arguments warmup_iters / renorm_warmup_iters, counted in forwards).
-        reset_from_pretrained: when a fit starts from a pre-trained backbone (the task's ``backbone``
-            argument) and is not a resume, restart every stream so warm-up runs again on the new data.
-        reset_ema: also return the EMAs to their initial value on a reset. Off by default: the backbone's
-            EMA makes evaluations before renormalization starts meaningful, and by the time r is used
-            (renorm_from steps later, momentum 0.98) its weight in the EMA is 0.98**renorm_from ~ 0.
-        reset_at_step: optionally restart the streams once more at this optimizer step (e.g. the end of the
-            lr warm-up), so the SMA and EMA hold only statistics of the settled weights.
-        log_every_n_steps: log the statistics of ``log_layers`` every this many optimizer steps (0: never).
-        log_layers: qualified layer names; default: the first norm of layer1 and the first of each head.
-    """
-
-    def __init__(
-        self,
-        groups: dict[str, PhaseRule] | None = None,
-        reset_from_pretrained: bool = True,
-        reset_ema: bool = False,
-        reset_at_step: int | None = None,
-        log_every_n_steps: int = 50,
-        log_layers: list[str] | None = None,
-    ) -> None:
-        self.groups = {k: v if isinstance(v, PhaseRule) else PhaseRule(**v) for k, v in (groups or {}).items()}
-        self.reset_from_pretrained = reset_from_pretrained
-        self.reset_ema = reset_ema
-        self.reset_at_step = reset_at_step
-        self.log_every_n_steps = log_every_n_steps
-        self.log_layers = log_layers
+    def __init__(self, policy: NormPolicy | None = None) -> None:
+        self.policy = policy or NormPolicy()
         self.resets: list[int] = []  # optimizer steps at which the streams were restarted (checkpointed)
-        self._layers: dict[str, nn.Module] = {}
+        self._layers: dict[str, ManagedNorm] = {}
         self._rules: dict[str, PhaseRule] = {}
         self._logging: list[str] = []
         self._step, self._log_now, self._graphed = 0, False, False
-        self._own_ema: dict[str, Tensor] | None = None  # this device's EMAs while validation uses the mean
         self._scaler: torch.amp.GradScaler | None = None  # the fit's loss scaler, and its scale on the device
         self._loss_scale: Tensor | None = None
 
     # -- setup -------------------------------------------------------------------------------------
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        self._layers = {name: m for name, m in pl_module.named_modules() if isinstance(m, MANAGED)}
+        self._layers = managed_norms(pl_module)
+        groups = self.policy.groups
         self._rules = {}
         for name in self._layers:
-            for rule in self.groups.values():
+            for rule in groups.values():
                 if any(name.startswith(p) for p in rule.prefixes):
                     self._rules[name] = rule
                     break
-        unmatched = [g for g, r in self.groups.items() if not any(v is r for v in self._rules.values())]
+        unmatched = [g for g, r in groups.items() if not any(v is r for v in self._rules.values())]
         if self._layers and unmatched:
-            raise ValueError(f"MABNCallback: groups {unmatched} match no MABN2d/BatchRenorm2d layer by name prefix")
-        self._logging = self.log_layers if self.log_layers is not None else default_log_layers(list(self._layers))
+            raise ValueError(
+                f"MABNCallback: module groups {unmatched} match no MABN2d/BatchRenorm2d layer by name prefix"
+            )
+        logged = self.policy.log_layers
+        self._logging = logged if logged is not None else logged_norms(list(self._layers))
         missing = [n for n in self._logging if n not in self._layers]
         if missing:
             raise ValueError(f"MABNCallback: log_layers {missing} are not MABN2d/BatchRenorm2d layers of the model")
-        if self._layers:
-            configure_ddp(trainer)
-
-    def _per_device(self) -> dict[str, nn.Module]:
-        """Layers whose streams differ between devices (all but those built with sync_stats=True)."""
-        return {name: m for name, m in self._layers.items() if not m.sync_stats}
-
-    def _ema_tensors(self) -> dict[str, Tensor]:
-        """The per-device layers' EMA buffers by state-dict key."""
-        return {
-            f"{name}.{buf}": getattr(m, buf) for name, m in self._per_device().items() for buf in EMA_BUFFERS[type(m)]
-        }
-
-    def _stream_tensors(self) -> dict[str, Tensor]:
-        """Every buffer of the per-device layers by state-dict key: what a device needs to continue exactly."""
-        return {f"{name}.{key}": buf for name, m in self._per_device().items() for key, buf in m.named_buffers()}
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         resuming = trainer.ckpt_path is not None
-        if self.reset_from_pretrained and not resuming and pl_module.hparams.get("backbone"):
+        if self.policy.reset_from_pretrained and not resuming and pl_module.hparams.get("backbone"):
             self._reset(trainer.global_step)
         scaler = getattr(trainer.precision_plugin, "scaler", None)
         self._scaler = scaler if scaler is not None and scaler.is_enabled() else None
@@ -161,23 +87,23 @@ class MABNCallback(pl.Callback):
 
     def _reset(self, step: int) -> None:
         for layer in self._layers.values():
-            layer.reset_stream(self.reset_ema)
+            layer.reset_stream(self.policy.reset_ema)
         self.resets.append(step)
 
     # -- every step --------------------------------------------------------------------------------
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, idx: int) -> None:
-        step = trainer.global_step
-        if self.reset_at_step is not None and step == self.reset_at_step and step not in self.resets:
+        step, every, reset_at = trainer.global_step, self.policy.log_every_n_steps, self.policy.reset_at_step
+        if reset_at is not None and step == reset_at and step not in self.resets:
             self._reset(step)
         for name, rule in self._rules.items():
             self._layers[name].policy = rule.phase(step)
-        log_now = self.log_every_n_steps > 0 and step % self.log_every_n_steps == 0
+        log_now = every > 0 and step % every == 0
         self._step, self._log_now = step, log_now
         # A CUDA-graphed model runs the layers' Python forward once, at capture: the logged layers track from
         # then on, and every replay refreshes the statistics tensors they captured. A compiled one tracks at every
         # step too: switching tracking would compile a second graph.
         graphed = getattr(pl_module, "cuda_graph", False) or getattr(pl_module, "compile_mode", None) is not None
-        self._graphed = graphed and self.log_every_n_steps > 0
+        self._graphed = graphed and every > 0
         for name in self._logging:
             self._layers[name].track_stats = log_now or self._graphed
             if not self._graphed:
@@ -203,167 +129,25 @@ class MABNCallback(pl.Callback):
         for name in self._logging:
             layer = self._layers[name]
             if self._log_now and layer.last_stats is not None:
-                metrics.update({f"norm/{name}/{k}": v for k, v in summarize(layer).items()})
+                metrics.update({f"norm/{name}/{k}": v for k, v in layer.summary().items()})
             layer.track_stats = self._graphed
         if metrics:  # straight to the loggers: the trainer's log_every_n_steps must not thin these out
             for logger in trainer.loggers:
                 logger.log_metrics(metrics, step=self._step)  # the step the statistics were taken at
 
-    # -- several devices: evaluate and save the mean EMA, checkpoint every device's streams ------------
-    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if world_size() > 1 and self._per_device():
-            live = self._ema_tensors()
-            self._own_ema = {key: t.clone() for key, t in live.items()}
-            _copy_into(live, device_mean(live))
-
-    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        # Training goes on with each device's own EMA, as an uninterrupted per-device stream.
-        if self._own_ema is not None:
-            _copy_into(self._ema_tensors(), self._own_ema)
-            self._own_ema = None
-
-    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        # The model left after fit (tested, exported) is the one the checkpoints hold: the mean EMA everywhere.
-        if world_size() > 1 and self._per_device():
-            live = self._ema_tensors()
-            _copy_into(live, device_mean(live))
-
-    def on_save_checkpoint(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
-    ) -> None:
-        # Runs on every device (Lightning's save is collective; device 0 writes the file).
-        if world_size() == 1 or not self._per_device():
-            return
-        state = checkpoint["state_dict"]
-        for key, mean in device_mean(self._ema_tensors()).items():
-            if key in state:
-                state[key] = mean  # a new tensor: the live buffer keeps this device's EMA
-        checkpoint[STREAMS_KEY] = per_device_record(gather_to_cpu(self._stream_tensors()))
-
-    def on_load_checkpoint(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
-    ) -> None:
-        mine = this_device_entry(
-            checkpoint,
-            STREAMS_KEY,
-            "MABNCallback",
-            "statistic streams",
-            "every device continues from the saved model (device 0's streams, the devices' mean EMA), so the "
-            "resumed run is not the continuation of each device's stream",
-        )
-        if mine is None:
-            return
-        live = self._stream_tensors()
-        if set(mine) != set(live):
-            raise ValueError(
-                "MABNCallback: the checkpoint's per-device streams do not match the model's norm layers: "
-                f"only in the checkpoint {sorted(set(mine) - set(live))[:5]}, "
-                f"only in the model {sorted(set(live) - set(mine))[:5]}"
-            )
-        _copy_into(live, mine)
-
     # -- checkpoint --------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        return {"resets": list(self.resets), "groups": {k: asdict(v) for k, v in self.groups.items()}}
+        return {"resets": list(self.resets), "groups": self.policy.as_dict()["groups"]}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.resets = list(state_dict["resets"])
 
 
-def configure_ddp(trainer: pl.Trainer) -> None:
-    """Keep each device's statistic streams under DDP: no buffer broadcast from device 0 at every forward.
-
-    DDP's default (``broadcast_buffers=True``) would overwrite every device's ring buffers and EMA with
-    device 0's before each training forward, so the other devices' statistics would be lost each step
-    (the official code runs with ``broadcast_buffers=False``). Runs before the strategy wraps the model.
-    An explicit ``DDPStrategy(broadcast_buffers=True)`` is kept, with a warning.
-
-    torch warns that ``broadcast_buffers`` is deprecated for ``forward_sync_buffers``; that replacement still
-    copies device 0's buffers to every device when DDP wraps the model, which would overwrite the per-device
-    streams a resume has just restored, so ``broadcast_buffers=False`` is the one that keeps them.
-    """
-    strategy = trainer.strategy
-    if isinstance(strategy, DDPStrategy):
-        end_process_group_at_exit()
-        kwargs = strategy._ddp_kwargs  # passed to DistributedDataParallel when the model is wrapped
-        if kwargs.get("broadcast_buffers") is True:
-            rank_zero_warn(
-                "MABNCallback: DDPStrategy(broadcast_buffers=True) overwrites every device's MABN/BRN statistics "
-                "with device 0's at each forward; leave it unset to keep per-device statistics"
-            )
-        elif "broadcast_buffers" not in kwargs:
-            kwargs["broadcast_buffers"] = False
-            rank_zero_info("MABN/BRN statistics stay per device: DDP runs with broadcast_buffers=False")
-    if getattr(strategy, "_layer_sync", None) is not None:
-        rank_zero_warn(
-            "Trainer(sync_batchnorm=True) converts only BatchNorm layers; MABN2d and BatchRenorm2d share "
-            "statistics across devices with sync_stats=True (norm_options: {mabn: {sync_stats: true}})"
-        )
-
-
-def _copy_into(live: dict[str, Tensor], values: dict[str, Tensor]) -> None:
-    """Write ``values`` into the live buffers of the same keys, in place (DDP and the optimizer hold them)."""
-    with torch.no_grad():
-        for key, value in values.items():
-            live[key].copy_(value)
-
-
-def norm_callbacks(module: nn.Module, policy: dict[str, Any] | None) -> list[pl.Callback]:
-    """A MABNCallback built from ``policy`` when ``module`` holds callback-managed norms, the SyncBatchNorm
-    check when it holds SyncBatchNorm, else nothing."""
-    if any(isinstance(m, MANAGED) for m in module.modules()):
-        return [MABNCallback(**(policy or {}))]
+def norm_callbacks(module: nn.Module, policy: NormPolicy | Mapping[str, Any] | None) -> list[pl.Callback]:
+    """MABNCallback following ``policy`` (``NormPolicy.parse`` checks a mapping) and PerDeviceStreams when
+    ``module`` holds callback-managed norms, the SyncBatchNorm check when it holds SyncBatchNorm, else nothing."""
+    if managed_norms(module):
+        return [MABNCallback(NormPolicy.parse(policy)), PerDeviceStreams()]
     if has_sync_batchnorm(module):
         return [SyncBatchNormCheck()]
     return []
-
-
-def default_log_layers(names: list[str]) -> list[str]:
-    """The first norm under ``layer1`` and the first norm of each other top-level part (the heads)."""
-    chosen = [next((n for n in names if ".layer1." in f".{n}"), None)]
-    parts: dict[str, str] = {}
-    for n in names:
-        top = n.split(".")[1] if n.startswith("model.") else n.split(".")[0]
-        if top not in ("encoder", "layer1", "layer2", "layer3", "layer4", "bn1"):
-            parts.setdefault(top, n)
-    return [n for n in [*chosen, *parts.values()] if n is not None]
-
-
-def _l2(t: Tensor) -> float:
-    """l2 norm over channels of the statistic averaged over the step's normalization batches."""
-    return float(torch.linalg.vector_norm(t.float().reshape(-1, t.shape[-1]).mean(0)))
-
-
-def summarize(layer: nn.Module) -> dict[str, float]:
-    """Scalars for the paper's statistics figures (l2 norms over channels) from a layer's last step."""
-    s = layer.last_stats
-    if isinstance(layer, MABN2d):
-        moving = bool(s["active"].any())
-        r = s["r"].float()
-        renorm = bool((r != 1).any())
-        clip = layer.renorm_clip
-        out = {
-            "chi2_batch": _l2(s["chi2_batch"]),
-            "chi2_sma": _l2(s["chi2_used"]),
-            "chi2_ema": _l2(s["chi2_ema"]),
-            "r_mean": float(r.mean()),
-            "r_clipped": float(((r <= 1 / clip + 1e-6) | (r >= clip - 1e-6)).float().mean()) if renorm else 0.0,
-            "phase": 0.0 + moving + renorm,
-        }
-        if "psi_batch" in s:
-            out.update(psi_batch=_l2(s["psi_batch"]), psi_bar=_l2(s["psi_used"]))
-        return out
-    r, d = s["r"].float(), s["d"].float()
-    rmax, dmax = float(s["rmax"]), float(s["dmax"])
-    clipped = (r <= 1 / rmax + 1e-6) | (r >= rmax - 1e-6) if rmax > 1 else torch.zeros_like(r, dtype=torch.bool)
-    return {
-        "mu_batch": _l2(s["mu_batch"]),
-        "sigma_batch": _l2(s["sigma_batch"]),
-        "mu_ema": _l2(s["mu_ema"]),
-        "sigma_ema": _l2(s["sigma_ema"]),
-        "r_mean": float(r.mean()),
-        "r_clipped": float(clipped.float().mean()),
-        "d_abs_mean": float(d.abs().mean()),
-        "rmax": rmax,
-        "dmax": dmax,
-    }

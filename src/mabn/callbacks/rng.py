@@ -7,10 +7,10 @@ import random
 from typing import Any
 
 import numpy as np
-import pytorch_lightning as pl
 import torch
 
-from .distributed import gather_objects, per_device_record, this_device_entry
+from .distributed import gather_objects
+from .perdevice import PerDeviceState
 
 RNG_KEY = "rng_states"
 
@@ -41,7 +41,7 @@ def restore_rng_states(states: dict[str, Any]) -> None:
         torch.cuda.set_rng_state(states["torch.cuda"])
 
 
-class RandomStateCallback(pl.Callback):
+class RandomStateCallback(PerDeviceState):
     """Saves every device's random generator states in each checkpoint and restores them on the same rank.
 
     Lightning checkpoints no generator state, so after a resume the shuffling of a single-device
@@ -51,21 +51,12 @@ class RandomStateCallback(pl.Callback):
     number of devices cannot be matched to ranks: then they are left alone, with a warning.
     """
 
-    def on_save_checkpoint(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
-    ) -> None:
-        # Collective (all devices save together; device 0 writes the file).
-        checkpoint[RNG_KEY] = per_device_record(gather_objects(collect_rng_states()))
+    key = RNG_KEY
+    what = "random states"
+    otherwise = "random draws after the resume differ from an uninterrupted run"
 
-    def on_load_checkpoint(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
-    ) -> None:
-        mine = this_device_entry(
-            checkpoint,
-            RNG_KEY,
-            "RandomStateCallback",
-            "random states",
-            "random draws after the resume differ from an uninterrupted run",
-        )
-        if mine is not None:
-            restore_rng_states(mine)
+    def gather_states(self) -> list[Any]:
+        return gather_objects(collect_rng_states())
+
+    def restore_state(self, state: Any) -> None:
+        restore_rng_states(state)

@@ -18,8 +18,9 @@ from PIL import Image
 from torch.utils.data import DataLoader, Dataset
 from torchvision.datasets import Cityscapes
 
+from ..process import rank
 from .errors import DatasetError
-from .loading import augmentation_seed, make_loader, process_rank
+from .loading import augmentation_seed, make_loader
 
 __all__ = [
     "CLASS_NAMES",
@@ -294,7 +295,7 @@ class CityscapesDataModule(pl.LightningDataModule):
         if stage in (None, "fit"):
             # Seeded from torch so that seed_everything also fixes the augmentations with num_workers=0.
             transform = train_transform(
-                self.crop_size, self.scale_range, self.rotate_limit, self.blur_p, seed=augmentation_seed(process_rank())
+                self.crop_size, self.scale_range, self.rotate_limit, self.blur_p, seed=augmentation_seed(rank())
             )
             self.train_set = CityscapesDataset(self.data_dir, self.train_split, transform)
         if stage in (None, "fit", "validate"):

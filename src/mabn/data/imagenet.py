@@ -13,8 +13,9 @@ from albumentations.pytorch import ToTensorV2
 from PIL import Image
 from torch.utils.data import DataLoader, Dataset
 
+from ..process import rank
 from .errors import DatasetError
-from .loading import augmentation_seed, make_loader, process_rank
+from .loading import augmentation_seed, make_loader
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".webp")
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
@@ -107,7 +108,7 @@ class ImageFolderDataModule(pl.LightningDataModule):
 
     def setup(self, stage: str | None = None) -> None:
         # Seeded from torch so that seed_everything also fixes the augmentations with num_workers=0.
-        self.train_transform.set_random_seed(augmentation_seed(process_rank()))
+        self.train_transform.set_random_seed(augmentation_seed(rank()))
         self.train_set = ImageFolder(self.root / "train", self.classes, self.train_transform)
         self.val_set = ImageFolder(self.root / "val", self.classes, self.val_transform)
 

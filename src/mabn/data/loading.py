@@ -11,11 +11,7 @@ import torch
 from pytorch_lightning.overrides.distributed import UnrepeatedDistributedSampler
 from torch.utils.data import DataLoader, Dataset, Sampler, get_worker_info
 
-
-def process_rank() -> int:
-    """This process's rank in the default process group, 0 without one."""
-    dist = torch.distributed
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+from ..process import rank, world_size
 
 
 def augmentation_seed(rank: int) -> int:
@@ -50,8 +46,7 @@ def evaluation_sampler(dataset: Dataset) -> Sampler | None:
     at epoch end) and each rank has a sample (DDP syncs buffers on the first forward after training).
     None without a process group: the loader reads in order.
     """
-    dist = torch.distributed
-    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+    if world_size() == 1:
         return None
     return UnrepeatedDistributedSampler(dataset, shuffle=False)
 
@@ -62,7 +57,7 @@ def make_loader(dataset: Dataset, batch_size: int, train: bool, num_workers: int
     the devices (``evaluation_sampler``); every worker gets its own augmentation stream."""
     kwargs: dict[str, Any] = {}
     if num_workers > 0:
-        kwargs = {"persistent_workers": True, "worker_init_fn": partial(seed_transform_worker, rank=process_rank())}
+        kwargs = {"persistent_workers": True, "worker_init_fn": partial(seed_transform_worker, rank=rank())}
     if not train:
         kwargs["sampler"] = evaluation_sampler(dataset)
     return DataLoader(

@@ -9,7 +9,7 @@ from .backbone import (
     save_backbone,
 )
 from .pspnet import PSPNet
-from .resnet import norm_kwargs_for, resnet101
+from .resnet import logged_norms, norm_kwargs_for, resnet101
 
 __all__ = [
     "PSPNet",
@@ -21,4 +21,5 @@ __all__ = [
     "check_backbone",
     "BackboneError",
     "key_differences",
+    "logged_norms",
 ]

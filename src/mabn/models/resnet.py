@@ -43,3 +43,16 @@ def resnet101(
     """
     model = torchvision.models.resnet101(weights=None, num_classes=num_classes, zero_init_residual=zero_init_residual)
     return convert_norm(model, norm, **norm_kwargs_for(norm, norm_batch_size, norm_options))
+
+
+def logged_norms(names: list[str]) -> list[str]:
+    """Of the qualified names of a network's norms (or of a LightningModule's, under ``model.``), those whose
+    statistics are logged by default: the first norm under ResNet's ``layer1`` and the first norm of each top-level
+    part besides the ResNet (PSPNet's heads)."""
+    chosen = [next((n for n in names if ".layer1." in f".{n}"), None)]
+    parts: dict[str, str] = {}
+    for n in names:
+        top = n.split(".")[1] if n.startswith("model.") else n.split(".")[0]
+        if top not in ("encoder", "layer1", "layer2", "layer3", "layer4", "bn1"):
+            parts.setdefault(top, n)
+    return [n for n in [*chosen, *parts.values()] if n is not None]

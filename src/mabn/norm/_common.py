@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ..process import world_size
+
 
 def check_input(layer: str, x: Tensor, num_features: int, norm_batch_size: int | None, training: bool) -> int:
     """Validate a 4-D NCHW input and return G, the number of normalization groups in it.
@@ -80,8 +82,7 @@ def sync_group() -> bool:
     Without one (a single process, or ``torch.distributed`` not initialized) a layer built with
     ``sync_stats=True`` normalizes over its own batch, exactly like one built without it.
     """
-    dist = torch.distributed
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    return world_size() > 1
 
 
 def all_reduce_sum_(t: Tensor) -> Tensor:
@@ -96,7 +97,7 @@ def all_reduce_sum_(t: Tensor) -> Tensor:
 
 def all_gather_stacked(t: Tensor) -> Tensor:
     """``t`` of every process of the default group, stacked along a new first dimension (rank order)."""
-    parts = [torch.empty_like(t) for _ in range(torch.distributed.get_world_size())]
+    parts = [torch.empty_like(t) for _ in range(world_size())]
     torch.distributed.all_gather(parts, t.contiguous())
     return torch.stack(parts)
 

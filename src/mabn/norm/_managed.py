@@ -150,6 +150,21 @@ class ManagedNorm(nn.Module):
                 self._host_flags.zero_()
             raise nonfinite_error(type(self).__name__, self.NONFINITE[flags.index(True)])
 
+    # -- what the callbacks read -----------------------------------------------------------------------
+    # The exponential moving averages that inference uses: under DDP the devices' mean replaces them for
+    # validation and in checkpoints (mabn.callbacks.streams). Each layer names its own.
+    ema_buffers: tuple[str, ...] = ()
+
+    def summary(self) -> dict[str, float]:
+        """Scalars of the last tracked step's statistics (``last_stats``), logged as ``norm/<layer>/<key>``."""
+        raise NotImplementedError(f"{type(self).__name__} has no statistics summary")
+
+    @staticmethod
+    def channel_norm(t: Tensor) -> float:
+        """l2 norm over channels of a statistic averaged over the step's normalization batches: the scalar of the
+        paper's statistics figures."""
+        return float(torch.linalg.vector_norm(t.float().reshape(-1, t.shape[-1]).mean(0)))
+
 
 def raise_if_any_nonfinite(layers: Iterable[ManagedNorm]) -> None:
     """``raise_if_nonfinite`` of every layer, with one read of the device for all of them."""
@@ -157,3 +172,8 @@ def raise_if_any_nonfinite(layers: Iterable[ManagedNorm]) -> None:
     if layers and bool(torch.cat([layer._flags for layer in layers]).any()):
         for layer in layers:
             layer.raise_if_nonfinite()
+
+
+def managed_norms(module: nn.Module) -> dict[str, ManagedNorm]:
+    """The callback-managed norms (MABN2d, BatchRenorm2d) of ``module`` by qualified name, in module order."""
+    return {name: m for name, m in module.named_modules() if isinstance(m, ManagedNorm)}

@@ -234,3 +234,24 @@ class BatchRenorm2d(ManagedNorm):
             f"d_max={self.d_max}, r_ramp={self.r_ramp}, d_ramp={self.d_ramp}, norm_batch_size={self.norm_batch_size}"
             + (", sync_stats=True" if self.sync_stats else "")
         )
+
+    ema_buffers = ("running_mean", "running_std")
+
+    def summary(self) -> dict[str, float]:
+        """The batch's mean and sigma against the running ones, r and d (mean, share of r at its bounds) and the
+        step's limits rmax and dmax, of the last tracked step."""
+        s, l2 = self.last_stats, self.channel_norm
+        r, d = s["r"].float(), s["d"].float()
+        rmax, dmax = float(s["rmax"]), float(s["dmax"])
+        clipped = (r <= 1 / rmax + 1e-6) | (r >= rmax - 1e-6) if rmax > 1 else torch.zeros_like(r, dtype=torch.bool)
+        return {
+            "mu_batch": l2(s["mu_batch"]),
+            "sigma_batch": l2(s["sigma_batch"]),
+            "mu_ema": l2(s["mu_ema"]),
+            "sigma_ema": l2(s["sigma_ema"]),
+            "r_mean": float(r.mean()),
+            "r_clipped": float(clipped.float().mean()),
+            "d_abs_mean": float(d.abs().mean()),
+            "rmax": rmax,
+            "dmax": dmax,
+        }

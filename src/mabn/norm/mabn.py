@@ -75,6 +75,7 @@ class MABN2d(ManagedNorm):
     """
 
     NONFINITE = ("batch statistic chi^2", "gradient statistic psi")
+    ema_buffers = ("running_var", "running_psi")
 
     def __init__(
         self,
@@ -207,6 +208,26 @@ class MABN2d(ManagedNorm):
             + (", sync_stats=True" if self.sync_stats else "")
             + (f", ema_start={self.ema_start!r}" if self.ema_start != "one" else "")
         )
+
+    def summary(self) -> dict[str, float]:
+        """chi^2 of the batch, its SMA and EMA, psi and psi_bar, r's mean and share at the clip bounds, and the
+        phase (0 batch statistics, 1 moving averages, 2 renormalized) of the last tracked step."""
+        s, l2 = self.last_stats, self.channel_norm
+        moving = bool(s["active"].any())
+        r = s["r"].float()
+        renorm = bool((r != 1).any())
+        clip = self.renorm_clip
+        out = {
+            "chi2_batch": l2(s["chi2_batch"]),
+            "chi2_sma": l2(s["chi2_used"]),
+            "chi2_ema": l2(s["chi2_ema"]),
+            "r_mean": float(r.mean()),
+            "r_clipped": float(((r <= 1 / clip + 1e-6) | (r >= clip - 1e-6)).float().mean()) if renorm else 0.0,
+            "phase": 0.0 + moving + renorm,
+        }
+        if "psi_batch" in s:  # left by the backward: not before it runs, nor under torch.compile (forward only)
+            out.update(psi_batch=l2(s["psi_batch"]), psi_bar=l2(s["psi_used"]))
+        return out
 
 
 class _MABNFunction(torch.autograd.Function):

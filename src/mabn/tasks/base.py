@@ -11,7 +11,7 @@ import pytorch_lightning as pl
 import torch
 from pytorch_lightning.utilities import rank_zero_info
 
-from ..callbacks import norm_callbacks
+from ..callbacks import NormPolicy, norm_callbacks
 from ..cudagraph import check_capturable, training_call
 from ..errors import ConfigError
 from ..norm import NORM_PRESETS
@@ -36,12 +36,42 @@ class NormTask(pl.LightningModule):
     With SGD and no gradient clipping (the paper's recipe) the centred convs' weights are re-centred in place after
     every optimizer step, and their forwards run as plain convolutions: the same weights, fewer operations per
     step (``mabn.norm.cenconv``); any other optimizer keeps the centring in the forward.
+
+    The arguments both stages share (each task adds its own and passes these on):
+
+    - ``norm``: one of ``mabn.norm.NORM_PRESETS``; ``norm_batch_size``: samples per normalization (ghost) batch;
+      ``norm_options``: layer arguments by norm kind (e.g. ``{mabn: {buffer_size: 16}}``);
+    - ``norm_policy``: how MABNCallback drives MABN2d/BatchRenorm2d (phases per module group, resets, statistics
+      logging), a ``mabn.callbacks.NormPolicy``; unset: its defaults;
+    - ``momentum``, ``weight_decay``: SGD's;
+    - ``cuda_graph``, ``compile``: as above.
     """
 
     model: torch.nn.Module
     _first_step_started: float | None = None  # when the first compiled training step began (host clock)
     _first_step_reported = False
     _centring: list[SGDCentring] = []  # per optimizer, while a fit runs
+
+    def __init__(
+        self,
+        norm: str = "mabn",
+        norm_batch_size: int | None = 2,
+        norm_options: dict[str, dict[str, Any]] | None = None,
+        norm_policy: NormPolicy | None = None,
+        momentum: float = 0.9,
+        weight_decay: float = 1e-4,
+        cuda_graph: bool = False,
+        compile: bool | str = False,
+    ) -> None:
+        super().__init__()
+        # Lightning collects the arguments of every __init__ up the chain: the task's own and these.
+        self.save_hyperparameters()
+        policy = self.hparams.get("norm_policy")
+        if policy is not None:
+            # Checked here for Python callers (LightningCLI has checked it already), and kept as plain values: a
+            # checkpoint's hyperparameters are read weights-only, which refuses a dataclass.
+            self.hparams["norm_policy"] = NormPolicy.parse(policy).as_dict()
+        self.check_hparams(self.hparams)
 
     @classmethod
     def check_hparams(cls, hp: Mapping[str, Any]) -> None:
@@ -111,8 +141,8 @@ class NormTask(pl.LightningModule):
             self.log("compile_first_step_s", seconds, on_step=True, on_epoch=False, rank_zero_only=True)
 
     def configure_callbacks(self) -> list[pl.Callback]:
-        # norm_policy holds the MABNCallback's arguments; models without managed norms get no callback.
-        return norm_callbacks(self.model, self.hparams.norm_policy)
+        # Models without managed norms get no MABNCallback.
+        return norm_callbacks(self.model, self.hparams.get("norm_policy"))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.model(x)

@@ -34,37 +34,26 @@ class ClassificationTask(NormTask):
 
     SGD with momentum; weight decay on every parameter, norm gamma and beta included; lr =
     ``base_lr`` x global batch / ``base_batch_size``, divided by 10 at each milestone (iterations).
-    MABN2d/BatchRenorm2d phases and statistics logging follow ``norm_policy`` (the arguments of
-    ``mabn.callbacks.MABNCallback``). An optional linear lr warm-up over ``warmup_steps`` (0 in the paper)
-    precedes the drops.
+    An optional linear lr warm-up over ``warmup_steps`` (0 in the paper) precedes the drops.
     At the end of fitting the best checkpoint's backbone is exported to ``export_dir``.
-    ``cuda_graph``: replay the training forward and backward as CUDA graphs (GPU; see ``mabn.cudagraph``).
-    ``compile``: run them through ``torch.compile`` (true, or a mode name; see ``NormTask``).
+    The norm, its phases and statistics logging (``norm_policy``), SGD's momentum and weight decay, ``cuda_graph``
+    and ``compile`` are the arguments every stage shares (``**shared``, see ``NormTask``).
     """
 
     def __init__(
         self,
-        norm: str = "mabn",
         num_classes: int = 1000,
-        norm_batch_size: int | None = 2,
-        norm_options: dict[str, dict[str, Any]] | None = None,
         base_lr: float = 0.1,
         base_batch_size: int = 256,
-        momentum: float = 0.9,
-        weight_decay: float = 1e-4,
         milestones: tuple[int, ...] = (150_000, 300_000, 450_000),
         lr_gamma: float = 0.1,
         warmup_steps: int = 0,
         zero_init_residual: bool = False,
         label_smoothing: float = 0.0,
-        norm_policy: dict[str, Any] | None = None,
         export_dir: str | None = "pretrain",
-        cuda_graph: bool = False,
-        compile: bool | str = False,
+        **shared: Any,
     ) -> None:
-        super().__init__()
-        self.save_hyperparameters()
-        self.check_hparams(self.hparams)
+        super().__init__(**shared)
         self.model = self.build_model()
         self.train_top1 = MulticlassAccuracy(num_classes, top_k=1)
         self.val_top1 = MulticlassAccuracy(num_classes, top_k=1)

@@ -32,31 +32,23 @@ class SegmentationTask(NormTask):
 
     SGD with momentum and weight decay; the encoder at ``base_lr``, the new heads at ``head_lr_mult`` x;
     lr rises linearly over ``warmup_epochs`` and then follows poly(``poly_power``), stepped per iteration.
-    MABN2d/BatchRenorm2d phases, resets and statistics logging follow ``norm_policy`` (the arguments of
-    ``mabn.callbacks.MABNCallback``). Loss: cross-entropy (ignore 255) of the main head plus ``aux_weight``
-    x that of the auxiliary head.
+    Loss: cross-entropy (ignore 255) of the main head plus ``aux_weight`` x that of the auxiliary head.
     Validation runs the full images through sliding windows of ``eval_crop`` (default: the training
     crop) with stride 2/3 of it, optional flip and scales, and reports the Cityscapes mIoU.
     Every ``log_predictions_every_n_epochs``-th validation (the first one included; 0: never) logs the
     first ``num_logged_predictions`` images of its first batch to Weights & Biases as ``val/predictions``,
     with the predicted and the ground-truth classes as masks (see ``prediction_masks``); only rank 0 logs,
     and only when a WandbLogger is among the trainer's loggers.
-    ``cuda_graph``: replay the training forward and backward as CUDA graphs (GPU; see ``mabn.cudagraph``).
-    ``compile``: run them through ``torch.compile`` (true, or a mode name; see ``NormTask``).
+    The norm, its phases, resets and statistics logging (``norm_policy``), SGD's momentum and weight decay,
+    ``cuda_graph`` and ``compile`` are the arguments every stage shares (``**shared``, see ``NormTask``).
     """
 
     def __init__(
         self,
-        norm: str = "mabn",
         num_classes: int = 19,
-        norm_batch_size: int | None = 2,
-        norm_options: dict[str, dict[str, Any]] | None = None,
         backbone: str | None = None,
-        norm_policy: dict[str, Any] | None = None,
         base_lr: float = 0.01,
         head_lr_mult: float = 10.0,
-        momentum: float = 0.9,
-        weight_decay: float = 1e-4,
         warmup_epochs: float = 3.0,
         poly_power: float = 0.9,
         aux_weight: float = 0.4,
@@ -66,16 +58,14 @@ class SegmentationTask(NormTask):
         eval_scales: tuple[float, ...] = (1.0,),
         log_predictions_every_n_epochs: int = 1,
         num_logged_predictions: int = 2,
-        cuda_graph: bool = False,
-        compile: bool | str = False,
+        **shared: Any,
     ) -> None:
-        super().__init__()
-        self.save_hyperparameters()
-        self.check_hparams(self.hparams)
-        self.model = PSPNet(num_classes, norm, norm_batch_size, norm_options, dropout=dropout)
+        super().__init__(**shared)
+        hp = self.hparams
+        self.model = PSPNet(num_classes, hp.norm, hp.norm_batch_size, hp.norm_options, dropout=dropout)
         if backbone:
-            info = load_backbone_into(self.model.encoder, backbone, norm)
-            rank_zero_info(f"Encoder loaded from {backbone} ({info['description']}) into norm {norm}")
+            info = load_backbone_into(self.model.encoder, backbone, hp.norm)
+            rank_zero_info(f"Encoder loaded from {backbone} ({info['description']}) into norm {hp.norm}")
         else:
             rank_zero_warn("No backbone given (BACKBONE=...): the encoder starts from random weights.")
         self.val_metric = SegmentationMetric(num_classes, IGNORE_INDEX)
