@@ -14,7 +14,15 @@ from torch import nn
 
 from mabn import cli, launch
 from mabn.data import demo_cityscapes, demo_imagenet
-from mabn.models import BackboneError, check_backbone, load_backbone_into, norm_kwargs_for, resnet101, save_backbone
+from mabn.models import (
+    BackboneError,
+    check_backbone,
+    load_backbone_into,
+    norm_kwargs_for,
+    resnet,
+    resnet101,
+    save_backbone,
+)
 from mabn.models.backbone import STAGE1, Backbone, check_fits
 from mabn.norm import BatchRenorm2d, convert_norm
 
@@ -141,6 +149,30 @@ def test_torchvision_resnet50_is_refused_by_its_block_count(tmp_path):
     torch.save(torchvision.models.resnet50().state_dict(), path)
     with pytest.raises(BackboneError, match="6 blocks in layer3, ResNet-101 has 23"):
         check_backbone(path, "bn")
+
+
+def test_torchvision_file_of_basic_blocks_is_refused_by_a_bottleneck_arch(tmp_path):
+    path = tmp_path / "resnet34.pth"  # ResNet-34 has ResNet-50's block counts, of basic blocks
+    torch.save(torchvision.models.resnet34().state_dict(), path)
+    with pytest.raises(BackboneError, match="of basic blocks, ResNet-50 has bottleneck blocks.*models.resnet50"):
+        check_backbone(path, "bn", "resnet50")
+    assert check_backbone(path, "bn", "resnet34").describe() == "torchvision ResNet-34 state dict (BN)"
+
+
+def test_a_stage1_file_starts_only_an_encoder_of_its_arch(tmp_path):
+    """A resnet18 stage-1 file records its arch: a resnet101 encoder refuses it by name before any weight is
+    read into it, a resnet18 encoder loads it strictly."""
+    model = resnet("mabn", num_classes=10, norm_batch_size=2, arch="resnet18")
+    path = save_backbone(tmp_path / "resnet18-mabn.pt", model, "mabn", {}, None, arch="resnet18")
+    refusal = "arch mismatch: .*stage-1 resnet18 file, but the model's encoder is resnet101"
+    with pytest.raises(BackboneError, match=refusal):
+        check_backbone(path, "mabn")
+    encoder = convert_norm(smp.encoders.get_encoder("resnet18", weights=None, output_stride=8), "mabn")
+    assert load_backbone_into(encoder, path, "mabn", "resnet18")["norm"] == "mabn"
+    for key, value in encoder.state_dict().items():
+        assert torch.equal(value, model.state_dict()[key]), key
+    with pytest.raises(ValueError, match="unknown arch 'resnet19'; choose one of resnet18, resnet34"):
+        resnet("bn", arch="resnet19")
 
 
 def test_a_file_without_a_key_names_it(bn_model, tmp_path):

@@ -111,6 +111,8 @@ CASES: list[tuple[str, str, list[str], Callable[[Path], None] | None, str]] = [
     ("unknown-norm-dry-run", CS, ["--norm", "mabm", "--dry-run"], None, "NORM=mabm: unknown norm"),
     ("negative-base-lr", CS, ["--", "--model.init_args.base_lr", "-0.01"], None, "base_lr=-0.01: must be > 0"),
     ("negative-head-lr-mult", CS, ["--", "--model.init_args.head_lr_mult", "-1"], None, "head_lr_mult=-1.0"),
+    ("unknown-arch", "pretrain", ["--", "--model.init_args.arch", "resnet19"], None,
+     "arch='resnet19': choose one of resnet18, resnet34, resnet50, resnet101, resnet152"),
     ("batch-not-whole-ghost-batches", CS, ["--", "--data.init_args.global_batch_size", "6",
      "--model.init_args.norm_batch_size", "4"], None, "per-device batch of 6 does not split"),
     ("global-batch-over-devices", CS, ["--gpus", "3", "--dry-run"], None, "global_batch_size=8 does not split over 3"),

@@ -1,4 +1,5 @@
-"""Stage 2: PSPNet-101 fine-tuning on Cityscapes with warm-up + poly lr, evaluated by sliding window."""
+"""Stage 2: PSPNet-101 fine-tuning on Cityscapes with warm-up + poly lr, evaluated by sliding window (``arch``: a
+PSPNet on another ResNet depth)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from pytorch_lightning.utilities import rank_zero_info, rank_zero_warn
 from ..data.cityscapes import CLASS_NAMES, IGNORE_INDEX, IMAGENET_MEAN, IMAGENET_STD
 from ..inference import sliding_window_logits
 from ..metrics import SegmentationMetric, format_iou_table
-from ..models import PSPNet, check_backbone, load_backbone_into
+from ..models import DEFAULT_ARCH, PSPNet, check_backbone, load_backbone_into
 from . import schedules
 from .base import NormTask, require
 
@@ -43,6 +44,8 @@ class SegmentationTask(NormTask):
     and only when a WandbLogger is among the trainer's loggers.
     ``cuda_graph``: replay the training forward and backward as CUDA graphs (GPU; see ``mabn.cudagraph``).
     ``compile``: run them through ``torch.compile`` (true, or a mode name; see ``NormTask``).
+    ``arch``: the encoder's ResNet depth, one of ``mabn.models.ARCHS`` (default resnet101, the paper's PSPNet-101);
+    a backbone must be of the same arch.
     """
 
     def __init__(
@@ -68,13 +71,14 @@ class SegmentationTask(NormTask):
         num_logged_predictions: int = 2,
         cuda_graph: bool = False,
         compile: bool | str = False,
+        arch: str = DEFAULT_ARCH,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
         self.check_hparams(self.hparams)
-        self.model = PSPNet(num_classes, norm, norm_batch_size, norm_options, dropout=dropout)
+        self.model = PSPNet(num_classes, norm, norm_batch_size, norm_options, dropout=dropout, arch=arch)
         if backbone:
-            info = load_backbone_into(self.model.encoder, backbone, norm)
+            info = load_backbone_into(self.model.encoder, backbone, norm, arch)
             rank_zero_info(f"Encoder loaded from {backbone} ({info['description']}) into norm {norm}")
         else:
             rank_zero_warn("No backbone given (BACKBONE=...): the encoder starts from random weights.")
@@ -87,7 +91,7 @@ class SegmentationTask(NormTask):
     def check_hparams(cls, hp: Mapping[str, Any]) -> None:
         super().check_hparams(hp)
         if hp.get("backbone"):  # a backbone that cannot start this norm stops before any data is read
-            check_backbone(hp["backbone"], hp["norm"])
+            check_backbone(hp["backbone"], hp["norm"], hp.get("arch", DEFAULT_ARCH))
         require(hp["head_lr_mult"] > 0, "head_lr_mult", hp["head_lr_mult"], "must be > 0 (heads' lr = base_lr x it)")
         require(hp["warmup_epochs"] >= 0, "warmup_epochs", hp["warmup_epochs"], "must be >= 0")
         require(hp["poly_power"] > 0, "poly_power", hp["poly_power"], "must be > 0")
