@@ -30,9 +30,9 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 EPS = 1e-5
 
 
-def _encoder(norm: str, norm_batch_size: int | None = None) -> nn.Module:
-    """A stage-2 PSPNet encoder (dilated ResNet-101, output stride 8) with ``norm``."""
-    encoder = smp.encoders.get_encoder("resnet101", weights=None, output_stride=8)
+def _encoder(norm: str, norm_batch_size: int | None = None, arch: str = "resnet101") -> nn.Module:
+    """A stage-2 PSPNet encoder (dilated ResNet-101 or ``arch``, output stride 8) with ``norm``."""
+    encoder = smp.encoders.get_encoder(arch, weights=None, output_stride=8)
     return convert_norm(encoder, norm, **norm_kwargs_for(norm, norm_batch_size))
 
 
@@ -277,20 +277,21 @@ def test_bn32_preset_trains_bn_over_the_device_batch_into_its_own_folders(tmp_pa
 def test_bn32_short_fit_exports_a_bn_backbone_that_starts_brn(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     data = demo_imagenet.generate(tmp_path / "cls", n_train=4, n_val=2, size=40)
-    args = launch.build_args("pretrain", data, "bn32", 0, 1, []) + [
+    # ResNet-18: what is checked is the preset's folders and BN layers, the same at any depth.
+    args = launch.build_args("pretrain", data, "bn32", 0, 1, []) + ["--model.init_args.arch", "resnet18",
         "--trainer.max_steps", "2", "--trainer.val_check_interval", "2", "--trainer.limit_val_batches", "1",
         "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false",
         "--data.init_args.batch_size", "8", "--data.init_args.num_workers", "0",
         "--data.init_args.image_size", "32", "--data.init_args.val_resize", "36",
     ]  # fmt: skip
     cli.run_cli(args)
-    path = tmp_path / "pretrain" / "bn32" / "resnet101-bn.pt"
+    path = tmp_path / "pretrain" / "bn32" / "resnet18-bn.pt"
     payload = torch.load(path, weights_only=True)
     assert payload["norm"] == "bn" and payload["config"]["model"]["norm_batch_size"] is None
     assert payload["config"]["run_dir"] == "runs/pretrain/bn32" and "layer1.0.bn1.running_var" in payload["state_dict"]
-    assert not (tmp_path / "pretrain" / "resnet101-bn.pt").exists()  # never where bn at batch 2 exports
-    encoder = _encoder("brn")
-    assert "at normalization batch per device" in load_backbone_into(encoder, path, "brn")["description"]
+    assert not (tmp_path / "pretrain" / "resnet18-bn.pt").exists()  # never where bn at batch 2 exports
+    encoder = _encoder("brn", arch="resnet18")
+    assert "at normalization batch per device" in load_backbone_into(encoder, path, "brn", "resnet18")["description"]
     expected = (payload["state_dict"]["layer1.0.bn1.running_var"].double() + EPS).sqrt()
     torch.testing.assert_close(encoder.layer1[0].bn1.running_std.double(), expected, rtol=1e-6, atol=0)
 
