@@ -4,7 +4,6 @@
   single-process fit on both shards at once);
 - per-device statistics (the default): parameters agree, streams differ, validation and checkpoints use the
   devices' mean EMA, every device's streams are checkpointed and a resume continues each one bit-identically;
-- a CLI run killed mid-training and restarted by the same command ends with the uninterrupted run's weights;
 - launching: trainer presets, syncbn refusals, and the SLURM script's dry run for 2 nodes x 8 GPUs.
 """
 
@@ -12,7 +11,6 @@ from __future__ import annotations
 
 import os
 import shlex
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -325,84 +323,6 @@ def test_sync_stats_ddp_fit_equals_one_process_on_both_shards(tmp_path):
         opt.step()
     for key, value in one.state_dict().items():
         torch.testing.assert_close(ranks[0][key], value, rtol=1e-9, atol=1e-12, msg=key)
-
-
-# ------------------------------------------------------------------------- killed, restarted, same weights
-class CliTiny(Tiny):
-    """Tiny for the CLI (num_classes is linked from the data); kills its own process once the global step
-    reaches $MABN_TEST_KILL_AT_STEP, as an out-of-memory kill or a node failure would."""
-
-    def __init__(self, num_classes: int = 3, norm: str = "mabn", lr: float = 0.05, loss_scale: float = 1.0) -> None:
-        # save_hyperparameters keeps the outermost __init__'s arguments: norm is what --ckpt_path auto matches
-        super().__init__(lr=lr, loss_scale=loss_scale)
-
-    def configure_optimizers(self):
-        optimizer = super().configure_optimizers()
-        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.7)
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
-
-    def on_train_batch_end(self, outputs, batch, batch_idx):
-        if self.global_step == int(os.environ.get("MABN_TEST_KILL_AT_STEP", "-1")):
-            os.kill(os.getpid(), signal.SIGKILL)
-
-
-class CliTinyData(pl.LightningDataModule):
-    num_classes = 3
-
-    def train_dataloader(self):
-        return DataLoader(_dataset(16), batch_size=4, shuffle=True)
-
-
-CLI_CONFIG = """
-seed_everything: 0
-trainer:
-  max_epochs: 4
-  logger: false
-  enable_progress_bar: false
-  enable_model_summary: false
-  callbacks:
-    - class_path: pytorch_lightning.callbacks.ModelCheckpoint
-      init_args: {save_last: true, every_n_epochs: 1, save_on_train_epoch_end: true}
-model:
-  class_path: test_ddp.CliTiny
-data:
-  class_path: test_ddp.CliTinyData
-"""
-
-
-def test_a_killed_run_restarted_by_the_same_command_ends_with_the_same_weights(tmp_path):
-    """4 epochs of 4 steps with shuffling, dropout and a per-step lr schedule. Killed at step 10 (mid epoch 3,
-    after the epoch-2 checkpoint), then restarted by the same command, it resumes from the epoch boundary and
-    ends bit-identical to the uninterrupted run, optimizer and scheduler state included."""
-    (tmp_path / "cfg.yaml").write_text(CLI_CONFIG)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])}
-
-    def command(root: str) -> list[str]:
-        cfg = str(tmp_path / "cfg.yaml")
-        return [sys.executable, "-m", "mabn", "fit", "--config", cfg, "--trainer.default_root_dir", root,
-                "--ckpt_path", "auto"]  # fmt: skip
-
-    def run(root: str, **extra_env: str) -> subprocess.CompletedProcess:
-        return subprocess.run(command(root), cwd=tmp_path, env={**env, **extra_env}, capture_output=True, text=True)
-
-    straight = run(str(tmp_path / "straight"))
-    assert straight.returncode == 0, straight.stderr[-3000:]
-    assert "starting a new run" in straight.stdout
-    killed = run(str(tmp_path / "killed"), MABN_TEST_KILL_AT_STEP="10")
-    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
-    assert _load(tmp_path / "killed" / "checkpoints" / "last.ckpt")["global_step"] == 8
-    restarted = run(str(tmp_path / "killed"))
-    assert restarted.returncode == 0, restarted.stderr[-3000:]
-    assert "Resuming from" in restarted.stdout and "(epoch 1, step 8)" in restarted.stdout
-
-    a = _load(tmp_path / "straight" / "checkpoints" / "last.ckpt")
-    b = _load(tmp_path / "killed" / "checkpoints" / "last.ckpt")
-    assert a["global_step"] == b["global_step"] == 16
-    for key, value in a["state_dict"].items():
-        assert torch.equal(b["state_dict"][key], value), key
-    for pa, pb in zip(a["optimizer_states"][0]["state"].values(), b["optimizer_states"][0]["state"].values()):
-        assert torch.equal(pa["momentum_buffer"], pb["momentum_buffer"])
-    assert a["lr_schedulers"] == b["lr_schedulers"] and a["lr_schedulers"][0]["last_epoch"] == 16
 
 
 # ------------------------------------------------------------------------------------------ launching

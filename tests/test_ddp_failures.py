@@ -36,7 +36,7 @@ from mabn.cli import run_cli
 from mabn.data.loading import make_loader
 from mabn.metrics import SegmentationMetric
 from mabn.tasks import ClassificationTask
-from test_ddp import CLI_CONFIG, Tiny, _dataset  # Tiny: MABN2d and BatchRenorm2d, so checkpoints gather streams
+from test_ddp import Tiny, _dataset  # Tiny: MABN2d and BatchRenorm2d, so checkpoints gather streams
 
 WORLD = 2
 FAIL_AT_STEP = 3
@@ -210,6 +210,21 @@ def test_one_line_keeps_the_type_and_the_first_line():
     assert one_line(KeyError()) == "KeyError"
     from_worker = "Caught ValueError in DataLoader worker process 0.\nOriginal Traceback:\n  ...\nValueError: bad pixel"
     assert one_line(ValueError(from_worker)) == "ValueError: bad pixel"
+
+
+CLI_CONFIG = """
+trainer:
+  max_epochs: 4
+  logger: false
+  enable_progress_bar: false
+  callbacks:
+    - class_path: pytorch_lightning.callbacks.ModelCheckpoint
+      init_args: {save_last: true, every_n_epochs: 1, save_on_train_epoch_end: true}
+model:
+  class_path: cli_tiny.TinyTask
+data:
+  class_path: cli_tiny.TinyData
+"""
 
 
 def test_the_cli_guards_every_trainer_once(tmp_path):
