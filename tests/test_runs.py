@@ -19,6 +19,7 @@ import torch
 
 from mabn import runs
 from mabn.errors import ConfigError
+from wandb_reader import wandb_session
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = "cli_tiny.TinyTask"
@@ -46,6 +47,21 @@ def _config(tmp_path: Path, root: Path, slow_io: bool = False) -> Path:
 
 def _run(cmd: list[str], cwd: Path, **env: str) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, cwd=cwd, env=_env(**env), capture_output=True, text=True, timeout=300)
+
+
+def _run_here(cmd: list[str], request, monkeypatch, capsys) -> tuple[int, str, str]:
+    """(exit code, stdout, stderr) of a ``_command`` run in this process through the same entry point,
+    ``mabn.__main__.main``, with wandb disabled as in ``_env``: no interpreter to start where nothing is killed."""
+    from mabn.__main__ import main
+
+    wandb_session(request, monkeypatch, "disabled")
+    capsys.readouterr()
+    try:
+        code = main(cmd[cmd.index("-m") + 2 :])  # the arguments after ``python -m mabn``
+    except SystemExit as exit_info:
+        code = exit_info.code
+    out = capsys.readouterr()
+    return code, out.out, out.err
 
 
 def _rows(path: Path) -> list[dict[str, str]]:
@@ -100,20 +116,23 @@ def test_a_killed_run_resumes_in_its_folder_with_its_log_best_checkpoint_and_wan
     }
 
 
-def test_a_new_run_never_overwrites_the_run_in_its_folder(tmp_path):
+def test_a_new_run_never_overwrites_the_run_in_its_folder(tmp_path, request, monkeypatch, capsys):
     folder = tmp_path / "run"
     cfg = _config(tmp_path, folder)
-    assert _run(_command(cfg, "--trainer.max_epochs", "1"), tmp_path).returncode == 0
+    monkeypatch.chdir(tmp_path)
+    code, _, err = _run_here(_command(cfg, "--trainer.max_epochs", "1"), request, monkeypatch, capsys)
+    assert code == 0, err[-3000:]
     before = _snapshot(folder)
-    second = _run(_command(cfg, "--trainer.max_epochs", "1"), tmp_path)
-    assert second.returncode == 2
-    assert second.stderr.strip().splitlines()[-1].startswith(f"error: {folder} already holds a run")
+    code, _, err = _run_here(_command(cfg, "--trainer.max_epochs", "1"), request, monkeypatch, capsys)
+    assert code == 2
+    assert err.strip().splitlines()[-1].startswith(f"error: {folder} already holds a run")
     assert _snapshot(folder) == before
 
 
-def test_a_kill_during_a_checkpoint_write_leaves_the_previous_checkpoint(tmp_path):
+def test_a_kill_during_a_checkpoint_write_leaves_the_previous_checkpoint(tmp_path, request, monkeypatch, capsys):
     """The run folder on a tmpfs, $TMPDIR on the disk: a write that went through $TMPDIR and a copy would not be
-    atomic here. The kill lands after the new checkpoint's bytes are written and before the rename."""
+    atomic here. The kill lands after the new checkpoint's bytes are written and before the rename; the restart
+    runs in this process, with the same $TMPDIR."""
     shm = Path("/dev/shm")
     if not shm.is_dir():
         pytest.skip("no tmpfs at /dev/shm on this machine")
@@ -137,9 +156,12 @@ def test_a_kill_during_a_checkpoint_write_leaves_the_previous_checkpoint(tmp_pat
         assert runs.stale_temporaries(folder)  # the cut-off write, under its temporary name only
         for ckpt in (folder / "checkpoints").glob("*.ckpt"):
             assert torch.load(ckpt, weights_only=True)["global_step"] == 4, ckpt  # the previous, whole
-        again = _run(_command(cfg, "--ckpt_path", "auto"), tmp_path, TMPDIR=str(tmp_path))
-        assert again.returncode == 0, again.stderr[-3000:]
-        assert "(epoch 0, step 4)" in again.stdout and "left by a write that did not finish" in again.stdout
+        monkeypatch.chdir(tmp_path)
+        monkeypatch.setenv("TMPDIR", str(tmp_path))
+        monkeypatch.setattr(tempfile, "tempdir", None)  # read $TMPDIR again, as a new process would
+        code, out, err = _run_here(_command(cfg, "--ckpt_path", "auto"), request, monkeypatch, capsys)
+        assert code == 0, err[-3000:]
+        assert "(epoch 0, step 4)" in out and "left by a write that did not finish" in out
         assert not runs.stale_temporaries(folder)
         assert torch.load(folder / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 16
     finally:
