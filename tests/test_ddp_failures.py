@@ -176,7 +176,8 @@ SLURM_LIKE = {"SLURM_NTASKS": str(WORLD), "SLURM_NTASKS_PER_NODE": str(WORLD), "
 
 
 # ------------------------------------------------------------------------------ one process raises
-@pytest.mark.parametrize("scenario", ["raise", pytest.param("raise-and-hang", marks=pytest.mark.slow)])
+@pytest.mark.slow  # two processes started as torchrun would, each importing the CLI: 15 s and more
+@pytest.mark.parametrize("scenario", ["raise", "raise-and-hang"])
 def test_when_rank_1_raises_every_rank_ends_within_a_minute_naming_the_error(tmp_path, scenario):
     """Rank 1 raises at step 3. Rank 0, blocked in that step's gradient all-reduce, ends with the error
     named ("rank 1 failed: ValueError: ..."), not gloo's "Connection closed by peer", and within a minute
@@ -238,6 +239,7 @@ def test_the_cli_guards_every_trainer_once(tmp_path):
 
 
 # --------------------------------------------------------------------------- SLURM's requeue signal
+@pytest.mark.slow  # two processes started as srun would, each importing the CLI: ~15 s
 def test_requeue_signal_saves_one_checkpoint_at_an_agreed_step_without_collectives_in_the_handler(tmp_path):
     """SIGUSR1 reaches rank 1 at batch 1 and rank 0 at batch 3. Both take part in one checkpoint at the end
     of batch 1 (global step 2), which holds both devices' random states and norm streams; the handlers call
