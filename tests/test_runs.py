@@ -78,15 +78,21 @@ def _tests_importable(monkeypatch):
     monkeypatch.syspath_prepend(str(ROOT / "tests"))
 
 
-def test_a_killed_run_resumes_in_its_folder_with_its_log_best_checkpoint_and_wandb_id(tmp_path):
+def test_a_killed_run_resumes_in_its_folder_with_its_log_best_checkpoint_and_wandb_id(
+    tmp_path, request, monkeypatch, capsys, one_thread
+):
     """4 epochs of 4 steps (shuffling, dropout, MABN2d and BRN, a per-step lr schedule). Killed at step 10 (mid
     epoch 3, after the step-8 checkpoint), then restarted by the same command, the run resumes from the epoch
     boundary in its folder and ends bit-identical to the uninterrupted run, optimizer and scheduler state
-    included, with the same CSV log, best checkpoint and wandb run."""
+    included, with the same CSV log, best checkpoint and wandb run. The uninterrupted run, the reference, runs in
+    this process on one thread (as the processes do: OMP_NUM_THREADS=1); the killed run and its restart are
+    processes of their own."""
     straight, killed = tmp_path / "straight", tmp_path / "killed"
-    ok = _run(_command(_config(tmp_path, straight), "--ckpt_path", "auto"), tmp_path)
-    assert ok.returncode == 0, ok.stderr[-3000:]
-    assert "No checkpoint to resume" in ok.stdout
+    monkeypatch.chdir(tmp_path)
+    reference = _command(_config(tmp_path, straight), "--ckpt_path", "auto")
+    code, out, err = _run_here(reference, request, monkeypatch, capsys)
+    assert code == 0, err[-3000:]
+    assert "No checkpoint to resume" in out
 
     cfg = _config(tmp_path, killed)
     dead = _run(_command(cfg, "--ckpt_path", "auto"), tmp_path, TINY_KILL_AT_STEP="10")
