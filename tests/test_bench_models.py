@@ -109,9 +109,9 @@ def test_bench_cli_refuses_cuda_graphs_on_the_cpu(capsys):
 
 def test_graphed_step_bench_captures_at_the_measured_shape(graph_stand_in):
     """With --cuda-graph every row replays graphs captured at the measured crop, not at the small crop of the
-    first (momentum-creating) step (on the CPU with the stand-in capture of conftest.py). The capture and the
-    rows are the same code for both models: the ResNet-50 workload keeps the 72 px crop cheap."""
-    rows = step.run(CPU, repeats=1, crop=72, batch=2, num_classes=4, cuda_graph=True, model="resnet50")
+    first (momentum-creating) step (on the CPU with the stand-in capture of conftest.py)."""
+    with pspnet_on("resnet18"):
+        rows = step.run(CPU, repeats=1, crop=72, batch=2, num_classes=4, cuda_graph=True)
     assert [r.norm for r in rows] == ["bn", "gn", "brn", "mabn", "mabn + stats logging"]
     assert graph_stand_in.captured == [(2, 3, 72, 72)] * 5
     assert graph_stand_in.replayed == [(2, 3, 72, 72)] * 5 * 2  # the memory step and one timed repeat per row
