@@ -4,8 +4,6 @@ The checkpoints hold ResNet-18 networks (``arch: resnet18``): folding, tracing a
 the same at any depth, and ``export`` rebuilds the network from the checkpoint's arguments, arch included."""
 
 import importlib.util
-import subprocess
-import sys
 
 import pytest
 import pytorch_lightning as pl
@@ -196,10 +194,13 @@ def test_bad_checkpoints_give_one_error_line_naming_the_file(tmp_path, capsys):
     assert not list(tmp_path.glob("*.pt")) and not list(tmp_path.glob("*.onnx"))
 
 
-def test_python_m_mabn_export_routes_to_the_exporter(tmp_path):
+def test_python_m_mabn_export_routes_to_the_exporter(tmp_path, capsys):
+    """``python -m mabn export`` is ``mabn.__main__.main(["export", ...])``, run here in this process (the
+    interpreter start itself is exercised by the CLI runs of tests/test_runs.py)."""
+    from mabn.__main__ import main
+
     missing = tmp_path / "missing.ckpt"
-    proc = subprocess.run(
-        [sys.executable, "-m", "mabn", "export", str(missing)], capture_output=True, text=True, timeout=120
-    )
-    assert proc.returncode == 2
-    assert proc.stderr.strip() == f"error: checkpoint not found: {missing}"
+    with pytest.raises(SystemExit) as exit_info:
+        main(["export", str(missing)])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.strip() == f"error: checkpoint not found: {missing}"
