@@ -173,6 +173,10 @@ def test_a_stage1_file_starts_only_an_encoder_of_its_arch(tmp_path):
         assert torch.equal(value, model.state_dict()[key]), key
     with pytest.raises(ValueError, match="unknown arch 'resnet19'; choose one of resnet18, resnet34"):
         resnet("bn", arch="resnet19")
+    payload = {**torch.load(path, weights_only=True), "arch": "vgg16"}
+    torch.save(payload, tmp_path / "vgg.pt")
+    with pytest.raises(BackboneError, match="vgg.pt names an unknown arch 'vgg16'"):
+        check_backbone(tmp_path / "vgg.pt", "mabn", "resnet18")
 
 
 def test_a_file_without_a_key_names_it(bn_model, tmp_path):

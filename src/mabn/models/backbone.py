@@ -27,7 +27,7 @@ FORMAT = "mabn-backbone"
 VERSION = 1
 STAGE1, TORCHVISION = "stage-1", "torchvision"  # the two sources: a file of stage 1, a torchvision state dict
 LAYERS = ("layer1", "layer2", "layer3", "layer4")
-# Blocks per layer of each ``arch``, and whether they are bottlenecks (conv1-conv3) rather than basic blocks.
+# Blocks per layer of each ``arch``, and the archs of basic blocks (two convs) rather than bottlenecks (three).
 ARCH_BLOCKS = dict(zip(ARCHS, [(2, 2, 2, 2), (3, 4, 6, 3), (3, 4, 6, 3), (3, 4, 23, 3), (3, 8, 36, 3)]))
 BASIC_BLOCKS = ("resnet18", "resnet34")
 BN_EPS = 1e-5  # torch's BatchNorm2d default: torchvision's and this project's unless norm_options set eps
