@@ -19,13 +19,13 @@ from types import SimpleNamespace
 import pytest
 import pytorch_lightning as pl
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 from pytorch_lightning.strategies import DDPStrategy
 from torch import nn
 from torch.utils.data import DataLoader, Subset, TensorDataset
 
+from ddp_layers import BRN_KW, MABN_KW, STEPS, WORLD, B, G, layer_data, layer_worker, make_layer, run_layer
 from mabn import BatchRenorm2d, MABN2d, convert_norm
 from mabn.callbacks import RandomStateCallback, SyncBatchNormCheck, norm_callbacks
 from mabn.callbacks.mabn import STREAMS_KEY, configure_ddp
@@ -41,11 +41,6 @@ def launch():
     from mabn import launch
 
     return launch
-
-
-WORLD = 2
-MABN_KW = dict(buffer_size=4, warmup_iters=3, renorm_warmup_iters=6, renorm_clip=1.5, momentum=0.9)
-BRN_KW = dict(r_ramp=(2, 8), d_ramp=(2, 6), momentum=0.9)
 
 
 @pytest.fixture(autouse=True)
@@ -69,56 +64,6 @@ def _one_thread(monkeypatch):
 
 
 # ----------------------------------------------------------------------------------- layers, synced
-G, B, C, H, W, STEPS = 2, 2, 3, 3, 4, 12  # per device: 2 ghost groups of 2 samples
-
-
-def _layer(kind: str, norm_batch_size: int, sync: bool) -> nn.Module:
-    torch.manual_seed(0)
-    if kind == "mabn":
-        layer = MABN2d(C, norm_batch_size=norm_batch_size, sync_stats=sync, **MABN_KW)
-    else:
-        layer = BatchRenorm2d(C, norm_batch_size=norm_batch_size, sync_stats=sync, **BRN_KW)
-    layer = layer.double()
-    with torch.no_grad():
-        layer.weight.uniform_(0.5, 1.5)
-        layer.bias.uniform_(-0.5, 0.5)
-    return layer
-
-
-def _layer_data() -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Per step, inputs and upstream gradients of shape (devices, G * B, C, H, W)."""
-    gen = torch.Generator().manual_seed(0)
-    shape = (WORLD, G * B, C, H, W)
-    xs = [(1 + t % 3) * torch.randn(shape, generator=gen, dtype=torch.float64) + 0.5 for t in range(STEPS)]
-    gs = [torch.randn(shape, generator=gen, dtype=torch.float64) for _ in range(STEPS)]
-    return xs, gs
-
-
-def _run_layer(layer: nn.Module, xs: list[torch.Tensor], gs: list[torch.Tensor]) -> dict[str, list[torch.Tensor]]:
-    out = {"out": [], "grad_x": [], "grad_w": [], "grad_b": []}
-    for x, g in zip(xs, gs):
-        layer.weight.grad = layer.bias.grad = None
-        x = x.clone().requires_grad_()
-        y = layer(x)
-        y.backward(g)
-        for key, value in zip(out, (y.detach(), x.grad, layer.weight.grad.clone(), layer.bias.grad.clone())):
-            out[key].append(value)
-    out["state"] = {k: v.clone() for k, v in layer.state_dict().items()}
-    return out
-
-
-def _layer_worker(rank: int, path: str) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{path}/pg", rank=rank, world_size=WORLD)
-    try:
-        xs, gs = _layer_data()
-        results = {
-            k: _run_layer(_layer(k, B, True), [x[rank] for x in xs], [g[rank] for g in gs]) for k in ("mabn", "brn")
-        }
-        torch.save(results, f"{path}/rank{rank}.pt")
-    finally:
-        dist.destroy_process_group()
-
-
 def _as_one_batch(t: torch.Tensor) -> torch.Tensor:
     """(devices, G * B, ...) -> (G * devices * B, ...): group k of device 0, then group k of device 1, ..."""
     return t.reshape(WORLD, G, B, *t.shape[2:]).transpose(0, 1).reshape(G * WORLD * B, *t.shape[2:])
@@ -127,12 +72,14 @@ def _as_one_batch(t: torch.Tensor) -> torch.Tensor:
 def test_sync_stats_normalizes_two_devices_as_one_batch(tmp_path):
     """Ghost group k of both devices is one normalization batch: output, input gradient, the devices'
     summed affine gradients and every buffer equal one process normalizing the joined groups (float64)."""
-    mp.spawn(_layer_worker, args=(str(tmp_path),), nprocs=WORLD)
+    mp.spawn(layer_worker, args=(str(tmp_path),), nprocs=WORLD)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
-    xs, gs = _layer_data()
+    xs, gs = layer_data()
     position = _as_one_batch(torch.arange(WORLD * G * B).view(WORLD, G * B))  # sample of the joined batch
     for kind in ("mabn", "brn"):
-        ref = _run_layer(_layer(kind, WORLD * B, False), [_as_one_batch(x) for x in xs], [_as_one_batch(g) for g in gs])
+        ref = run_layer(
+            make_layer(kind, WORLD * B, False), [_as_one_batch(x) for x in xs], [_as_one_batch(g) for g in gs]
+        )
         for t in range(STEPS):
             for r in range(WORLD):
                 rows = [int((position == r * G * B + i).nonzero()) for i in range(G * B)]
@@ -147,10 +94,10 @@ def test_sync_stats_normalizes_two_devices_as_one_batch(tmp_path):
 
 
 def test_sync_stats_without_a_process_group_changes_nothing():
-    xs, gs = _layer_data()
+    xs, gs = layer_data()
     for kind in ("mabn", "brn"):
-        plain = _run_layer(_layer(kind, B, False), [x[0] for x in xs], [g[0] for g in gs])
-        synced = _run_layer(_layer(kind, B, True), [x[0] for x in xs], [g[0] for g in gs])
+        plain = run_layer(make_layer(kind, B, False), [x[0] for x in xs], [g[0] for g in gs])
+        synced = run_layer(make_layer(kind, B, True), [x[0] for x in xs], [g[0] for g in gs])
         for key in ("out", "grad_x", "grad_w"):
             assert all(torch.equal(a, b) for a, b in zip(plain[key], synced[key])), (kind, key)
 
