@@ -39,16 +39,16 @@ def pspnet_on(arch: str):
 
 @pytest.fixture(scope="module", params=["resnet18", pytest.param("resnet101", marks=pytest.mark.slow)])
 def measured(request):
-    """(encoder arch, step rows, inference rows) of the PSPNet tables at small sizes (crop 64: 8x8 features)."""
+    """(encoder arch, step rows, inference rows) of the PSPNet tables at small sizes (crop 32: 4x4 features)."""
     with pspnet_on(request.param):
-        step_rows = step.run(CPU, repeats=2, crop=64, batch=2, num_classes=4)
-        infer_rows = infer.run(CPU, repeats=2, size=(64, 128), num_classes=4)
+        step_rows = step.run(CPU, repeats=2, crop=32, batch=2, num_classes=4)
+        infer_rows = infer.run(CPU, repeats=2, size=(32, 64), num_classes=4)
     return request.param, step_rows, infer_rows
 
 
 def test_step_and_infer_report_one_row_per_norm_with_finite_positive_ratios(measured, tmp_path):
     _, step_rows, infer_rows = measured
-    sections = [step.table(step_rows, 2, 64, 2), infer.table(infer_rows, 2, (64, 128))]
+    sections = [step.table(step_rows, 2, 32, 2), infer.table(infer_rows, 2, (32, 64))]
     env = report.header(CPU)
     md, png = report.write(tmp_path / "bench.md", CPU, "python -m mabn.bench all", sections, step_rows, infer_rows, env)
     text = md.read_text()
