@@ -43,7 +43,8 @@ $(STAMP): pyproject.toml
 test: lint
 	$(PY) -m pytest -q -m "not slow"
 
-# The tests too long for the default suite (multi-process failure and timing cases, GPU-sized benchmarks).
+# The tests too long for the default suite (multi-process failure and timing cases, inductor compiles,
+# GPU-sized benchmarks).
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow
 

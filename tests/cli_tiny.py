@@ -1,8 +1,10 @@
 """A seconds-long task for the CLI's run-folder tests, run in subprocesses (``PYTHONPATH`` includes tests/).
 
-``TinyTask`` trains a linear classifier on 32 fixed samples; every epoch ends with a validation whose
-``val/acc`` ModelCheckpoint monitors. ``$TINY_KILL_AT_STEP`` kills the process at that step, as an
-out-of-memory kill or a node failure would. ``SlowCheckpointIO`` stops inside the write of the checkpoint
+``TinyTask`` trains conv -> MABN2d -> conv -> BatchRenorm2d -> dropout -> linear (short norm timelines, the
+norms managed by MABNCallback) on 32 fixed 6x6 images, shuffled, with SGD and a per-step lr schedule: every kind
+of state a resume must restore (weights, norm streams, momentum, schedule, random state). Every epoch ends with a
+validation whose ``val/acc`` ModelCheckpoint monitors. ``$TINY_KILL_AT_STEP`` kills the process at that step, as
+an out-of-memory kill or a node failure would. ``SlowCheckpointIO`` stops inside the write of the checkpoint
 at ``$TINY_SLOW_SAVE_AT_STEP``, after the bytes are in the temporary file and before the rename, and touches
 ``$TINY_SAVING_MARKER`` so a test can kill the process exactly then.
 """
@@ -17,22 +19,35 @@ from pathlib import Path
 import pytorch_lightning as pl
 import torch
 import torch.nn.functional as F
+from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from mabn import BatchRenorm2d, MABN2d
+from mabn.callbacks import norm_callbacks
 from mabn.files import AtomicCheckpointIO, write_atomic
 
 
 def _data() -> TensorDataset:
     g = torch.Generator().manual_seed(0)
-    x = torch.randn(32, 4, generator=g)
-    return TensorDataset(x, (x[:, 0] > 0).long())
+    x = 2.0 * torch.randn(32, 3, 6, 6, generator=g) + 0.5
+    return TensorDataset(x, (x[:, 0].mean((1, 2)) > 0.5).long())
 
 
 class TinyTask(pl.LightningModule):
-    def __init__(self, norm: str = "bn", num_classes: int = 2, lr: float = 0.1) -> None:
+    def __init__(self, norm: str = "bn", num_classes: int = 2, lr: float = 0.05) -> None:
         super().__init__()
         self.save_hyperparameters()
-        self.model = torch.nn.Linear(4, num_classes)
+        self.model = nn.Sequential(
+            nn.Conv2d(3, 4, 3, padding=1, bias=False),
+            MABN2d(4, norm_batch_size=2, buffer_size=4, warmup_iters=3, renorm_warmup_iters=6, momentum=0.9),
+            nn.ReLU(),
+            nn.Conv2d(4, 4, 3, padding=1),
+            BatchRenorm2d(4, norm_batch_size=2, r_ramp=(2, 8), d_ramp=(2, 6), momentum=0.9),
+            nn.ReLU(), nn.Dropout(0.2), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, num_classes),
+        )  # fmt: skip
+
+    def configure_callbacks(self):
+        return norm_callbacks(self.model, None)
 
     def training_step(self, batch, batch_idx):
         x, y = batch
@@ -45,7 +60,9 @@ class TinyTask(pl.LightningModule):
         self.log("val/acc", (self.model(x).argmax(1) == y).float().mean())
 
     def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=self.hparams.lr, momentum=0.9)
+        optimizer = torch.optim.SGD(self.parameters(), lr=self.hparams.lr, momentum=0.9)
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.7)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     def on_train_batch_end(self, outputs, batch, batch_idx):
         if self.global_step == int(os.environ.get("TINY_KILL_AT_STEP", "-1")):

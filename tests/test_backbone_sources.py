@@ -14,7 +14,15 @@ from torch import nn
 
 from mabn import cli, launch
 from mabn.data import demo_cityscapes, demo_imagenet
-from mabn.models import BackboneError, check_backbone, load_backbone_into, norm_kwargs_for, resnet101, save_backbone
+from mabn.models import (
+    BackboneError,
+    check_backbone,
+    load_backbone_into,
+    norm_kwargs_for,
+    resnet,
+    resnet101,
+    save_backbone,
+)
 from mabn.models.backbone import STAGE1, Backbone, check_fits
 from mabn.norm import BatchRenorm2d, convert_norm
 
@@ -22,9 +30,9 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 EPS = 1e-5
 
 
-def _encoder(norm: str, norm_batch_size: int | None = None) -> nn.Module:
-    """A stage-2 PSPNet encoder (dilated ResNet-101, output stride 8) with ``norm``."""
-    encoder = smp.encoders.get_encoder("resnet101", weights=None, output_stride=8)
+def _encoder(norm: str, norm_batch_size: int | None = None, arch: str = "resnet101") -> nn.Module:
+    """A stage-2 PSPNet encoder (dilated ResNet-101 or ``arch``, output stride 8) with ``norm``."""
+    encoder = smp.encoders.get_encoder(arch, weights=None, output_stride=8)
     return convert_norm(encoder, norm, **norm_kwargs_for(norm, norm_batch_size))
 
 
@@ -143,6 +151,34 @@ def test_torchvision_resnet50_is_refused_by_its_block_count(tmp_path):
         check_backbone(path, "bn")
 
 
+def test_torchvision_file_of_basic_blocks_is_refused_by_a_bottleneck_arch(tmp_path):
+    path = tmp_path / "resnet34.pth"  # ResNet-34 has ResNet-50's block counts, of basic blocks
+    torch.save(torchvision.models.resnet34().state_dict(), path)
+    with pytest.raises(BackboneError, match="of basic blocks, ResNet-50 has bottleneck blocks.*models.resnet50"):
+        check_backbone(path, "bn", "resnet50")
+    assert check_backbone(path, "bn", "resnet34").describe() == "torchvision ResNet-34 state dict (BN)"
+
+
+def test_a_stage1_file_starts_only_an_encoder_of_its_arch(tmp_path):
+    """A resnet18 stage-1 file records its arch: a resnet101 encoder refuses it by name before any weight is
+    read into it, a resnet18 encoder loads it strictly."""
+    model = resnet("mabn", num_classes=10, norm_batch_size=2, arch="resnet18")
+    path = save_backbone(tmp_path / "resnet18-mabn.pt", model, "mabn", {}, None, arch="resnet18")
+    refusal = "arch mismatch: .*stage-1 resnet18 file, but the model's encoder is resnet101"
+    with pytest.raises(BackboneError, match=refusal):
+        check_backbone(path, "mabn")
+    encoder = convert_norm(smp.encoders.get_encoder("resnet18", weights=None, output_stride=8), "mabn")
+    assert load_backbone_into(encoder, path, "mabn", "resnet18")["norm"] == "mabn"
+    for key, value in encoder.state_dict().items():
+        assert torch.equal(value, model.state_dict()[key]), key
+    with pytest.raises(ValueError, match="unknown arch 'resnet19'; choose one of resnet18, resnet34"):
+        resnet("bn", arch="resnet19")
+    payload = {**torch.load(path, weights_only=True), "arch": "vgg16"}
+    torch.save(payload, tmp_path / "vgg.pt")
+    with pytest.raises(BackboneError, match="vgg.pt names an unknown arch 'vgg16'"):
+        check_backbone(tmp_path / "vgg.pt", "mabn", "resnet18")
+
+
 def test_a_file_without_a_key_names_it(bn_model, tmp_path):
     state = bn_model.state_dict()
     del state["layer4.2.bn3.running_var"]
@@ -245,20 +281,21 @@ def test_bn32_preset_trains_bn_over_the_device_batch_into_its_own_folders(tmp_pa
 def test_bn32_short_fit_exports_a_bn_backbone_that_starts_brn(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     data = demo_imagenet.generate(tmp_path / "cls", n_train=4, n_val=2, size=40)
-    args = launch.build_args("pretrain", data, "bn32", 0, 1, []) + [
+    # ResNet-18: what is checked is the preset's folders and BN layers, the same at any depth.
+    args = launch.build_args("pretrain", data, "bn32", 0, 1, []) + ["--model.init_args.arch", "resnet18",
         "--trainer.max_steps", "2", "--trainer.val_check_interval", "2", "--trainer.limit_val_batches", "1",
         "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false",
         "--data.init_args.batch_size", "8", "--data.init_args.num_workers", "0",
         "--data.init_args.image_size", "32", "--data.init_args.val_resize", "36",
     ]  # fmt: skip
     cli.run_cli(args)
-    path = tmp_path / "pretrain" / "bn32" / "resnet101-bn.pt"
+    path = tmp_path / "pretrain" / "bn32" / "resnet18-bn.pt"
     payload = torch.load(path, weights_only=True)
     assert payload["norm"] == "bn" and payload["config"]["model"]["norm_batch_size"] is None
     assert payload["config"]["run_dir"] == "runs/pretrain/bn32" and "layer1.0.bn1.running_var" in payload["state_dict"]
-    assert not (tmp_path / "pretrain" / "resnet101-bn.pt").exists()  # never where bn at batch 2 exports
-    encoder = _encoder("brn")
-    assert "at normalization batch per device" in load_backbone_into(encoder, path, "brn")["description"]
+    assert not (tmp_path / "pretrain" / "resnet18-bn.pt").exists()  # never where bn at batch 2 exports
+    encoder = _encoder("brn", arch="resnet18")
+    assert "at normalization batch per device" in load_backbone_into(encoder, path, "brn", "resnet18")["description"]
     expected = (payload["state_dict"]["layer1.0.bn1.running_var"].double() + EPS).sqrt()
     torch.testing.assert_close(encoder.layer1[0].bn1.running_std.double(), expected, rtol=1e-6, atol=0)
 

@@ -3,7 +3,8 @@
 outside the run's own folder (no demo data, no backbone, no other run). Grayscale and RGBA images train.
 
 The configuration cases are refused before any model is built; the dataset cases build the model and stop at the
-first read of the broken file, so they use a tiny crop and one step.
+first read of the broken file, so they use a tiny crop, one step and ResNet-18 (``arch``; the model is not what
+they check).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 TINY_FIT = [
     "--trainer.max_steps", "1", "--trainer.limit_val_batches", "1", "--trainer.num_sanity_val_steps", "1",
     "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false",
-    "--data.init_args.num_workers", "0",
+    "--data.init_args.num_workers", "0", "--model.init_args.arch", "resnet18",
 ]  # fmt: skip
 CITYSCAPES_FIT = [*TINY_FIT, "--data.init_args.global_batch_size", "2", "--data.init_args.crop_size", "32"]
 IMAGENET_FIT = [*TINY_FIT, "--data.init_args.batch_size", "2", "--data.init_args.image_size", "32",
@@ -111,6 +112,8 @@ CASES: list[tuple[str, str, list[str], Callable[[Path], None] | None, str]] = [
     ("unknown-norm-dry-run", CS, ["--norm", "mabm", "--dry-run"], None, "NORM=mabm: unknown norm"),
     ("negative-base-lr", CS, ["--", "--model.init_args.base_lr", "-0.01"], None, "base_lr=-0.01: must be > 0"),
     ("negative-head-lr-mult", CS, ["--", "--model.init_args.head_lr_mult", "-1"], None, "head_lr_mult=-1.0"),
+    ("unknown-arch", "pretrain", ["--", "--model.init_args.arch", "resnet19"], None,
+     "arch='resnet19': choose one of resnet18, resnet34, resnet50, resnet101, resnet152"),
     ("batch-not-whole-ghost-batches", CS, ["--", "--data.init_args.global_batch_size", "6",
      "--model.init_args.norm_batch_size", "4"], None, "per-device batch of 6 does not split"),
     ("global-batch-over-devices", CS, ["--gpus", "3", "--dry-run"], None, "global_batch_size=8 does not split over 3"),

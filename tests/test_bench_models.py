@@ -1,13 +1,20 @@
-"""The model benchmarks (training step, inference) run end to end at tiny sizes and report sane ratios."""
+"""The model benchmarks (training step, inference) run end to end at tiny sizes and report sane ratios.
+
+The PSPNet rows run the bench's code on a PSPNet whose encoder is ResNet-18 in the default suite (the rows, the
+memory and time measurements and the tables are the same code at any depth), and on the real PSPNet-101 in the
+slow suite."""
 
 import math
 import re
+from contextlib import contextmanager
+from functools import partial
 
 import pytest
 import torch
 
 from mabn.bench import infer, report, step
 from mabn.bench.__main__ import main
+from mabn.models import PSPNet
 
 CPU = torch.device("cpu")
 
@@ -22,16 +29,26 @@ def _table_rows(markdown: str, heading: str) -> list[list[str]]:
     return [[c.strip() for c in line.strip("|").split("|")] for line in lines[2:]]
 
 
-@pytest.fixture(scope="module")
-def measured():
-    step_rows = step.run(CPU, repeats=2, crop=64, batch=2, num_classes=4)
-    infer_rows = infer.run(CPU, repeats=2, size=(64, 128), num_classes=4)
-    return step_rows, infer_rows
+@contextmanager
+def pspnet_on(arch: str):
+    """The bench builds its PSPNets (training step and inference) on the ResNet ``arch`` while this lasts."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(step, "PSPNet", partial(PSPNet, arch=arch))
+        yield
+
+
+@pytest.fixture(scope="module", params=["resnet18", pytest.param("resnet101", marks=pytest.mark.slow)])
+def measured(request):
+    """(encoder arch, step rows, inference rows) of the PSPNet tables at small sizes (crop 32: 4x4 features)."""
+    with pspnet_on(request.param):
+        step_rows = step.run(CPU, repeats=2, crop=32, batch=2, num_classes=4)
+        infer_rows = infer.run(CPU, repeats=2, size=(32, 64), num_classes=4)
+    return request.param, step_rows, infer_rows
 
 
 def test_step_and_infer_report_one_row_per_norm_with_finite_positive_ratios(measured, tmp_path):
-    step_rows, infer_rows = measured
-    sections = [step.table(step_rows, 2, 64, 2), infer.table(infer_rows, 2, (64, 128))]
+    _, step_rows, infer_rows = measured
+    sections = [step.table(step_rows, 2, 32, 2), infer.table(infer_rows, 2, (32, 64))]
     env = report.header(CPU)
     md, png = report.write(tmp_path / "bench.md", CPU, "python -m mabn.bench all", sections, step_rows, infer_rows, env)
     text = md.read_text()
@@ -55,9 +72,10 @@ def test_step_and_infer_report_one_row_per_norm_with_finite_positive_ratios(meas
 
 
 def test_step_peak_memory_counts_the_activations(measured):
-    step_rows, _ = measured
-    # A PSPNet-101 step at 2x64x64 allocates at least its gradients (68M float32) and activations.
-    assert all(r.peak_bytes > 68e6 * 4 for r in step_rows)
+    arch, step_rows, _ = measured
+    # A step allocates at least its gradients (float32, 68M for PSPNet-101) and activations.
+    gradient_bytes = 4 * sum(p.numel() for p in PSPNet(num_classes=4, norm="bn", arch=arch).parameters())
+    assert all(r.peak_bytes > gradient_bytes for r in step_rows)
 
 
 def test_inference_models_are_folded_except_gn():
@@ -66,10 +84,12 @@ def test_inference_models_are_folded_except_gn():
     from mabn.norm import BatchRenorm2d, CenConv2d, MABN2d
 
     norms = (nn.BatchNorm2d, nn.GroupNorm, BatchRenorm2d, MABN2d, CenConv2d)
+    with pspnet_on("resnet18"):  # folding is per layer; test_convert_fold.py folds ResNet-101
+        models = {name: infer.build_inference(name, num_classes=4) for name in ("bn", "mabn", "gn")}
     for name in ("bn", "mabn"):
-        model = infer.build_inference(name, num_classes=4)
+        model = models[name]
         assert not model.training and not [m for m in model.modules() if isinstance(m, norms)]
-    gn = infer.build_inference("gn", num_classes=4)
+    gn = models["gn"]
     assert not gn.training and any(isinstance(m, nn.GroupNorm) for m in gn.modules())
 
 
@@ -90,12 +110,14 @@ def test_bench_cli_refuses_cuda_graphs_on_the_cpu(capsys):
 def test_graphed_step_bench_captures_at_the_measured_shape(graph_stand_in):
     """With --cuda-graph every row replays graphs captured at the measured crop, not at the small crop of the
     first (momentum-creating) step (on the CPU with the stand-in capture of conftest.py)."""
-    rows = step.run(CPU, repeats=1, crop=72, batch=2, num_classes=4, cuda_graph=True)
+    with pspnet_on("resnet18"):
+        rows = step.run(CPU, repeats=1, crop=72, batch=2, num_classes=4, cuda_graph=True)
     assert [r.norm for r in rows] == ["bn", "gn", "brn", "mabn", "mabn + stats logging"]
     assert graph_stand_in.captured == [(2, 3, 72, 72)] * 5
     assert graph_stand_in.replayed == [(2, 3, 72, 72)] * 5 * 2  # the memory step and one timed repeat per row
 
 
+@pytest.mark.slow  # Dynamo traces ResNet-50 with every norm: ~15 s on one core
 def test_resnet50_step_has_compiled_rows_against_compiled_bn(monkeypatch):
     """The small-input ResNet-50 workload with --compile: eager rows against BN, compiled rows (Dynamo alone here)
     against compiled BN, each with the time of the step that compiled it."""

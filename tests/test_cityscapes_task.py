@@ -1,4 +1,7 @@
-"""Stage 2: PSPNet structure, the warm-up + poly schedule, short fits per norm, the backbone hand-off, bad data."""
+"""Stage 2: PSPNet structure, the warm-up + poly schedule, short fits per norm, the backbone hand-off, bad data.
+
+The structure and the backbone hand-off are checked on PSPNet-101 (the default); the schedule and the short fits,
+which are the same code at any depth, train a PSPNet on ResNet-18 (``SHALLOW``)."""
 
 from __future__ import annotations
 
@@ -28,6 +31,7 @@ NORM_COUNTS = {"encoder": 104, "ppm": 4, "classifier": 1, "aux": 1}
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
+SHALLOW = ("--model.init_args.arch", "resnet18")
 
 
 @pytest.fixture(scope="module")
@@ -168,7 +172,7 @@ def _expected_lrs(base: float, batches: int, accumulate: int, epochs: int, warmu
 def test_lr_follows_warmup_then_poly_with_10x_heads(tiny_data, tmp_path, monkeypatch, norm, batch, accumulate, epochs):
     monkeypatch.chdir(tmp_path)
     base = 0.02
-    args = _fit_args(tiny_data, norm, "--data.init_args.global_batch_size", str(batch),
+    args = _fit_args(tiny_data, norm, "--data.init_args.global_batch_size", str(batch), *SHALLOW,
                      "--model.init_args.base_lr", str(base), "--model.init_args.warmup_epochs", "1")  # fmt: skip
     parsed = cli.run_cli(args[1:], run=False)  # without "fit": build, then fit with this trainer
     task: SegmentationTask = parsed.model
@@ -193,7 +197,7 @@ def test_lr_follows_warmup_then_poly_with_10x_heads(tiny_data, tmp_path, monkeyp
 @pytest.mark.parametrize("norm", ["bn", "gn", "brn", "mabn"])
 def test_short_fit_logs_miou_and_saves_checkpoints(tiny_data, tmp_path, monkeypatch, norm):
     monkeypatch.chdir(tmp_path)
-    cli_obj = cli.run_cli(launch.build_args("cityscapes", tiny_data, norm, 0, 1, _fit_extra()))
+    cli_obj = cli.run_cli(launch.build_args("cityscapes", tiny_data, norm, 0, 1, _fit_extra(*SHALLOW)))
     trainer = cli_obj.trainer
     assert trainer.state.finished and trainer.global_step == 2
     miou = trainer.callback_metrics["val/miou"].item()
@@ -205,6 +209,7 @@ def test_short_fit_logs_miou_and_saves_checkpoints(tiny_data, tmp_path, monkeypa
     assert best.name == f"step2-miou{miou:.4f}.ckpt"
     ckpt = torch.load(last, map_location="cpu", weights_only=False)
     assert ckpt["global_step"] == 2 and ckpt["hyper_parameters"]["norm"] == norm
+    assert ckpt["hyper_parameters"]["arch"] == "resnet18" and len(cli_obj.model.model.encoder.layer3) == 2
     assert ckpt["state_dict"].keys() == cli_obj.model.state_dict().keys()
 
 
@@ -248,6 +253,19 @@ def test_backbone_of_another_norm_names_both(tiny_data, mabn_backbone, tmp_path,
     code, lines = _cli_error_lines(_fit_args(tiny_data, "gn", "--model.init_args.backbone", str(mabn_backbone)), capsys)
     assert code == 2
     assert len(lines) == 1 and lines[0].startswith("error: ") and re.search(both, lines[0]), lines
+
+
+def test_backbone_of_another_arch_is_one_error_line(tiny_data, mabn_backbone, tmp_path, monkeypatch, capsys):
+    """A stage-2 run of ResNet-18 refuses the ResNet-101 backbone before building anything."""
+    monkeypatch.chdir(tmp_path)
+    args = _fit_args(tiny_data, "mabn", *SHALLOW, "--model.init_args.backbone", str(mabn_backbone))
+    code, lines = _cli_error_lines(args, capsys)
+    assert code == 2 and len(lines) == 1, lines
+    assert lines[0].startswith(f"error: arch mismatch: backbone {mabn_backbone} is a stage-1 resnet101 file")
+    assert lines[0].endswith(
+        "the model's encoder is resnet18: set the model's arch to resnet101 or pre-train with arch resnet18"
+    )
+    assert not (tmp_path / "runs").exists()
 
 
 def test_no_backbone_warns_random_encoder(tiny_data, mabn_backbone, tmp_path, monkeypatch):

@@ -4,7 +4,6 @@
   single-process fit on both shards at once);
 - per-device statistics (the default): parameters agree, streams differ, validation and checkpoints use the
   devices' mean EMA, every device's streams are checkpointed and a resume continues each one bit-identically;
-- a CLI run killed mid-training and restarted by the same command ends with the uninterrupted run's weights;
 - launching: trainer presets, syncbn refusals, and the SLURM script's dry run for 2 nodes x 8 GPUs.
 """
 
@@ -12,7 +11,6 @@ from __future__ import annotations
 
 import os
 import shlex
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -21,13 +19,13 @@ from types import SimpleNamespace
 import pytest
 import pytorch_lightning as pl
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 from pytorch_lightning.strategies import DDPStrategy
 from torch import nn
 from torch.utils.data import DataLoader, Subset, TensorDataset
 
+from ddp_layers import BRN_KW, MABN_KW, STEPS, WORLD, B, G, layer_data, layer_worker, make_layer, run_layer
 from mabn import BatchRenorm2d, MABN2d, convert_norm
 from mabn.callbacks import RandomStateCallback, SyncBatchNormCheck, norm_callbacks
 from mabn.callbacks.rng import RNG_KEY, collect_rng_states
@@ -43,11 +41,6 @@ def launch():
     from mabn import launch
 
     return launch
-
-
-WORLD = 2
-MABN_KW = dict(buffer_size=4, warmup_iters=3, renorm_warmup_iters=6, renorm_clip=1.5, momentum=0.9)
-BRN_KW = dict(r_ramp=(2, 8), d_ramp=(2, 6), momentum=0.9)
 
 
 @pytest.fixture(autouse=True)
@@ -71,56 +64,6 @@ def _one_thread(monkeypatch):
 
 
 # ----------------------------------------------------------------------------------- layers, synced
-G, B, C, H, W, STEPS = 2, 2, 3, 3, 4, 12  # per device: 2 ghost groups of 2 samples
-
-
-def _layer(kind: str, norm_batch_size: int, sync: bool) -> nn.Module:
-    torch.manual_seed(0)
-    if kind == "mabn":
-        layer = MABN2d(C, norm_batch_size=norm_batch_size, sync_stats=sync, **MABN_KW)
-    else:
-        layer = BatchRenorm2d(C, norm_batch_size=norm_batch_size, sync_stats=sync, **BRN_KW)
-    layer = layer.double()
-    with torch.no_grad():
-        layer.weight.uniform_(0.5, 1.5)
-        layer.bias.uniform_(-0.5, 0.5)
-    return layer
-
-
-def _layer_data() -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Per step, inputs and upstream gradients of shape (devices, G * B, C, H, W)."""
-    gen = torch.Generator().manual_seed(0)
-    shape = (WORLD, G * B, C, H, W)
-    xs = [(1 + t % 3) * torch.randn(shape, generator=gen, dtype=torch.float64) + 0.5 for t in range(STEPS)]
-    gs = [torch.randn(shape, generator=gen, dtype=torch.float64) for _ in range(STEPS)]
-    return xs, gs
-
-
-def _run_layer(layer: nn.Module, xs: list[torch.Tensor], gs: list[torch.Tensor]) -> dict[str, list[torch.Tensor]]:
-    out = {"out": [], "grad_x": [], "grad_w": [], "grad_b": []}
-    for x, g in zip(xs, gs):
-        layer.weight.grad = layer.bias.grad = None
-        x = x.clone().requires_grad_()
-        y = layer(x)
-        y.backward(g)
-        for key, value in zip(out, (y.detach(), x.grad, layer.weight.grad.clone(), layer.bias.grad.clone())):
-            out[key].append(value)
-    out["state"] = {k: v.clone() for k, v in layer.state_dict().items()}
-    return out
-
-
-def _layer_worker(rank: int, path: str) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{path}/pg", rank=rank, world_size=WORLD)
-    try:
-        xs, gs = _layer_data()
-        results = {
-            k: _run_layer(_layer(k, B, True), [x[rank] for x in xs], [g[rank] for g in gs]) for k in ("mabn", "brn")
-        }
-        torch.save(results, f"{path}/rank{rank}.pt")
-    finally:
-        dist.destroy_process_group()
-
-
 def _as_one_batch(t: torch.Tensor) -> torch.Tensor:
     """(devices, G * B, ...) -> (G * devices * B, ...): group k of device 0, then group k of device 1, ..."""
     return t.reshape(WORLD, G, B, *t.shape[2:]).transpose(0, 1).reshape(G * WORLD * B, *t.shape[2:])
@@ -129,12 +72,14 @@ def _as_one_batch(t: torch.Tensor) -> torch.Tensor:
 def test_sync_stats_normalizes_two_devices_as_one_batch(tmp_path):
     """Ghost group k of both devices is one normalization batch: output, input gradient, the devices'
     summed affine gradients and every buffer equal one process normalizing the joined groups (float64)."""
-    mp.spawn(_layer_worker, args=(str(tmp_path),), nprocs=WORLD)
+    mp.spawn(layer_worker, args=(str(tmp_path),), nprocs=WORLD)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
-    xs, gs = _layer_data()
+    xs, gs = layer_data()
     position = _as_one_batch(torch.arange(WORLD * G * B).view(WORLD, G * B))  # sample of the joined batch
     for kind in ("mabn", "brn"):
-        ref = _run_layer(_layer(kind, WORLD * B, False), [_as_one_batch(x) for x in xs], [_as_one_batch(g) for g in gs])
+        ref = run_layer(
+            make_layer(kind, WORLD * B, False), [_as_one_batch(x) for x in xs], [_as_one_batch(g) for g in gs]
+        )
         for t in range(STEPS):
             for r in range(WORLD):
                 rows = [int((position == r * G * B + i).nonzero()) for i in range(G * B)]
@@ -149,10 +94,10 @@ def test_sync_stats_normalizes_two_devices_as_one_batch(tmp_path):
 
 
 def test_sync_stats_without_a_process_group_changes_nothing():
-    xs, gs = _layer_data()
+    xs, gs = layer_data()
     for kind in ("mabn", "brn"):
-        plain = _run_layer(_layer(kind, B, False), [x[0] for x in xs], [g[0] for g in gs])
-        synced = _run_layer(_layer(kind, B, True), [x[0] for x in xs], [g[0] for g in gs])
+        plain = run_layer(make_layer(kind, B, False), [x[0] for x in xs], [g[0] for g in gs])
+        synced = run_layer(make_layer(kind, B, True), [x[0] for x in xs], [g[0] for g in gs])
         for key in ("out", "grad_x", "grad_w"):
             assert all(torch.equal(a, b) for a, b in zip(plain[key], synced[key])), (kind, key)
 
@@ -325,84 +270,6 @@ def test_sync_stats_ddp_fit_equals_one_process_on_both_shards(tmp_path):
         opt.step()
     for key, value in one.state_dict().items():
         torch.testing.assert_close(ranks[0][key], value, rtol=1e-9, atol=1e-12, msg=key)
-
-
-# ------------------------------------------------------------------------- killed, restarted, same weights
-class CliTiny(Tiny):
-    """Tiny for the CLI (num_classes is linked from the data); kills its own process once the global step
-    reaches $MABN_TEST_KILL_AT_STEP, as an out-of-memory kill or a node failure would."""
-
-    def __init__(self, num_classes: int = 3, norm: str = "mabn", lr: float = 0.05, loss_scale: float = 1.0) -> None:
-        # save_hyperparameters keeps the outermost __init__'s arguments: norm is what --ckpt_path auto matches
-        super().__init__(lr=lr, loss_scale=loss_scale)
-
-    def configure_optimizers(self):
-        optimizer = super().configure_optimizers()
-        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.7)
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
-
-    def on_train_batch_end(self, outputs, batch, batch_idx):
-        if self.global_step == int(os.environ.get("MABN_TEST_KILL_AT_STEP", "-1")):
-            os.kill(os.getpid(), signal.SIGKILL)
-
-
-class CliTinyData(pl.LightningDataModule):
-    num_classes = 3
-
-    def train_dataloader(self):
-        return DataLoader(_dataset(16), batch_size=4, shuffle=True)
-
-
-CLI_CONFIG = """
-seed_everything: 0
-trainer:
-  max_epochs: 4
-  logger: false
-  enable_progress_bar: false
-  enable_model_summary: false
-  callbacks:
-    - class_path: pytorch_lightning.callbacks.ModelCheckpoint
-      init_args: {save_last: true, every_n_epochs: 1, save_on_train_epoch_end: true}
-model:
-  class_path: test_ddp.CliTiny
-data:
-  class_path: test_ddp.CliTinyData
-"""
-
-
-def test_a_killed_run_restarted_by_the_same_command_ends_with_the_same_weights(tmp_path):
-    """4 epochs of 4 steps with shuffling, dropout and a per-step lr schedule. Killed at step 10 (mid epoch 3,
-    after the epoch-2 checkpoint), then restarted by the same command, it resumes from the epoch boundary and
-    ends bit-identical to the uninterrupted run, optimizer and scheduler state included."""
-    (tmp_path / "cfg.yaml").write_text(CLI_CONFIG)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])}
-
-    def command(root: str) -> list[str]:
-        cfg = str(tmp_path / "cfg.yaml")
-        return [sys.executable, "-m", "mabn", "fit", "--config", cfg, "--trainer.default_root_dir", root,
-                "--ckpt_path", "auto"]  # fmt: skip
-
-    def run(root: str, **extra_env: str) -> subprocess.CompletedProcess:
-        return subprocess.run(command(root), cwd=tmp_path, env={**env, **extra_env}, capture_output=True, text=True)
-
-    straight = run(str(tmp_path / "straight"))
-    assert straight.returncode == 0, straight.stderr[-3000:]
-    assert "starting a new run" in straight.stdout
-    killed = run(str(tmp_path / "killed"), MABN_TEST_KILL_AT_STEP="10")
-    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
-    assert _load(tmp_path / "killed" / "checkpoints" / "last.ckpt")["global_step"] == 8
-    restarted = run(str(tmp_path / "killed"))
-    assert restarted.returncode == 0, restarted.stderr[-3000:]
-    assert "Resuming from" in restarted.stdout and "(epoch 1, step 8)" in restarted.stdout
-
-    a = _load(tmp_path / "straight" / "checkpoints" / "last.ckpt")
-    b = _load(tmp_path / "killed" / "checkpoints" / "last.ckpt")
-    assert a["global_step"] == b["global_step"] == 16
-    for key, value in a["state_dict"].items():
-        assert torch.equal(b["state_dict"][key], value), key
-    for pa, pb in zip(a["optimizer_states"][0]["state"].values(), b["optimizer_states"][0]["state"].values()):
-        assert torch.equal(pa["momentum_buffer"], pb["momentum_buffer"])
-    assert a["lr_schedulers"] == b["lr_schedulers"] and a["lr_schedulers"][0]["last_epoch"] == 16
 
 
 # ------------------------------------------------------------------------------------------ launching

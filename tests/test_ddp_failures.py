@@ -36,7 +36,7 @@ from mabn.cli import run_cli
 from mabn.data.loading import make_loader
 from mabn.metrics import SegmentationMetric
 from mabn.tasks import ClassificationTask
-from test_ddp import CLI_CONFIG, Tiny, _dataset  # Tiny: MABN2d and BatchRenorm2d, so checkpoints gather streams
+from test_ddp import Tiny, _dataset  # Tiny: MABN2d and BatchRenorm2d, so checkpoints gather streams
 
 WORLD = 2
 FAIL_AT_STEP = 3
@@ -137,6 +137,11 @@ def _worker(scenario: str, root: Path) -> None:
         _trainer(root, callbacks, max_steps=4).fit(Tiny(), _train_loader())
     elif scenario == "rank0-killed":
         _trainer(root, [FailFast(grace_s=5), KillRank0()], max_steps=8).fit(Tiny(), _train_loader())
+    elif scenario == "validate":
+        trainer = _trainer(root, [], max_steps=1)
+        results = {"seg": trainer.validate(TinySegmenter(str(root)), verbose=False)[0],
+                   "cls": trainer.validate(TinyClassifier(), verbose=False)[0]}  # fmt: skip
+        (root / f"validated-rank{trainer.global_rank}.json").write_text(json.dumps(results))
     else:
         callbacks = [FailFast(), RandomStateCallback(), RaiseOnRank1(hang=scenario == "raise-and-hang")]
         _trainer(root, callbacks, max_steps=8).fit(Tiny(), _train_loader())
@@ -176,7 +181,8 @@ SLURM_LIKE = {"SLURM_NTASKS": str(WORLD), "SLURM_NTASKS_PER_NODE": str(WORLD), "
 
 
 # ------------------------------------------------------------------------------ one process raises
-@pytest.mark.parametrize("scenario", ["raise", pytest.param("raise-and-hang", marks=pytest.mark.slow)])
+@pytest.mark.slow  # two processes started as torchrun would, each importing the CLI: 15 s and more
+@pytest.mark.parametrize("scenario", ["raise", "raise-and-hang"])
 def test_when_rank_1_raises_every_rank_ends_within_a_minute_naming_the_error(tmp_path, scenario):
     """Rank 1 raises at step 3. Rank 0, blocked in that step's gradient all-reduce, ends with the error
     named ("rank 1 failed: ValueError: ..."), not gloo's "Connection closed by peer", and within a minute
@@ -212,6 +218,21 @@ def test_one_line_keeps_the_type_and_the_first_line():
     assert one_line(ValueError(from_worker)) == "ValueError: bad pixel"
 
 
+CLI_CONFIG = """
+trainer:
+  max_epochs: 4
+  logger: false
+  enable_progress_bar: false
+  callbacks:
+    - class_path: pytorch_lightning.callbacks.ModelCheckpoint
+      init_args: {save_last: true, every_n_epochs: 1, save_on_train_epoch_end: true}
+model:
+  class_path: cli_tiny.TinyTask
+data:
+  class_path: cli_tiny.TinyData
+"""
+
+
 def test_the_cli_guards_every_trainer_once(tmp_path):
     """Every trainer the CLI builds gets the guards; one the user configured is not added twice."""
     (tmp_path / "cfg.yaml").write_text(CLI_CONFIG)
@@ -223,6 +244,7 @@ def test_the_cli_guards_every_trainer_once(tmp_path):
 
 
 # --------------------------------------------------------------------------- SLURM's requeue signal
+@pytest.mark.slow  # two processes started as srun would, each importing the CLI: ~15 s
 def test_requeue_signal_saves_one_checkpoint_at_an_agreed_step_without_collectives_in_the_handler(tmp_path):
     """SIGUSR1 reaches rank 1 at batch 1 and rank 0 at batch 3. Both take part in one checkpoint at the end
     of batch 1 (global step 2), which holds both devices' random states and norm streams; the handlers call
@@ -308,22 +330,32 @@ class TinyClassifier(ClassificationTask):
         return make_loader(Labels(), batch_size=2, train=False, num_workers=0)
 
 
-def _validate(model: pl.LightningModule, devices: int) -> dict[str, float]:
+def _validate(model: pl.LightningModule) -> dict[str, float]:
+    """The metrics of one process's validation."""
     kwargs = dict(accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False)
-    strategy = "ddp_spawn" if devices > 1 else "auto"
-    return pl.Trainer(devices=devices, strategy=strategy, **kwargs).validate(model, verbose=False)[0]
+    return pl.Trainer(devices=1, **kwargs).validate(model, verbose=False)[0]
 
 
-def test_validation_counts_each_sample_of_an_odd_split_once_on_two_processes(tmp_path, monkeypatch):
+@pytest.fixture(scope="module")
+def two_processes(tmp_path_factory) -> tuple[Path, dict[str, dict[str, float]]]:
+    """(folder, metrics) of TinySegmenter's and TinyClassifier's validations by 2 processes (started as torchrun
+    would, one trainer validating both): each process's metrics by ``seg`` and ``cls``, rank 0's."""
+    root = tmp_path_factory.mktemp("validate")
+    for r, (code, _, output) in enumerate(_run_ranks("validate", root, TORCHRUN_LIKE)):
+        assert code == 0, (r, output[-3000:])
+    ranks = [json.loads((root / f"validated-rank{r}.json").read_text()) for r in range(WORLD)]
+    assert ranks[0] == ranks[1]  # the synced metrics, the same on both processes
+    return root, ranks[0]
+
+
+def test_validation_counts_each_sample_of_an_odd_split_once_on_two_processes(two_processes, tmp_path):
     """The 2 processes read samples 0, 2, 4, 6 and 1, 3, 5 (none repeated to fill rank 1's last batch), and
     their mIoU equals 1 process's over the 7 samples, where Lightning's padding would score sample 0 twice."""
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    monkeypatch.setenv("MASTER_PORT", str(find_free_network_port()))
-    one = _validate(TinySegmenter(str(tmp_path)), 1)
-    two = _validate(TinySegmenter(str(tmp_path)), WORLD)
-    seen = [json.loads((tmp_path / f"seen-rank{r}.json").read_text()) for r in range(WORLD)]
+    root, two = two_processes
+    one = _validate(TinySegmenter(str(tmp_path)))
+    seen = [json.loads((root / f"seen-rank{r}.json").read_text()) for r in range(WORLD)]
     assert seen == [[0, 2, 4, 6], [1, 3, 5]]
-    assert two["val/miou"] == pytest.approx(one["val/miou"], abs=1e-6)
+    assert two["seg"]["val/miou"] == pytest.approx(one["val/miou"], abs=1e-6)
     padded = SegmentationMetric(CLASSES)
     model = TinySegmenter(str(tmp_path))
     for i in [*range(N_VAL), 0]:
@@ -332,14 +364,12 @@ def test_validation_counts_each_sample_of_an_odd_split_once_on_two_processes(tmp
     assert padded.compute()["miou"].item() != pytest.approx(one["val/miou"], abs=1e-6)
 
 
-def test_classification_validation_of_an_odd_split_on_two_processes_equals_one_process(monkeypatch):
+def test_classification_validation_of_an_odd_split_on_two_processes_equals_one_process(two_processes):
     """Loss, top-1 and top-5 of ClassificationTask over 7 samples: 4 on one device, 3 on the other. The loss
     is a mean over samples, exact only when the devices' sample counts are summed, not averaged."""
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    monkeypatch.setenv("MASTER_PORT", str(find_free_network_port()))
-    one = _validate(TinyClassifier(), 1)
-    two = _validate(TinyClassifier(), WORLD)
-    assert set(one) == {"val/loss", "val/top1", "val/top5"}
+    one = _validate(TinyClassifier())
+    two = two_processes[1]["cls"]
+    assert set(one) == set(two) == {"val/loss", "val/top1", "val/top5"}
     for key, value in one.items():
         assert two[key] == pytest.approx(value, abs=1e-6), key
 

@@ -23,7 +23,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 @pytest.fixture(scope="module")
 def fitted(tmp_path_factory) -> tuple[Path, Path]:
-    """(data root, best checkpoint) of a 2-step bn fit on a tiny demo set with crop 32 (images 32x64)."""
+    """(data root, best checkpoint) of a 2-step bn fit on a tiny demo set with crop 32 (images 32x64), of a PSPNet on
+    ResNet-18: test and predict rebuild whatever arch the checkpoint names and score it the same way."""
     root = tmp_path_factory.mktemp("predict")
     data = demo_cityscapes.generate(root / "cs", n_train=4, n_val=3, size=(32, 64), seed=5)
     extra = [
@@ -32,6 +33,7 @@ def fitted(tmp_path_factory) -> tuple[Path, Path]:
         "--trainer.default_root_dir", str(root / "runs" / "bn"),
         "--data.init_args.global_batch_size", "4", "--data.init_args.num_workers", "0",
         "--data.init_args.crop_size", "32", "--model.init_args.log_predictions_every_n_epochs", "0",
+        "--model.init_args.arch", "resnet18",
     ]  # fmt: skip
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

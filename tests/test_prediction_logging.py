@@ -19,6 +19,7 @@ from mabn.tasks.segmentation import display_image, prediction_masks
 from wandb_reader import history, offline_run, wandb_session
 
 pytestmark = pytest.mark.usefixtures("one_thread")
+ARCH = "resnet18"  # what is logged does not depend on the encoder's depth
 
 
 @pytest.fixture(scope="module")
@@ -95,7 +96,7 @@ class _Capture(WandbLogger):
 def test_every_nth_validation_logs_when_wandb_is_disabled(tiny_data, tmp_path, monkeypatch, request, every, expected):
     wandb_session(request, monkeypatch, "disabled")
     monkeypatch.chdir(tmp_path)
-    task = SegmentationTask(norm="bn", log_predictions_every_n_epochs=every, num_logged_predictions=2)
+    task = SegmentationTask(norm="bn", log_predictions_every_n_epochs=every, num_logged_predictions=2, arch=ARCH)
     data = CityscapesDataModule(str(tiny_data), crop_size=32, val_batch_size=2, num_workers=0)
     logger = _Capture()
     trainer = pl.Trainer(logger=[pl.loggers.CSVLogger(tmp_path), logger], enable_progress_bar=False,
@@ -116,7 +117,9 @@ def test_fit_logs_masks_of_the_first_val_images_to_an_offline_run(tiny_data, tmp
     not of the sanity check, and the stored masks are the labels and the final model's predictions."""
     wandb_session(request, monkeypatch, "offline")
     monkeypatch.chdir(tmp_path)
-    task = SegmentationTask(norm="bn", log_predictions_every_n_epochs=2, num_logged_predictions=2, warmup_epochs=1)
+    task = SegmentationTask(
+        norm="bn", log_predictions_every_n_epochs=2, num_logged_predictions=2, warmup_epochs=1, arch=ARCH
+    )
     data = CityscapesDataModule(str(tiny_data), crop_size=32, global_batch_size=2, val_batch_size=2, num_workers=0)
     logger = WandbLogger(save_dir=str(tmp_path / "runs"))
     steps: list[int] = []  # global step at each validation

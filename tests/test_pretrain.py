@@ -1,4 +1,7 @@
-"""Stage 1: short fits through the real CLI, the backbone hand-off, the recipe's schedule, bad data."""
+"""Stage 1: short fits through the real CLI, the backbone hand-off, the recipe's schedule, bad data.
+
+The fits train ResNet-18 (``arch: resnet18``): the CLI, the export and the hand-off are the same code at any
+depth, and the default ResNet-101 is what ``test_weight_decay_reaches_norm_gamma_and_beta`` builds."""
 
 from pathlib import Path
 
@@ -12,6 +15,9 @@ from mabn.callbacks.policy import NormPolicy
 from mabn.data import demo_imagenet
 from mabn.models import BackboneError, load_backbone, load_backbone_into, norm_kwargs_for
 from mabn.tasks import ClassificationTask
+from mabn.tasks.classification import backbone_path
+
+ARCH = "resnet18"  # the short fits' depth
 
 
 @pytest.fixture(scope="module")
@@ -19,8 +25,10 @@ def tiny_data(tmp_path_factory) -> Path:
     return demo_imagenet.generate(tmp_path_factory.mktemp("data") / "cls", n_train=4, n_val=2, size=40)
 
 
-def _fit_args(data: Path, norm: str, *extra: str) -> list[str]:
+def _fit_args(data: Path, norm: str, *extra: str, arch: str | None = ARCH) -> list[str]:
+    """A 2-step fit of ``arch`` (None: the recipe's default)."""
     args = launch.build_args("pretrain", data, norm, gpus=0, nodes=1, extra=list(extra))
+    args += ["--model.init_args.arch", arch] if arch else []
     return args + [
         "--trainer.max_steps", "2", "--trainer.val_check_interval", "2", "--trainer.limit_val_batches", "1",
         "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false",
@@ -33,17 +41,17 @@ def _fit_args(data: Path, norm: str, *extra: str) -> list[str]:
 def test_short_fit_exports_a_backbone_that_loads_into_the_stage2_encoder(tiny_data, tmp_path, monkeypatch, norm):
     monkeypatch.chdir(tmp_path)
     cli.run_cli(_fit_args(tiny_data, norm))
-    path = tmp_path / "pretrain" / f"resnet101-{norm}.pt"
+    path = tmp_path / "pretrain" / f"{ARCH}-{norm}.pt"
     payload = load_backbone(path, norm)
-    assert payload["norm"] == norm and payload["arch"] == "resnet101"
+    assert payload["norm"] == norm and payload["arch"] == ARCH
     assert payload["centralized"] == (norm == "mabn")
     assert 0.0 <= payload["val_top1"] <= 1.0
     assert payload["config"]["model"]["norm"] == norm and payload["config"]["global_batch_size"] == 8
     assert not any(k.startswith("fc.") for k in payload["state_dict"])
 
-    encoder = smp.encoders.get_encoder("resnet101", weights=None, output_stride=8)
+    encoder = smp.encoders.get_encoder(ARCH, weights=None, output_stride=8)
     convert_norm(encoder, norm, **norm_kwargs_for(norm, 2, {"mabn": {"buffer_size": 16}}))
-    info = load_backbone_into(encoder, path, norm)
+    info = load_backbone_into(encoder, path, norm, ARCH)
     for key, value in encoder.state_dict().items():
         assert torch.equal(value, payload["state_dict"][key]), key
     assert info["norm"] == norm
@@ -52,11 +60,11 @@ def test_short_fit_exports_a_backbone_that_loads_into_the_stage2_encoder(tiny_da
 def test_norm_mismatch_names_both_norms(tiny_data, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     cli.run_cli(_fit_args(tiny_data, "bn"))
-    encoder = convert_norm(smp.encoders.get_encoder("resnet101", weights=None, output_stride=8), "mabn")
+    encoder = convert_norm(smp.encoders.get_encoder(ARCH, weights=None, output_stride=8), "mabn")
     with pytest.raises(BackboneError, match="pre-trained with norm 'bn'.*asks for norm 'mabn'"):
-        load_backbone_into(encoder, tmp_path / "pretrain" / "resnet101-bn.pt", "mabn")
+        load_backbone_into(encoder, tmp_path / "pretrain" / f"{ARCH}-bn.pt", "mabn", ARCH)
     with pytest.raises(BackboneError, match="not found"):
-        load_backbone(tmp_path / "pretrain" / "resnet101-gn.pt", "gn")
+        load_backbone(tmp_path / "pretrain" / f"{ARCH}-gn.pt", "gn")
 
 
 class _RecordLR(pl.Callback):
@@ -85,8 +93,10 @@ def test_lr_schedule_follows_the_recipe_formula(tiny_data, tmp_path, monkeypatch
 
 def test_weight_decay_reaches_norm_gamma_and_beta(tiny_data, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    parsed = cli.run_cli(_fit_args(tiny_data, "mabn")[1:], run=False)
+    parsed = cli.run_cli(_fit_args(tiny_data, "mabn", arch=None)[1:], run=False)
     task: ClassificationTask = parsed.model
+    assert task.hparams.arch == "resnet101" and len(task.model.layer3) == 23  # the recipe's default: ResNet-101
+    assert backbone_path(task.hparams.export_dir, "mabn", task.hparams.arch).name == "resnet101-mabn.pt"
     trainer = pl.Trainer(max_steps=1, logger=False, enable_checkpointing=False)
     trainer.strategy.connect(task)
     task.trainer = trainer

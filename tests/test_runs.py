@@ -19,6 +19,7 @@ import torch
 
 from mabn import runs
 from mabn.errors import ConfigError
+from wandb_reader import wandb_session
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = "cli_tiny.TinyTask"
@@ -48,6 +49,21 @@ def _run(cmd: list[str], cwd: Path, **env: str) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, cwd=cwd, env=_env(**env), capture_output=True, text=True, timeout=300)
 
 
+def _run_here(cmd: list[str], request, monkeypatch, capsys) -> tuple[int, str, str]:
+    """(exit code, stdout, stderr) of a ``_command`` run in this process through the same entry point,
+    ``mabn.__main__.main``, with wandb disabled as in ``_env``: no interpreter to start where nothing is killed."""
+    from mabn.__main__ import main
+
+    wandb_session(request, monkeypatch, "disabled")
+    capsys.readouterr()
+    try:
+        code = main(cmd[cmd.index("-m") + 2 :])  # the arguments after ``python -m mabn``
+    except SystemExit as exit_info:
+        code = exit_info.code
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
 def _rows(path: Path) -> list[dict[str, str]]:
     with open(path, newline="") as file:
         return list(csv.DictReader(file))
@@ -62,15 +78,26 @@ def _tests_importable(monkeypatch):
     monkeypatch.syspath_prepend(str(ROOT / "tests"))
 
 
-def test_a_killed_run_resumes_in_its_folder_with_its_log_best_checkpoint_and_wandb_id(tmp_path):
+def test_a_killed_run_resumes_in_its_folder_with_its_log_best_checkpoint_and_wandb_id(
+    tmp_path, request, monkeypatch, capsys, one_thread
+):
+    """4 epochs of 4 steps (shuffling, dropout, MABN2d and BRN, a per-step lr schedule). Killed at step 10 (mid
+    epoch 3, after the step-8 checkpoint), then restarted by the same command, the run resumes from the epoch
+    boundary in its folder and ends bit-identical to the uninterrupted run, optimizer and scheduler state
+    included, with the same CSV log, best checkpoint and wandb run. The uninterrupted run, the reference, runs in
+    this process on one thread (as the processes do: OMP_NUM_THREADS=1); the killed run and its restart are
+    processes of their own."""
     straight, killed = tmp_path / "straight", tmp_path / "killed"
-    ok = _run(_command(_config(tmp_path, straight), "--ckpt_path", "auto"), tmp_path)
-    assert ok.returncode == 0, ok.stderr[-3000:]
-    assert "No checkpoint to resume" in ok.stdout
+    monkeypatch.chdir(tmp_path)
+    reference = _command(_config(tmp_path, straight), "--ckpt_path", "auto")
+    code, out, err = _run_here(reference, request, monkeypatch, capsys)
+    assert code == 0, err[-3000:]
+    assert "No checkpoint to resume" in out
 
     cfg = _config(tmp_path, killed)
     dead = _run(_command(cfg, "--ckpt_path", "auto"), tmp_path, TINY_KILL_AT_STEP="10")
-    assert dead.returncode == -signal.SIGKILL
+    assert dead.returncode == -signal.SIGKILL, dead.stderr[-3000:]
+    assert torch.load(killed / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 8
     wandb_id = (killed / "wandb-id").read_text()
     assert max(int(r["step"]) for r in _rows(killed / "metrics.csv")) >= 8  # rows logged after the step-8 checkpoint
     again = _run(_command(cfg, "--ckpt_path", "auto"), tmp_path)
@@ -81,8 +108,12 @@ def test_a_killed_run_resumes_in_its_folder_with_its_log_best_checkpoint_and_wan
     # One CSV log, cut back to the checkpoint and continued: row for row the uninterrupted run's.
     assert _rows(killed / "metrics.csv") == _rows(straight / "metrics.csv")
     a, b = (torch.load(f / "checkpoints" / "last.ckpt", weights_only=True) for f in (straight, killed))
+    assert a["global_step"] == b["global_step"] == 16
     for key, value in a["state_dict"].items():
         assert torch.equal(b["state_dict"][key], value), key
+    for pa, pb in zip(a["optimizer_states"][0]["state"].values(), b["optimizer_states"][0]["state"].values()):
+        assert torch.equal(pa["momentum_buffer"], pb["momentum_buffer"])
+    assert a["lr_schedulers"] == b["lr_schedulers"] and a["lr_schedulers"][0]["last_epoch"] == 16
     best = [next(v for k, v in c["callbacks"].items() if k.startswith("ModelCheckpoint")) for c in (a, b)]
     assert best[1]["best_model_score"] == best[0]["best_model_score"]  # the best survives the restart
     assert Path(best[1]["best_model_path"]).parent == killed / "checkpoints"
@@ -91,20 +122,23 @@ def test_a_killed_run_resumes_in_its_folder_with_its_log_best_checkpoint_and_wan
     }
 
 
-def test_a_new_run_never_overwrites_the_run_in_its_folder(tmp_path):
+def test_a_new_run_never_overwrites_the_run_in_its_folder(tmp_path, request, monkeypatch, capsys):
     folder = tmp_path / "run"
     cfg = _config(tmp_path, folder)
-    assert _run(_command(cfg, "--trainer.max_epochs", "1"), tmp_path).returncode == 0
+    monkeypatch.chdir(tmp_path)
+    code, _, err = _run_here(_command(cfg, "--trainer.max_epochs", "1"), request, monkeypatch, capsys)
+    assert code == 0, err[-3000:]
     before = _snapshot(folder)
-    second = _run(_command(cfg, "--trainer.max_epochs", "1"), tmp_path)
-    assert second.returncode == 2
-    assert second.stderr.strip().splitlines()[-1].startswith(f"error: {folder} already holds a run")
+    code, _, err = _run_here(_command(cfg, "--trainer.max_epochs", "1"), request, monkeypatch, capsys)
+    assert code == 2
+    assert err.strip().splitlines()[-1].startswith(f"error: {folder} already holds a run")
     assert _snapshot(folder) == before
 
 
-def test_a_kill_during_a_checkpoint_write_leaves_the_previous_checkpoint(tmp_path):
+def test_a_kill_during_a_checkpoint_write_leaves_the_previous_checkpoint(tmp_path, request, monkeypatch, capsys):
     """The run folder on a tmpfs, $TMPDIR on the disk: a write that went through $TMPDIR and a copy would not be
-    atomic here. The kill lands after the new checkpoint's bytes are written and before the rename."""
+    atomic here. The kill lands after the new checkpoint's bytes are written and before the rename; the restart
+    runs in this process, with the same $TMPDIR."""
     shm = Path("/dev/shm")
     if not shm.is_dir():
         pytest.skip("no tmpfs at /dev/shm on this machine")
@@ -128,9 +162,12 @@ def test_a_kill_during_a_checkpoint_write_leaves_the_previous_checkpoint(tmp_pat
         assert runs.stale_temporaries(folder)  # the cut-off write, under its temporary name only
         for ckpt in (folder / "checkpoints").glob("*.ckpt"):
             assert torch.load(ckpt, weights_only=True)["global_step"] == 4, ckpt  # the previous, whole
-        again = _run(_command(cfg, "--ckpt_path", "auto"), tmp_path, TMPDIR=str(tmp_path))
-        assert again.returncode == 0, again.stderr[-3000:]
-        assert "(epoch 0, step 4)" in again.stdout and "left by a write that did not finish" in again.stdout
+        monkeypatch.chdir(tmp_path)
+        monkeypatch.setenv("TMPDIR", str(tmp_path))
+        monkeypatch.setattr(tempfile, "tempdir", None)  # read $TMPDIR again, as a new process would
+        code, out, err = _run_here(_command(cfg, "--ckpt_path", "auto"), request, monkeypatch, capsys)
+        assert code == 0, err[-3000:]
+        assert "(epoch 0, step 4)" in out and "left by a write that did not finish" in out
         assert not runs.stale_temporaries(folder)
         assert torch.load(folder / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 16
     finally:

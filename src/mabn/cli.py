@@ -34,7 +34,7 @@ from .callbacks.distributed import end_process_group_at_exit
 from .data.errors import DatasetError
 from .errors import ConfigError, own_message
 from .files import AtomicCheckpointIO, write_text_atomic
-from .models import BackboneError
+from .models import DEFAULT_ARCH, BackboneError
 from .process import first_process
 from .tasks.classification import backbone_path
 
@@ -85,10 +85,11 @@ def check_batch(config: Namespace) -> None:
 def check_export(config: Namespace) -> None:
     """Stage 1 exports its backbone at the end: refuse, before training, to replace one that another run wrote
     (a backbone records its run's folder)."""
-    export_dir, norm = config.model.init_args.get("export_dir"), config.model.init_args.get("norm")
+    init_args = config.model.init_args
+    export_dir, norm = init_args.get("export_dir"), init_args.get("norm")
     if not export_dir:
         return
-    target = backbone_path(export_dir, norm)
+    target = backbone_path(export_dir, norm, init_args.get("arch") or DEFAULT_ARCH)
     if not target.is_file():
         return
     try:

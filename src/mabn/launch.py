@@ -203,7 +203,7 @@ def check_cluster(gpus: int, nodes: int) -> str | None:
 def default_backbone(norm: str, backbone: Path | None, demo: bool) -> list[str]:
     """Stage 2 reads ``backbone``, else stage 1's export for the same norm and profile when there is one."""
     if backbone is None:
-        candidate = (BACKBONES / DEMO if demo else BACKBONES) / f"resnet101-{norm}.pt"
+        candidate = backbone_path(BACKBONES / DEMO if demo else BACKBONES, norm)
         if not candidate.is_file():
             return []
         say(f"Using the stage-1 backbone {candidate} (BACKBONE=... picks another).")

@@ -1,4 +1,5 @@
-"""Networks built with a chosen norm: ResNet-101 (stage 1) and PSPNet-101 (stage 2)."""
+"""Networks built with a chosen norm: ResNet-101 (stage 1) and PSPNet-101 (stage 2), or another ResNet depth
+(``arch``, one of ``ARCHS``)."""
 
 from .backbone import (
     BackboneError,
@@ -9,10 +10,14 @@ from .backbone import (
     save_backbone,
 )
 from .pspnet import PSPNet
-from .resnet import logged_norms, norm_kwargs_for, resnet101
+from .resnet import ARCHS, DEFAULT_ARCH, check_arch, logged_norms, norm_kwargs_for, resnet, resnet101
 
 __all__ = [
     "PSPNet",
+    "ARCHS",
+    "DEFAULT_ARCH",
+    "check_arch",
+    "resnet",
     "resnet101",
     "norm_kwargs_for",
     "save_backbone",

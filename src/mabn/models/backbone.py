@@ -5,7 +5,8 @@ A backbone file is one of (see docs/backbones.md):
 - a stage-1 file of plain BatchNorm (``bn`` or ``syncbn``, any normalization batch) for a ``bn``, ``brn`` or
   ``syncbn`` encoder: the paper's Cityscapes baselines BN, BRN and SyncBN all start from one BN ResNet-101;
 - torchvision's ResNet-101 ``state_dict()`` saved with ``torch.save`` (a BN network), for the same encoders.
-Any other pairing is refused with the reason, before training (``check_backbone``) and at loading.
+Any other pairing is refused with the reason, before training (``check_backbone``) and at loading. So is a file
+of another ResNet depth than the encoder's (the ``arch`` model option, default resnet101).
 """
 
 from __future__ import annotations
@@ -20,11 +21,15 @@ from torch import nn
 from ..errors import ConfigError
 from ..files import load_weights_file, write_atomic
 from ..norm import NORM_PRESETS, BatchRenorm2d
+from .resnet import ARCHS, DEFAULT_ARCH, check_arch
 
 FORMAT = "mabn-backbone"
 VERSION = 1
 STAGE1, TORCHVISION = "stage-1", "torchvision"  # the two sources: a file of stage 1, a torchvision state dict
-RESNET101_BLOCKS = {"layer1": 3, "layer2": 4, "layer3": 23, "layer4": 3}
+LAYERS = ("layer1", "layer2", "layer3", "layer4")
+# Blocks per layer of each ``arch``, and the archs of basic blocks (two convs) rather than bottlenecks (three).
+ARCH_BLOCKS = dict(zip(ARCHS, [(2, 2, 2, 2), (3, 4, 6, 3), (3, 4, 6, 3), (3, 4, 23, 3), (3, 8, 36, 3)]))
+BASIC_BLOCKS = ("resnet18", "resnet34")
 BN_EPS = 1e-5  # torch's BatchNorm2d default: torchvision's and this project's unless norm_options set eps
 # Stage-1 norm kinds whose layers hold BatchNorm statistics, and the encoder kinds that compute
 # w * (x - mean) / std + b at inference and so can take them over exactly.
@@ -34,6 +39,11 @@ BN_TARGETS = ("bn", "brn", "syncbn")
 
 class BackboneError(ConfigError):
     """A backbone file that is missing, malformed, or does not fit the requested model."""
+
+
+def arch_title(arch: str) -> str:
+    """How the docs and messages name a ResNet: resnet101 -> ResNet-101."""
+    return f"ResNet-{arch.removeprefix('resnet')}"
 
 
 @dataclass(frozen=True)
@@ -47,11 +57,12 @@ class Backbone:
     eps: float  # the eps of its BatchNorm layers (where the source has them)
     state_dict: dict[str, torch.Tensor]
     info: dict[str, Any]  # the stage-1 payload without weights (empty for torchvision)
+    arch: str = DEFAULT_ARCH  # the ResNet the weights belong to
 
     def describe(self) -> str:
         """What the file is, for the line stage 2 logs and for errors."""
         if self.source == TORCHVISION:
-            return "torchvision ResNet-101 state dict (BN)"
+            return f"torchvision {arch_title(self.arch)} state dict (BN)"
         top1 = self.info.get("val_top1")
         batch = (self.info.get("config") or {}).get("model", {}).get("norm_batch_size", "n/a")
         shown = "n/a" if top1 is None else f"{top1:.3f}"
@@ -64,13 +75,18 @@ def backbone_state(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def save_backbone(
-    path: str | Path, model: nn.Module, norm: str, config: dict[str, Any], val_top1: float | None
+    path: str | Path,
+    model: nn.Module,
+    norm: str,
+    config: dict[str, Any],
+    val_top1: float | None,
+    arch: str = DEFAULT_ARCH,
 ) -> Path:
-    """Write ``model``'s backbone with what stage 2 needs to trust it."""
+    """Write ``model``'s backbone (a ResNet ``arch``) with what stage 2 needs to trust it."""
     payload = {
         "format": FORMAT,
         "version": VERSION,
-        "arch": "resnet101",
+        "arch": check_arch(arch),
         "norm": norm,
         "centralized": NORM_PRESETS[norm].centralize_weights,
         "state_dict": backbone_state(model),
@@ -89,15 +105,23 @@ def _is_torchvision(payload: Any) -> bool:
     )
 
 
-def _check_resnet101(path: Path, state: dict[str, torch.Tensor]) -> None:
-    """torchvision ResNets share their keys up to the block counts: refuse ResNet-50/152 by name."""
-    for layer, blocks in RESNET101_BLOCKS.items():
+def _check_blocks(path: Path, state: dict[str, torch.Tensor], arch: str) -> None:
+    """torchvision ResNets share their keys up to the block counts and kinds: refuse another depth by name."""
+    save = f"save torchvision.models.{arch}'s state_dict()"
+    for layer, blocks in zip(LAYERS, ARCH_BLOCKS[arch]):
         found = len({k.split(".")[1] for k in state if k.startswith(f"{layer}.")})
         if found != blocks:
             raise BackboneError(
-                f"{path} is a torchvision ResNet state dict with {found} blocks in {layer}, ResNet-101 has {blocks}: "
-                "save torchvision.models.resnet101's state_dict()"
+                f"{path} is a torchvision ResNet state dict with {found} blocks in {layer}, {arch_title(arch)} has "
+                f"{blocks}: {save}"
             )
+    kind = {True: "bottleneck", False: "basic"}
+    bottleneck = "layer1.0.conv3.weight" in state
+    if bottleneck != (arch not in BASIC_BLOCKS):
+        raise BackboneError(
+            f"{path} is a torchvision ResNet state dict of {kind[bottleneck]} blocks, {arch_title(arch)} has "
+            f"{kind[not bottleneck]} blocks: {save}"
+        )
 
 
 def _stage1_eps(payload: dict[str, Any]) -> float:
@@ -105,14 +129,15 @@ def _stage1_eps(payload: dict[str, Any]) -> float:
     return float(options.get(NORM_PRESETS[payload["norm"]].kind, {}).get("eps", BN_EPS))
 
 
-def read_backbone(path: str | Path) -> Backbone:
-    """Read a stage-1 file or a torchvision ResNet-101 state dict; ``BackboneError`` for anything else."""
+def read_backbone(path: str | Path, arch: str = DEFAULT_ARCH) -> Backbone:
+    """Read a stage-1 file or a torchvision state dict of the ResNet ``arch``; ``BackboneError`` for anything else.
+    (A stage-1 file records its own ``arch``, which ``check_backbone`` compares.)"""
     path = Path(path)
     payload = load_weights_file(path, "backbone file", BackboneError)
     if _is_torchvision(payload):
         state = {k: v for k, v in payload.items() if not k.startswith("fc.")}
-        _check_resnet101(path, state)
-        return Backbone(path, TORCHVISION, "bn", False, BN_EPS, state, {})
+        _check_blocks(path, state, check_arch(arch))
+        return Backbone(path, TORCHVISION, "bn", False, BN_EPS, state, {}, arch)
     if not isinstance(payload, dict) or payload.get("format") != FORMAT:
         raise BackboneError(
             f"{path} is neither a {FORMAT} file (pretrain/README.md) nor a torchvision ResNet-101 state dict"
@@ -121,9 +146,11 @@ def read_backbone(path: str | Path) -> Backbone:
         raise BackboneError(f"{path} has format version {payload.get('version')}, this code reads {VERSION}")
     if payload.get("norm") not in NORM_PRESETS:
         raise BackboneError(f"{path} names an unknown norm {payload.get('norm')!r}")
+    if payload.get("arch") not in ARCH_BLOCKS:
+        raise BackboneError(f"{path} names an unknown arch {payload.get('arch')!r}")
     info = {k: v for k, v in payload.items() if k != "state_dict"}
     norm, centralized, state = payload["norm"], bool(payload["centralized"]), payload["state_dict"]
-    return Backbone(path, STAGE1, norm, centralized, _stage1_eps(payload), state, info)
+    return Backbone(path, STAGE1, norm, centralized, _stage1_eps(payload), state, info, payload["arch"])
 
 
 def _refusal(backbone: Backbone, norm: str) -> str | None:
@@ -157,9 +184,15 @@ def check_fits(backbone: Backbone, norm: str) -> None:
         )
 
 
-def check_backbone(path: str | Path, norm: str) -> Backbone:
-    """The backbone at ``path``, checked to fit an encoder built with ``norm`` (weights not yet loaded)."""
-    backbone = read_backbone(path)
+def check_backbone(path: str | Path, norm: str, arch: str = DEFAULT_ARCH) -> Backbone:
+    """The backbone at ``path``, checked to fit an encoder of the ResNet ``arch`` built with ``norm`` (weights not
+    yet loaded)."""
+    backbone = read_backbone(path, arch)
+    if backbone.arch != arch:
+        raise BackboneError(
+            f"arch mismatch: backbone {backbone.path} is a stage-1 {backbone.arch} file, but the model's encoder is "
+            f"{arch}: set the model's arch to {backbone.arch} or pre-train with arch {arch}"
+        )
     check_fits(backbone, norm)
     return backbone
 
@@ -219,16 +252,17 @@ def _key_mismatch(expected: dict[str, torch.Tensor], given: dict[str, torch.Tens
     return None
 
 
-def load_backbone_into(encoder: nn.Module, path: str | Path, norm: str) -> dict[str, Any]:
-    """Load a backbone file into a ResNet-101 encoder built with ``norm``, with strict key checking.
+def load_backbone_into(encoder: nn.Module, path: str | Path, norm: str, arch: str = DEFAULT_ARCH) -> dict[str, Any]:
+    """Load a backbone file into a ResNet encoder (``arch``, default ResNet-101) built with ``norm``, with strict
+    key checking.
 
     Returns what to report: ``norm`` and ``source`` of the file, ``description``, and for stage-1 files the
     payload without weights (``val_top1``, ``config``, ...).
     """
-    backbone = check_backbone(path, norm)
+    backbone = check_backbone(path, norm, arch)
     state = adapt_statistics(backbone.state_dict, encoder, backbone.eps)
     mismatch = _key_mismatch(encoder.state_dict(), state)
     if mismatch:
-        raise BackboneError(f"{backbone.path} does not fit the {norm} ResNet-101 encoder: {mismatch}")
+        raise BackboneError(f"{backbone.path} does not fit the {norm} {arch_title(arch)} encoder: {mismatch}")
     encoder.load_state_dict(state, strict=True)
     return {**backbone.info, "norm": backbone.norm, "source": backbone.source, "description": backbone.describe()}

@@ -1,7 +1,8 @@
 """PSPNet-101 as in the paper: dilated ResNet-101 (output stride 8), pyramid pooling, auxiliary head.
 
 smp's own ``PSPNet`` is a different network (encoder depth 3, no auxiliary segmentation head), so this
-composes smp's ResNet-101 encoder with the heads of Zhao et al. (2017) / hszhao/semseg.
+composes smp's ResNet-101 encoder with the heads of Zhao et al. (2017) / hszhao/semseg. ``arch`` picks another
+ResNet encoder (``mabn.models.ARCHS``); the heads follow its channel counts.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..norm import convert_norm
-from .resnet import norm_kwargs_for
+from .resnet import DEFAULT_ARCH, check_arch, norm_kwargs_for
 
 
 def conv_norm_relu(cin: int, cout: int, kernel: int) -> nn.Sequential:
@@ -47,7 +48,7 @@ def seg_head(cin: int, mid: int, num_classes: int, dropout: float) -> nn.Sequent
 
 
 class PSPNet(nn.Module):
-    """PSPNet on a dilated ResNet-101 with every norm (encoder and heads) set to ``norm``.
+    """PSPNet on a dilated ResNet-101 (or the ResNet ``arch``) with every norm (encoder and heads) set to ``norm``.
 
     Training returns (main logits, auxiliary logits from layer3), both at input resolution; eval
     returns the main logits only, so the auxiliary head costs nothing at inference.
@@ -61,10 +62,11 @@ class PSPNet(nn.Module):
         norm_options: dict[str, dict[str, Any]] | None = None,
         bins: Sequence[int] = (1, 2, 3, 6),
         dropout: float = 0.1,
+        arch: str = DEFAULT_ARCH,
     ) -> None:
         super().__init__()
         # weights=None: never download; the stage-1 backbone is loaded separately.
-        self.encoder = smp.encoders.get_encoder("resnet101", weights=None, output_stride=8)
+        self.encoder = smp.encoders.get_encoder(check_arch(arch), weights=None, output_stride=8)
         channels = self.encoder.out_channels
         self.ppm = PyramidPooling(channels[-1], bins)
         self.classifier = seg_head(channels[-1] * 2, 512, num_classes, dropout)

@@ -1,4 +1,5 @@
-"""ResNet-101 with any norm, keeping torchvision's state-dict keys."""
+"""ResNet-101 (or another torchvision ResNet, the ``arch`` option) with any norm, keeping torchvision's
+state-dict keys."""
 
 from __future__ import annotations
 
@@ -11,6 +12,17 @@ from ..norm import NORM_PRESETS, convert_norm
 
 # Norm kinds that normalize over a batch and so accept ghost batches.
 _BATCH_KINDS = ("bn", "brn", "mabn")
+# The ``arch`` model option of both stages: torchvision's ResNets, which smp's encoders of the same names mirror
+# key for key. The paper's network, and every default, is ResNet-101.
+ARCHS = ("resnet18", "resnet34", "resnet50", "resnet101", "resnet152")
+DEFAULT_ARCH = "resnet101"
+
+
+def check_arch(arch: str) -> str:
+    """``arch`` when it is one of ``ARCHS``; otherwise a ValueError naming it and the choices."""
+    if arch not in ARCHS:
+        raise ValueError(f"unknown arch {arch!r}; choose one of {', '.join(ARCHS)}")
+    return arch
 
 
 def norm_kwargs_for(
@@ -27,6 +39,27 @@ def norm_kwargs_for(
     return kwargs
 
 
+def resnet(
+    norm: str = "mabn",
+    num_classes: int = 1000,
+    norm_batch_size: int | None = None,
+    norm_options: dict[str, dict[str, Any]] | None = None,
+    zero_init_residual: bool = False,
+    arch: str = DEFAULT_ARCH,
+) -> nn.Module:
+    """torchvision's ResNet ``arch`` (default ResNet-101; random init, never downloaded) with every norm replaced
+    by ``norm``.
+
+    torchvision initializes convs with Kaiming normal (fan_out) and norms with gamma 1 / beta 0 (the
+    paper's choice); ``zero_init_residual`` zeroes the last gamma of each block instead (Goyal et al.),
+    so each block starts as the identity. The conversion keeps those weights, and MABN presets centre
+    the convs that feed a norm.
+    """
+    build = getattr(torchvision.models, check_arch(arch))
+    model = build(weights=None, num_classes=num_classes, zero_init_residual=zero_init_residual)
+    return convert_norm(model, norm, **norm_kwargs_for(norm, norm_batch_size, norm_options))
+
+
 def resnet101(
     norm: str = "mabn",
     num_classes: int = 1000,
@@ -34,15 +67,8 @@ def resnet101(
     norm_options: dict[str, dict[str, Any]] | None = None,
     zero_init_residual: bool = False,
 ) -> nn.Module:
-    """torchvision's ResNet-101 (random init, never downloaded) with every norm replaced by ``norm``.
-
-    torchvision initializes convs with Kaiming normal (fan_out) and norms with gamma 1 / beta 0 (the
-    paper's choice); ``zero_init_residual`` zeroes the last gamma of each block instead (Goyal et al.),
-    so each block starts as the identity. The conversion keeps those weights, and MABN presets centre
-    the convs that feed a norm.
-    """
-    model = torchvision.models.resnet101(weights=None, num_classes=num_classes, zero_init_residual=zero_init_residual)
-    return convert_norm(model, norm, **norm_kwargs_for(norm, norm_batch_size, norm_options))
+    """``resnet`` at the paper's depth: ResNet-101."""
+    return resnet(norm, num_classes, norm_batch_size, norm_options, zero_init_residual, arch="resnet101")
 
 
 def logged_norms(names: list[str]) -> list[str]:

@@ -14,6 +14,7 @@ from pytorch_lightning.utilities import rank_zero_info
 from ..callbacks import NormPolicy, norm_callbacks
 from ..cudagraph import check_capturable, training_call
 from ..errors import ConfigError
+from ..models import ARCHS, DEFAULT_ARCH
 from ..norm import NORM_PRESETS
 from ..norm.cenconv import SGDCentring, centre_after_sgd_steps
 
@@ -44,7 +45,8 @@ class NormTask(pl.LightningModule):
     - ``norm_policy``: how MABNCallback drives MABN2d/BatchRenorm2d (phases per module group, resets, statistics
       logging), a ``mabn.callbacks.NormPolicy``; unset: its defaults;
     - ``momentum``, ``weight_decay``: SGD's;
-    - ``cuda_graph``, ``compile``: as above.
+    - ``cuda_graph``, ``compile``: as above;
+    - ``arch``: the ResNet depth of the network, one of ``mabn.models.ARCHS`` (default resnet101, the paper's).
     """
 
     model: torch.nn.Module
@@ -62,6 +64,7 @@ class NormTask(pl.LightningModule):
         weight_decay: float = 1e-4,
         cuda_graph: bool = False,
         compile: bool | str = False,
+        arch: str = DEFAULT_ARCH,
     ) -> None:
         super().__init__()
         # Lightning collects the arguments of every __init__ up the chain: the task's own and these.
@@ -79,6 +82,8 @@ class NormTask(pl.LightningModule):
         parsed config; ``__init__`` on its own arguments). Subclasses add their own."""
         norm = hp.get("norm")
         require(norm in NORM_PRESETS, "norm", norm, f"choose one of {', '.join(sorted(NORM_PRESETS))}")
+        arch = hp.get("arch", DEFAULT_ARCH)
+        require(arch in ARCHS, "arch", arch, f"choose one of {', '.join(ARCHS)}")
         size = hp.get("norm_batch_size")
         require(size is None or (isinstance(size, int) and size >= 1), "norm_batch_size", size, "must be >= 1")
         require(hp.get("base_lr", 1) > 0, "base_lr", hp.get("base_lr"), "must be > 0")

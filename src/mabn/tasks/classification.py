@@ -1,4 +1,4 @@
-"""Stage 1: ImageNet classification that re-pretrains a ResNet-101 with the chosen norm."""
+"""Stage 1: ImageNet classification that re-pretrains a ResNet-101 (or the ResNet ``arch``) with the chosen norm."""
 
 from __future__ import annotations
 
@@ -14,14 +14,14 @@ from pytorch_lightning.utilities import rank_zero_info
 from torchmetrics import MeanMetric
 from torchmetrics.classification import MulticlassAccuracy
 
-from ..models import resnet101, save_backbone
+from ..models import DEFAULT_ARCH, resnet, save_backbone
 from . import schedules
 from .base import NormTask, require
 
 
-def backbone_path(export_dir: str | Path, norm: str) -> Path:
-    """Where stage 1 exports its backbone, and where stage 2 looks for it."""
-    return Path(export_dir) / f"resnet101-{norm}.pt"
+def backbone_path(export_dir: str | Path, norm: str, arch: str = DEFAULT_ARCH) -> Path:
+    """Where stage 1 exports its backbone, and where stage 2 looks for it (``resnet101-<norm>.pt``)."""
+    return Path(export_dir) / f"{arch}-{norm}.pt"
 
 
 def global_batch_size(trainer: pl.Trainer, per_device: int) -> int:
@@ -36,8 +36,9 @@ class ClassificationTask(NormTask):
     ``base_lr`` x global batch / ``base_batch_size``, divided by 10 at each milestone (iterations).
     An optional linear lr warm-up over ``warmup_steps`` (0 in the paper) precedes the drops.
     At the end of fitting the best checkpoint's backbone is exported to ``export_dir``.
-    The norm, its phases and statistics logging (``norm_policy``), SGD's momentum and weight decay, ``cuda_graph``
-    and ``compile`` are the arguments every stage shares (``**shared``, see ``NormTask``).
+    The norm, its phases and statistics logging (``norm_policy``), SGD's momentum and weight decay, ``cuda_graph``,
+    ``compile`` and ``arch`` are the arguments every stage shares (``**shared``, see ``NormTask``); the backbone file
+    is ``<arch>-<norm>.pt``.
     """
 
     def __init__(
@@ -74,7 +75,7 @@ class ClassificationTask(NormTask):
 
     def build_model(self) -> torch.nn.Module:
         hp = self.hparams
-        return resnet101(hp.norm, hp.num_classes, hp.norm_batch_size, hp.norm_options, hp.zero_init_residual)
+        return resnet(hp.norm, hp.num_classes, hp.norm_batch_size, hp.norm_options, hp.zero_init_residual, hp.arch)
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         images, labels = batch
@@ -128,7 +129,8 @@ class ClassificationTask(NormTask):
             "steps": self.trainer.global_step,
         }
         top1 = None if top1 is None else float(top1)
-        path = save_backbone(backbone_path(export_dir, self.hparams.norm), model, self.hparams.norm, config, top1)
+        hp = self.hparams
+        path = save_backbone(backbone_path(export_dir, hp.norm, hp.arch), model, hp.norm, config, top1, hp.arch)
         shown = "n/a" if top1 is None else f"{top1:.3f}"
         rank_zero_info(f"Exported backbone to {path} (norm {self.hparams.norm}, val top-1 {shown})")
         return path

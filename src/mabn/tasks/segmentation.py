@@ -1,4 +1,5 @@
-"""Stage 2: PSPNet-101 fine-tuning on Cityscapes with warm-up + poly lr, evaluated by sliding window."""
+"""Stage 2: PSPNet-101 fine-tuning on Cityscapes with warm-up + poly lr, evaluated by sliding window (``arch``: a
+PSPNet on another ResNet depth)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from pytorch_lightning.utilities import rank_zero_info, rank_zero_warn
 from ..data.cityscapes import CLASS_NAMES, IGNORE_INDEX, IMAGENET_MEAN, IMAGENET_STD
 from ..inference import sliding_window_logits
 from ..metrics import SegmentationMetric, format_iou_table
-from ..models import PSPNet, check_backbone, load_backbone_into
+from ..models import DEFAULT_ARCH, PSPNet, check_backbone, load_backbone_into
 from . import schedules
 from .base import NormTask, require
 
@@ -40,7 +41,8 @@ class SegmentationTask(NormTask):
     with the predicted and the ground-truth classes as masks (see ``prediction_masks``); only rank 0 logs,
     and only when a WandbLogger is among the trainer's loggers.
     The norm, its phases, resets and statistics logging (``norm_policy``), SGD's momentum and weight decay,
-    ``cuda_graph`` and ``compile`` are the arguments every stage shares (``**shared``, see ``NormTask``).
+    ``cuda_graph``, ``compile`` and ``arch`` are the arguments every stage shares (``**shared``, see ``NormTask``);
+    a backbone must be of the same arch.
     """
 
     def __init__(
@@ -62,9 +64,9 @@ class SegmentationTask(NormTask):
     ) -> None:
         super().__init__(**shared)
         hp = self.hparams
-        self.model = PSPNet(num_classes, hp.norm, hp.norm_batch_size, hp.norm_options, dropout=dropout)
+        self.model = PSPNet(num_classes, hp.norm, hp.norm_batch_size, hp.norm_options, dropout=dropout, arch=hp.arch)
         if backbone:
-            info = load_backbone_into(self.model.encoder, backbone, hp.norm)
+            info = load_backbone_into(self.model.encoder, backbone, hp.norm, hp.arch)
             rank_zero_info(f"Encoder loaded from {backbone} ({info['description']}) into norm {hp.norm}")
         else:
             rank_zero_warn("No backbone given (BACKBONE=...): the encoder starts from random weights.")
@@ -77,7 +79,7 @@ class SegmentationTask(NormTask):
     def check_hparams(cls, hp: Mapping[str, Any]) -> None:
         super().check_hparams(hp)
         if hp.get("backbone"):  # a backbone that cannot start this norm stops before any data is read
-            check_backbone(hp["backbone"], hp["norm"])
+            check_backbone(hp["backbone"], hp["norm"], hp.get("arch", DEFAULT_ARCH))
         require(hp["head_lr_mult"] > 0, "head_lr_mult", hp["head_lr_mult"], "must be > 0 (heads' lr = base_lr x it)")
         require(hp["warmup_epochs"] >= 0, "warmup_epochs", hp["warmup_epochs"], "must be >= 0")
         require(hp["poly_power"] > 0, "poly_power", hp["poly_power"], "must be > 0")
