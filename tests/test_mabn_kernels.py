@@ -7,6 +7,7 @@ with MABN_TEST_DEVICE=cuda they run compiled, as in training.
 from __future__ import annotations
 
 import copy
+import os
 
 import pytest
 import torch
@@ -38,7 +39,14 @@ def fused(monkeypatch):
     _take(monkeypatch, _kernels())
 
 
-@pytest.mark.parametrize("n, norm_batch_size", BATCHES, ids=BATCH_IDS)
+# Triton's interpreter on the CPU runs a kernel ~1000x slower than a GPU: there the whole-batch cases run at one
+# batch size (N6-whole and N2-whole take the same kernel path, one group, with 6 or 2 samples in its loop); on a
+# GPU every batch shape runs.
+ON_GPU = os.environ.get("MABN_TEST_DEVICE", "cpu") != "cpu"
+FUSED_BATCHES = [(b, i) for b, i in zip(BATCHES, BATCH_IDS, strict=True) if ON_GPU or i != "N6-whole"]
+
+
+@pytest.mark.parametrize("n, norm_batch_size", [b for b, _ in FUSED_BATCHES], ids=[i for _, i in FUSED_BATCHES])
 @pytest.mark.parametrize(
     "stats, renorm", [("sma", True), ("sma", False), ("ema", True), ("batch", True)], ids=lambda v: str(v)
 )
