@@ -55,7 +55,7 @@ GPU_TESTS = tests/test_mabn_kernels.py tests/test_norm_reference.py tests/test_n
 test-gpu: $(STAMP)
 	MABN_TEST_DEVICE=cuda $(PY) -m pytest -q $(GPU_TESTS)
 
-# The first thing to run whenever a GPU is at hand (sized for 8 minutes on one H100): the GPU tests, then the PSPNet-101
+# The first thing to run whenever a GPU is at hand (over 8 minutes on one H200: docs/compile.md): the GPU tests, then the PSPNet-101
 # training step at crops 512 and 712, eager beside CUDA graphs and (at 712) torch.compile, into docs/bench-cuda.md.
 gpu-check: test-gpu
 	$(PY) -m mabn.bench check

@@ -149,16 +149,17 @@ def test_fit_skips_an_overflowing_step_as_the_scaler_does(tmp_path):
         assert torch.isfinite(layer.buffer_gz).all() and torch.isfinite(layer.weight).all()
 
 
-def test_16_mixed_fit_through_real_float16_overflows(tmp_path):
+def test_16_mixed_fit_through_real_float16_overflows(tmp_path, device):
     """Lightning's 16-mixed with autocast to float16 and a scale that overflows float16 gradients at first: the
     scaler backs off over several skipped steps, and psi's window holds values in the loss's units (those of
-    the float32 fit), not S times them."""
-    reference = _fit(tmp_path / "fp32")
+    the float32 fit), not S times them. On the test device: autocast of another device's type casts nothing."""
+    accelerator = "gpu" if device.type == "cuda" else "cpu"
+    reference = _fit(tmp_path / "fp32", accelerator=accelerator)
     model = Tiny(norm_policy=POLICY)
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**24, growth_interval=1000)
+    scaler = torch.amp.GradScaler(device.type, init_scale=2.0**24, growth_interval=1000)
     pl.seed_everything(0)
-    plugins = [MixedPrecision("16-mixed", "cpu", scaler=scaler)]
-    _trainer(tmp_path / "fp16", max_epochs=3, plugins=plugins).fit(model, _loader())
+    plugins = [MixedPrecision("16-mixed", device.type, scaler=scaler)]
+    _trainer(tmp_path / "fp16", max_epochs=3, plugins=plugins, accelerator=accelerator).fit(model, _loader())
     assert scaler.get_scale() < 2.0**24
     for layer, ref in zip(model.norms(), reference.norms()):
         assert int(layer.count_gz) < int(layer.count_x2), "no backward was skipped: nothing overflowed"

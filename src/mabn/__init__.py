@@ -1,5 +1,10 @@
 """MABN: Moving Average Batch Normalization for small-batch training (ICLR 2020), as a Lightning app."""
 
+import os
+
+# albumentations asks the package index for a newer release on import: a training run reaches no network.
+os.environ.setdefault("NO_ALBUMENTATIONS_UPDATE", "1")
+
 from .norm import NORM_PRESETS, BatchRenorm2d, CenConv2d, MABN2d, convert_norm, fold_norms
 
 __all__ = ["MABN2d", "CenConv2d", "BatchRenorm2d", "convert_norm", "fold_norms", "NORM_PRESETS"]

@@ -29,6 +29,15 @@ def _static(t: Tensor) -> Tensor:
     return t
 
 
+def _holds(t: Tensor, device: torch.device) -> bool:
+    """Whether ``t`` is on ``device``, where ``cuda`` without an index names the current CUDA device (as
+    ``cuda:0`` there): a flag tensor must stay the one a captured CUDA graph reads, whichever way the device is
+    spelt."""
+    if device.index is None and device.type == "cuda":
+        device = torch.device("cuda", torch.cuda.current_device())
+    return t.device == device
+
+
 class ManagedNorm(nn.Module):
     """Base of the callback-managed norms. ``NONFINITE`` names the statistic of each checked direction."""
 
@@ -68,7 +77,7 @@ class ManagedNorm(nn.Module):
 
     def policy_flags(self, device: torch.device) -> Tensor:
         """(2,) int32 on ``device``: the policy (zeros without one), as a training step reads it."""
-        if self._policy_flags.device != device:  # an input on another device than the layer
+        if not _holds(self._policy_flags, device):  # an input on another device than the layer
             self._policy_flags = self._new_policy_flags(device)
         return self._policy_flags
 
@@ -87,7 +96,7 @@ class ManagedNorm(nn.Module):
     def nonfinite_flags(self, device: torch.device) -> Tensor:
         """(len(NONFINITE),) bool on ``device``: a non-finite statistic was met, per direction. Sticky until
         reported."""
-        if self._flags.device != device:
+        if not _holds(self._flags, device):
             self._flags = self._new_flags(device)
         return self._flags
 
