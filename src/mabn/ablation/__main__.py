@@ -27,11 +27,12 @@ from .runner import Task, available_cores, default_workers, run_all
 from .train import TrainConfig, open_data
 
 GENERATED_DATA = Path("data/ablation-shapes")
-# Sized for the 5 key rows x 4 seeds within 30 minutes on 2 CPU cores, two one-thread runs at a time (10
-# rounds): a step takes 0.12 s (BN) to 0.17 s (MABN) on an idle core, so a run of 600 steps plus its
-# evaluation takes 1.3-1.9 minutes; a shared machine under other load takes up to 5 times as long.
+# Sized for the 5 key rows x 8 seeds within 30 minutes on 2 idle CPU cores, two one-thread runs at a time (20
+# rounds): a step takes about 0.11 s with either norm, so a run of 600 steps plus its evaluation takes about
+# 70 s; a machine under other load takes up to 3 times as long. 8 seeds, because BN(2)'s error spreads over
+# tens of points between seeds: at 4 its paired difference to BN(32) stays short of p < 0.01.
 DEFAULT_STEPS = 600
-DEFAULT_SEEDS = 4
+DEFAULT_SEEDS = 8
 DEFAULT_OUT = Path("runs/ablation")
 
 
