@@ -55,8 +55,9 @@ GPU_TESTS = tests/test_mabn_kernels.py tests/test_norm_reference.py tests/test_n
 test-gpu: $(STAMP)
 	MABN_TEST_DEVICE=cuda $(PY) -m pytest -q $(GPU_TESTS)
 
-# The first thing to run whenever a GPU is at hand (over 8 minutes on one H200: docs/compile.md): the GPU tests, then the PSPNet-101
-# training step at crops 512 and 712, eager beside CUDA graphs and (at 712) torch.compile, into docs/bench-cuda.md.
+# The first thing to run whenever a GPU is at hand (over 8 minutes on one H200: docs/compile.md): the GPU tests, then the
+# PSPNet-101 training step, crop 712 with CUDA graphs, eager and compiled, then crop 512 with CUDA graphs and eager, into
+# docs/bench-cuda.md, which is rewritten as each of these ends.
 gpu-check: test-gpu
 	$(PY) -m mabn.bench check
 

@@ -146,3 +146,30 @@ def test_bench_cli_check_needs_cuda(capsys):
         main(["check", "--device", "cpu"])
     assert exit_info.value.code == 2
     assert "check needs a CUDA device, got --device cpu" in capsys.readouterr().err
+
+
+def test_check_saves_each_section_as_it_ends(monkeypatch, tmp_path):
+    """A GPU check cut short (a session's end, a failure) keeps the sections it measured, in the report."""
+    import mabn.bench.__main__ as bench_main
+    from mabn.bench import report
+
+    calls = []
+
+    def fake_run(device, repeats, crop, batch, cuda_graph, compile_mode):
+        calls.append((crop, cuda_graph, compile_mode))
+        if len(calls) == 3:
+            raise RuntimeError("cut short")
+        return [step.StepRow("bn", 0.1, 2**30, 1.0, 1.0), step.StepRow("mabn", 0.105, 2**30, 1.05, 1.0)]
+
+    monkeypatch.setattr(step, "run", fake_run)
+    out, sections = tmp_path / "bench-cuda.md", []
+
+    def save(chart):
+        return report.write(out, CPU, "python -m mabn.bench check", sections, chart, [], "env")
+
+    with pytest.raises(RuntimeError, match="cut short"):
+        bench_main.run_check(CPU, 1, 2, "reduce-overhead", sections, save)
+    assert calls == [(712, True, None), (712, False, "reduce-overhead"), (512, True, None)]
+    text = out.read_text()
+    assert text.count("### PSPNet-101 training step: batch 2, crop 712x712") == 2 and "as CUDA graphs" in text
+    assert "512x512" not in text and out.with_suffix(".png").is_file()

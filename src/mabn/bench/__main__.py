@@ -3,9 +3,9 @@
 norm: norm layers alone, forward+backward time and peak memory. step: a training step (forward, backward, SGD)
 per norm, time and peak memory, of PSPNet-101 or of ResNet-50 (--model), eager and with --compile also compiled.
 infer: images per second of the folded PSPNet-101 per norm and of the GroupNorm one. all: the three in one run,
-into one report (what `make bench` runs). check (CUDA): the PSPNet-101 step at crops 512 and 712, eager beside
-CUDA-graphed and, at 712, compiled (``--compile``, default reduce-overhead), into docs/bench-cuda.md (what
-`make gpu-check` runs after the GPU tests).
+into one report (what `make bench` runs). check (CUDA): the PSPNet-101 step at crop 712 CUDA-graphed, then eager
+beside compiled (``--compile``, default reduce-overhead), then at crop 512 CUDA-graphed and eager, into
+docs/bench-cuda.md, rewritten as each ends (what `make gpu-check` runs after the GPU tests).
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import shlex
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -21,8 +22,10 @@ from ..files import write_text_atomic
 from . import infer, norm, report, step
 
 DEFAULT_REPEATS = {"norm": 15, "step": 5, "infer": 7, "check": 10}
-# check: the crops, and the one of them that also gets compiled rows (compiling PSPNet-101 takes minutes).
-CHECK_CROPS, CHECK_COMPILED_CROP = (512, 712), 712
+# check: (crop, CUDA graphs, compiled) in the order they run. The recipe's crop 712 first, CUDA graphs (seconds
+# to set up) before compiling (minutes for PSPNet-101, longer with MABN), and the report rewritten after each,
+# so that a check cut short by a GPU session's end keeps what it measured.
+CHECK_PLAN = ((712, True, False), (712, False, True), (512, True, False), (512, False, False))
 
 
 def _positive(text: str) -> int:
@@ -34,6 +37,28 @@ def _positive(text: str) -> int:
 
 def _norm_batch(text: str) -> int | None:
     return None if text == "whole" else _positive(text)
+
+
+def run_check(
+    device: torch.device,
+    repeats: int,
+    batch: int,
+    compile_mode: str,
+    sections: list[str],
+    save: Callable[[list[step.StepRow]], object],
+) -> list[step.StepRow]:
+    """The sections of CHECK_PLAN in order, each appended to ``sections`` and saved (``save(chart rows)``) as it
+    ends; returns the chart's rows: the compiled section's once measured, else the first section's."""
+    chart: list[step.StepRow] = []
+    for crop, graphed, compiled in CHECK_PLAN:
+        mode = compile_mode if compiled else None
+        rows = step.run(device, repeats, crop, batch, cuda_graph=graphed, compile_mode=mode)
+        sections.append(step.table(rows, repeats, crop, batch, graphed, compile_mode=mode))
+        if mode or not chart:
+            chart = rows
+        save(chart)
+        print(f"check: {len(sections)} of {len(CHECK_PLAN)} sections measured and saved", flush=True)
+    return chart
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -100,30 +125,6 @@ def main(argv: list[str] | None = None) -> None:
     def repeats(what: str) -> int:
         return args.repeats or DEFAULT_REPEATS[what]
 
-    sections: list[str] = []
-    step_rows: list[step.StepRow] = []
-    infer_rows: list[infer.InferRow] = []
-    if args.what in ("norm", "all"):
-        table = norm.run(device, repeats=repeats("norm"), scale=args.scale)
-        sections.append(table if args.what == "norm" else f"### Norm layers alone\n\n{table}")
-    if args.what in ("step", "all"):
-        workload = {"model": args.model, "norm_batch_size": args.norm_batch, "compile_mode": args.compile}
-        step_rows = step.run(device, repeats("step"), args.crop, args.batch, cuda_graph=args.cuda_graph, **workload)
-        sections.append(step.table(step_rows, repeats("step"), args.crop, args.batch, args.cuda_graph, **workload))
-    if args.what == "check":
-        for crop in CHECK_CROPS:
-            compiled = (args.compile or "reduce-overhead") if crop == CHECK_COMPILED_CROP else None
-            for graphed, mode in ((False, compiled), (True, None)):
-                rows = step.run(device, repeats("check"), crop, args.batch, cuda_graph=graphed, compile_mode=mode)
-                sections.append(step.table(rows, repeats("check"), crop, args.batch, graphed, compile_mode=mode))
-                if mode:  # the chart: eager and compiled rows at the compiled crop
-                    step_rows = rows
-    if args.what in ("infer", "all"):
-        infer_rows = infer.run(device, repeats("infer"), size)
-        sections.append(infer.table(infer_rows, repeats("infer"), size))
-    print()
-    print("\n\n".join(sections))
-
     out = args.out
     if out is None and args.what != "norm":
         stem = "bench" if args.what in ("all", "check") else f"bench-{args.what}"
@@ -132,13 +133,36 @@ def main(argv: list[str] | None = None) -> None:
                 stem += f"-{args.model}-" + (f"ghost{args.norm_batch}" if args.norm_batch else "whole")
             stem += ("-graph" if args.cuda_graph else "") + ("-compile" if args.compile else "")
         out = Path("docs") / f"{stem}-{device.type}.md"
+    command = shlex.join(["python", "-m", "mabn.bench", *argv])
+    sections: list[str] = []
+    step_rows: list[step.StepRow] = []
+    infer_rows: list[infer.InferRow] = []
+
+    def save(chart: list[step.StepRow]) -> tuple[Path, Path | None]:
+        assert out is not None  # every command but norm has a report
+        return report.write(out, device, command, sections, chart, infer_rows, env)
+
+    if args.what in ("norm", "all"):
+        table = norm.run(device, repeats=repeats("norm"), scale=args.scale)
+        sections.append(table if args.what == "norm" else f"### Norm layers alone\n\n{table}")
+    if args.what in ("step", "all"):
+        workload = {"model": args.model, "norm_batch_size": args.norm_batch, "compile_mode": args.compile}
+        step_rows = step.run(device, repeats("step"), args.crop, args.batch, cuda_graph=args.cuda_graph, **workload)
+        sections.append(step.table(step_rows, repeats("step"), args.crop, args.batch, args.cuda_graph, **workload))
+    if args.what == "check":
+        step_rows = run_check(device, repeats("check"), args.batch, args.compile or "reduce-overhead", sections, save)
+    if args.what in ("infer", "all"):
+        infer_rows = infer.run(device, repeats("infer"), size)
+        sections.append(infer.table(infer_rows, repeats("infer"), size))
+    print()
+    print("\n\n".join(sections))
+
     if out is None:
         return
     if args.what == "norm":  # the table alone, as this command always wrote it
         write_text_atomic(out, sections[0] + "\n")
         return
-    command = shlex.join(["python", "-m", "mabn.bench", *argv])
-    md, png = report.write(out, device, command, sections, step_rows, infer_rows, env)
+    md, png = save(step_rows)
     print(f"\nwrote {md}" + (f" and {png}" if png else ""))
 
 
