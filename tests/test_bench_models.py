@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from mabn.bench import infer, report, step
-from mabn.bench.__main__ import main
+from mabn.bench.__main__ import main, run_check
 from mabn.models import PSPNet
 
 CPU = torch.device("cpu")
@@ -150,9 +150,6 @@ def test_bench_cli_check_needs_cuda(capsys):
 
 def test_check_saves_each_section_as_it_ends(monkeypatch, tmp_path):
     """A GPU check cut short (a session's end, a failure) keeps the sections it measured, in the report."""
-    import mabn.bench.__main__ as bench_main
-    from mabn.bench import report
-
     calls = []
 
     def fake_run(device, repeats, crop, batch, cuda_graph, compile_mode):
@@ -168,7 +165,7 @@ def test_check_saves_each_section_as_it_ends(monkeypatch, tmp_path):
         return report.write(out, CPU, "python -m mabn.bench check", sections, chart, [], "env")
 
     with pytest.raises(RuntimeError, match="cut short"):
-        bench_main.run_check(CPU, 1, 2, "reduce-overhead", sections, save)
+        run_check(CPU, 1, 2, "reduce-overhead", sections, save)
     assert calls == [(712, True, None), (712, False, "reduce-overhead"), (512, True, None)]
     text = out.read_text()
     assert text.count("### PSPNet-101 training step: batch 2, crop 712x712") == 2 and "as CUDA graphs" in text

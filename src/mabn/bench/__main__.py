@@ -45,10 +45,10 @@ def run_check(
     batch: int,
     compile_mode: str,
     sections: list[str],
-    save: Callable[[list[step.StepRow]], object],
-) -> list[step.StepRow]:
-    """The sections of CHECK_PLAN in order, each appended to ``sections`` and saved (``save(chart rows)``) as it
-    ends; returns the chart's rows: the compiled section's once measured, else the first section's."""
+    save: Callable[[list[step.StepRow]], tuple[Path, Path | None]],
+) -> None:
+    """The sections of CHECK_PLAN in order, each appended to ``sections`` and saved as it ends, by ``save(chart
+    rows)``: the chart shows the compiled section's rows once measured, else the first section's."""
     chart: list[step.StepRow] = []
     for crop, graphed, compiled in CHECK_PLAN:
         mode = compile_mode if compiled else None
@@ -56,9 +56,8 @@ def run_check(
         sections.append(step.table(rows, repeats, crop, batch, graphed, compile_mode=mode))
         if mode or not chart:
             chart = rows
-        save(chart)
-        print(f"check: {len(sections)} of {len(CHECK_PLAN)} sections measured and saved", flush=True)
-    return chart
+        md, _ = save(chart)
+        print(f"check: {len(sections)} of {len(CHECK_PLAN)} sections measured, wrote {md}", flush=True)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -150,14 +149,14 @@ def main(argv: list[str] | None = None) -> None:
         step_rows = step.run(device, repeats("step"), args.crop, args.batch, cuda_graph=args.cuda_graph, **workload)
         sections.append(step.table(step_rows, repeats("step"), args.crop, args.batch, args.cuda_graph, **workload))
     if args.what == "check":
-        step_rows = run_check(device, repeats("check"), args.batch, args.compile or "reduce-overhead", sections, save)
+        run_check(device, repeats("check"), args.batch, args.compile or "reduce-overhead", sections, save)
     if args.what in ("infer", "all"):
         infer_rows = infer.run(device, repeats("infer"), size)
         sections.append(infer.table(infer_rows, repeats("infer"), size))
     print()
     print("\n\n".join(sections))
 
-    if out is None:
+    if out is None or args.what == "check":  # check wrote its report as each section ended
         return
     if args.what == "norm":  # the table alone, as this command always wrote it
         write_text_atomic(out, sections[0] + "\n")
