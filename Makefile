@@ -23,10 +23,14 @@ ARGS     ?=
 CKPT     ?=
 NORM_ARGS  = --norm $(NORM) $(if $(DATA),--data "$(DATA)") $(if $(BACKBONE),--backbone "$(BACKBONE)") \
 	$(if $(RUN_DIR),--run-dir "$(RUN_DIR)")
-STAGE_ARGS = $(NORM_ARGS) --gpus $(GPUS) --nodes $(NODES) $(if $(RESUME),--resume "$(RESUME)") -- $(ARGS)
-# make slurm: the STAGE to submit; DRY_RUN=1 prints the sbatch and srun commands and checks the Trainer arguments.
-STAGE    ?= cityscapes
+# DRY_RUN=1: print the run's plan (batches, lr, schedule, backbone) and LightningCLI arguments, check them, train nothing.
 DRY_RUN  ?=
+STAGE_ARGS = $(NORM_ARGS) --gpus $(GPUS) --nodes $(NODES) $(if $(RESUME),--resume "$(RESUME)") $(if $(DRY_RUN),--dry-run) \
+	-- $(ARGS)
+# make slurm: the STAGE to submit (GPUS per node: 8 when left at 0); AFTER=<job id> starts it only once that job
+# has succeeded (stage 2 after stage 1); DRY_RUN=1 prints the sbatch and srun commands and checks the Trainer arguments.
+STAGE    ?= cityscapes
+AFTER    ?=
 
 .PHONY: venv test test-slow test-gpu gpu-check lint pretrain cityscapes slurm export test-split predict plots bench bench-norm ablation clean
 
@@ -74,7 +78,8 @@ cityscapes: $(STAMP)
 # A stage as a SLURM job with one task per GPU (GPUS per node, NODES); requeued on preemption, and the
 # requeued job resumes from the newest checkpoint.
 slurm: $(STAMP)
-	GPUS=$(GPUS) NODES=$(NODES) PYTHON=$(PY) scripts/slurm/submit.sh $(if $(DRY_RUN),--dry-run) $(STAGE) \
+	GPUS=$(if $(filter 0,$(GPUS)),8,$(GPUS)) NODES=$(NODES) AFTER=$(AFTER) PYTHON=$(PY) \
+		scripts/slurm/submit.sh $(if $(DRY_RUN),--dry-run) $(STAGE) \
 		$(NORM_ARGS) -- $(ARGS)
 
 # A trained checkpoint -> folded TorchScript and ONNX models beside it (checked before they are written).

@@ -115,10 +115,13 @@ CASES: list[tuple[str, str, list[str], Callable[[Path], None] | None, str]] = [
     ("unknown-arch", "pretrain", ["--", "--model.init_args.arch", "resnet19"], None,
      "arch='resnet19': choose one of resnet18, resnet34, resnet50, resnet101, resnet152"),
     ("batch-not-whole-ghost-batches", CS, ["--", "--data.init_args.global_batch_size", "6",
-     "--model.init_args.norm_batch_size", "4"], None, "per-device batch of 6 does not split"),
+     "--model.init_args.norm_batch_size", "4"], None,
+     "global_batch_size=6 does not split into normalization batches of norm_batch_size=4"),
     ("global-batch-over-devices", CS, ["--gpus", "3", "--dry-run"], None, "global_batch_size=8 does not split over 3"),
     ("syncbn-on-cpu", CS, ["--norm", "syncbn"], None, "NORM=syncbn synchronizes BatchNorm"),
     ("missing-backbone", CS, ["--backbone", "{w}/pretrain/nope.pt"], None, "BACKBONE={w}/pretrain/nope.pt: no such"),
+    ("real-stage-2-without-stage-1", CS, ["--data", "{w}/cityscapes"], None,
+     "no stage-1 backbone pretrain/resnet101-mabn.pt: run stage 1 first (make pretrain NORM=mabn"),
     ("truncated-resume", CS, ["--resume", "{w}/cut.ckpt"],
      lambda w: (_ckpt(w / "cut.ckpt", SEG), _truncate(w / "cut.ckpt")), "cut.ckpt is not a readable checkpoint"),
     ("foreign-stage-resume", CS, ["--resume", "{w}/stage1.ckpt"],
@@ -127,15 +130,15 @@ CASES: list[tuple[str, str, list[str], Callable[[Path], None] | None, str]] = [
     ("backbone-of-another-run", "pretrain", [], _other_run_backbone, "holds the backbone of another run"),
     ("truncated-backbone", CS, ["--data", "{w}/cityscapes", "--backbone", "{w}/b.pt", "--", *CITYSCAPES_FIT],
      lambda w: (w.joinpath("b.pt").write_bytes(b"\x80\x02cut"),), "b.pt is not a readable backbone file"),
-    ("image-without-label", CS, ["--data", "{w}/cityscapes", "--", *CITYSCAPES_FIT],
+    ("image-without-label", CS, ["--data", "{w}/cityscapes", "--backbone", "none", "--", *CITYSCAPES_FIT],
      lambda w: _first(w / "cityscapes/gtFine/val", "*.png").unlink(), "has no label file"),
-    ("label-of-another-size", CS, ["--data", "{w}/cityscapes", "--", *CITYSCAPES_FIT],
+    ("label-of-another-size", CS, ["--data", "{w}/cityscapes", "--backbone", "none", "--", *CITYSCAPES_FIT],
      lambda w: _label(_first(w / "cityscapes/gtFine/val", "*.png"), size=(16, 16)), "size mismatch"),
-    ("truncated-png", CS, ["--data", "{w}/cityscapes", "--", *CITYSCAPES_FIT],
+    ("truncated-png", CS, ["--data", "{w}/cityscapes", "--backbone", "none", "--", *CITYSCAPES_FIT],
      lambda w: _truncate(_first(w / "cityscapes/leftImg8bit/val", "*.png")), "cannot read image file"),
-    ("label-ids-outside-the-table", CS, ["--data", "{w}/cityscapes", "--", *CITYSCAPES_FIT],
+    ("label-ids-outside-the-table", CS, ["--data", "{w}/cityscapes", "--backbone", "none", "--", *CITYSCAPES_FIT],
      lambda w: _label(_first(w / "cityscapes/gtFine/val", "*.png"), fill=200), "holds no Cityscapes class"),
-    ("empty-split", CS, ["--data", "{w}/cityscapes", "--", *CITYSCAPES_FIT],
+    ("empty-split", CS, ["--data", "{w}/cityscapes", "--backbone", "none", "--", *CITYSCAPES_FIT],
      lambda w: [p.unlink() for p in (w / "cityscapes/leftImg8bit/val").rglob("*.png")], "no images matching"),
     ("empty-class-folder", "pretrain", ["--data", "{w}/imagenet", "--", *IMAGENET_FIT],
      lambda w: [p.unlink() for p in sorted((w / "imagenet/val").iterdir())[0].iterdir()], "holds no images"),
@@ -186,7 +189,7 @@ def test_grayscale_and_rgba_images_train(work, capsys):
     Image.open(rgba).convert("RGBA").save(rgba)
     pictures = work / "imagenet/train"
     Image.open(_first(pictures, "*.png")).convert("L").save(_first(pictures, "*.png"))
-    launch.main([CS, "--data", str(work / "cityscapes"), "--norm", "gn", "--", *CITYSCAPES_FIT])
+    launch.main([CS, "--data", str(work / "cityscapes"), "--norm", "gn", "--backbone", "none", "--", *CITYSCAPES_FIT])
     assert (work / "runs/cityscapes/gn/checkpoints/last.ckpt").is_file()
     launch.main(["pretrain", "--data", str(work / "imagenet"), "--norm", "gn", "--", *IMAGENET_FIT])
     assert (work / "runs/pretrain/gn/checkpoints/last.ckpt").is_file()

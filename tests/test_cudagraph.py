@@ -1,14 +1,16 @@
 """CUDA-graph capture of the training forward and backward (mabn.cudagraph).
 
 On the CPU: what may be captured, the errors, and the wrapper's own logic around the capture (warm-ups leave
-the buffers unchanged, which inputs replay) with a stand-in for ``torch.cuda.make_graphed_callables``. With
-MABN_TEST_DEVICE=cuda: graphed training against eager training, alone and under a Trainer with MABNCallback.
+the buffers unchanged, which inputs replay) with a stand-in for ``torch.cuda.make_graphed_callables``; what
+``cuda_graph: auto`` decides and the line it prints. With MABN_TEST_DEVICE=cuda: graphed training against eager
+training, alone and under a Trainer with MABNCallback, and ``auto`` capturing on a GPU.
 """
 
 from __future__ import annotations
 
 import copy
 import csv
+import logging
 import os
 from pathlib import Path
 from types import SimpleNamespace
@@ -24,6 +26,9 @@ import mabn.cudagraph as cudagraph
 import mabn.norm.mabn as mabn_module
 from mabn import BatchRenorm2d, CenConv2d, MABN2d
 from mabn.callbacks import MABNCallback, NormPolicy
+from mabn.errors import ConfigError
+from mabn.models import resnet
+from mabn.tasks import ClassificationTask
 from mabn.tasks.base import NormTask
 from test_callback import _trainer
 
@@ -113,7 +118,7 @@ def test_callback_keeps_logged_layers_tracking_under_graphs():
 class GraphTask(NormTask):
     """NormTask around ``small_net`` trained by cross-entropy, its MABN2d managed by MABNCallback."""
 
-    def __init__(self, cuda_graph: bool = False, norm_policy=None):
+    def __init__(self, cuda_graph: bool | str = False, norm_policy=None, compile: bool | str = False):
         super().__init__()
         self.save_hyperparameters()
         self.model = small_net()
@@ -131,10 +136,15 @@ POLICY = {"groups": {"all": {"prefixes": ["model."], "moving_stats_from": 2, "re
 
 
 def _fit(
-    tmp_path: Path, cuda_graph: bool, accelerator: str, steps: int = 8, precision: str = "32-true"
+    tmp_path: Path,
+    cuda_graph: bool | str,
+    accelerator: str,
+    steps: int = 8,
+    precision: str = "32-true",
+    task: GraphTask | None = None,
 ) -> tuple[GraphTask, list[dict]]:
     torch.manual_seed(0)
-    task = GraphTask(cuda_graph, POLICY)
+    task = task or GraphTask(cuda_graph, POLICY)
     gen = torch.Generator().manual_seed(0)
     data = TensorDataset(torch.randn(64, 3, 8, 8, generator=gen) + 0.5, torch.randint(0, 3, (64,), generator=gen))
     logger = pl.loggers.CSVLogger(tmp_path, name=f"graph{cuda_graph}")
@@ -162,6 +172,113 @@ def test_graphed_fit_on_cpu_captures_once_and_trains_as_eagerly(tmp_path, graph_
 def test_task_with_cuda_graph_on_cpu_fails_before_training(tmp_path):
     with pytest.raises(ValueError, match="needs the model on a GPU"):
         _fit(tmp_path, cuda_graph=True, accelerator="cpu")
+
+
+# -- cuda_graph: auto ---------------------------------------------------------------------------------------------
+def _auto_lines(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.getMessage().startswith("cuda_graph")]
+
+
+class _ResNetTask(NormTask):
+    """A ResNet-18 with MABN and CenConv2d trained by cross-entropy, ``cuda_graph`` at NormTask's default unless
+    given: what both stages train, at a depth that fits a test."""
+
+    def __init__(self, **graph: object) -> None:
+        super().__init__(norm="mabn", arch="resnet18", **graph)
+        self.model = resnet("mabn", num_classes=3, norm_batch_size=2, arch="resnet18")
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.cross_entropy(self.training_forward(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+
+
+@pytest.mark.parametrize("setting, lines", [
+    (None, ["cuda_graph auto: eager training step (the model is on cpu; CUDA graphs need a GPU)"]),
+    (False, []),
+])  # fmt: skip
+def test_auto_by_default_trains_eagerly_on_the_cpu_and_says_why(tmp_path, caplog, setting, lines):
+    """``cuda_graph`` left at its default (None here) or false: two eager steps, one line from auto, none from
+    false; MABNCallback keeps the logged layers tracking only while it logs, as for an eager model."""
+    task = _ResNetTask(**({} if setting is None else {"cuda_graph": setting}))
+    gen = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(8, 3, 32, 32, generator=gen), torch.randint(0, 3, (8,), generator=gen))
+    with caplog.at_level(logging.INFO):
+        trainer = _trainer(tmp_path, accelerator="cpu", devices=1, max_steps=2)
+        trainer.fit(task, DataLoader(data, batch_size=4, drop_last=True))
+    assert trainer.global_step == 2
+    assert _auto_lines(caplog) == lines
+    assert not task.cuda_graph and not cudagraph.is_graphed(task.model)
+    # A callback that took the model for graphed would leave its logged layers tracking after the last step.
+    assert not any(m.track_stats for m in task.model.modules() if isinstance(m, MABN2d))
+
+
+def test_auto_with_compile_leaves_the_step_to_torch_compile(caplog):
+    task = GraphTask("auto", compile="reduce-overhead")
+    with caplog.at_level(logging.INFO):
+        task.on_fit_start()
+    assert _auto_lines(caplog) == [
+        "cuda_graph auto: no CUDA-graph capture (compile is set; torch.compile runs the step)"
+    ]
+    assert not task.cuda_graph
+
+
+def test_auto_names_the_layer_that_keeps_a_gpu_fit_eager(monkeypatch):
+    """On a GPU what blocks a capture under a process group of several devices: SyncBatchNorm, MABN2d/BRN with
+    sync_stats; the first layer is named, the others counted. Without such layers a GPU model is capturable."""
+    gpu = torch.device("cuda")  # the reason is decided from the device's type: no GPU is touched
+    monkeypatch.setattr(cudagraph, "sync_group", lambda: True)  # as with two or more processes
+    assert cudagraph.why_not_capturable(small_net("mabn"), gpu) is None
+    assert cudagraph.why_not_capturable(small_net(), torch.device("cpu")) == (
+        "the model is on cpu; CUDA graphs need a GPU"
+    )
+    for norm, kind in (("mabn", "MABN2d"), ("brn", "BatchRenorm2d")):
+        net = small_net(norm)
+        net[1].sync_stats = True
+        expected = f"layer 1: {kind}(sync_stats=True) communicates across devices inside the forward"
+        assert cudagraph.why_not_capturable(net, gpu) == expected
+    synced = nn.SyncBatchNorm.convert_sync_batchnorm(small_net("mabn"))
+    assert cudagraph.why_not_capturable(synced, gpu) == (
+        "layer 4: SyncBatchNorm communicates across devices inside the forward"
+    )
+    synced[1].sync_stats = True
+    assert cudagraph.why_not_capturable(synced, gpu).endswith("inside the forward; and 1 more layer")
+    monkeypatch.setattr(cudagraph, "sync_group", lambda: False)  # one process: nothing to communicate
+    assert cudagraph.why_not_capturable(synced, gpu) is None
+
+
+@pytest.mark.parametrize("value", ["always", "True", 1, None])
+def test_cuda_graph_refuses_anything_but_true_false_or_auto(value):
+    for ok in (True, False, "auto"):
+        NormTask.check_hparams({"norm": "mabn", "cuda_graph": ok})
+    with pytest.raises(ConfigError) as err:
+        NormTask.check_hparams({"norm": "mabn", "cuda_graph": value})
+    assert str(err.value) == f"cuda_graph={value!r}: choose true, false or auto"
+    with pytest.raises(ConfigError, match="^cuda_graph="):
+        ClassificationTask(norm="mabn", arch="resnet18", cuda_graph=value)
+
+
+@needs_gpu
+@pytest.mark.parametrize("sync_stats", [False, True])
+def test_auto_on_a_gpu_captures_unless_a_layer_communicates(tmp_path, caplog, monkeypatch, sync_stats):
+    """``auto`` on a GPU captures at the first training step; a MABN2d with sync_stats under a process group of
+    several devices (stood in for: the layer itself still normalizes alone) keeps the step eager, with its line."""
+    monkeypatch.setattr(cudagraph, "sync_group", lambda: sync_stats)
+    task = GraphTask("auto", POLICY)
+    task.model[1].sync_stats = sync_stats
+    with caplog.at_level(logging.INFO):
+        _fit(tmp_path, "auto", "gpu", steps=1, task=task)
+    if sync_stats:
+        why = "layer 1: MABN2d(sync_stats=True) communicates across devices inside the forward"
+        assert _auto_lines(caplog) == [f"cuda_graph auto: eager training step ({why})"]
+    else:
+        assert _auto_lines(caplog) == [
+            "cuda_graph auto: the training forward and backward run as CUDA graphs (captured at the first training "
+            "batch)"
+        ]
+    assert task.cuda_graph == cudagraph.is_graphed(task.model) == (not sync_stats)
 
 
 # What each norm's last_stats holds that the graphed step must reproduce.

@@ -48,11 +48,11 @@ def _value(args: list[str], flag: str) -> str:
 def test_demo_and_real_runs_write_to_separate_folders_per_norm(stage, tmp_path):
     for folder in LAYOUTS[stage]:
         (tmp_path / folder).mkdir()
-    real = launch.build_args(stage, tmp_path, "gn", 0, 1, [])
+    real = launch.build_args(stage, tmp_path, "gn", 0, 1, [], backbone="none")
     demo = launch.build_args(stage, None, "gn", 0, 1, [])
     assert _value(real, "--trainer.default_root_dir") == str(Path("runs") / stage / "gn")
     assert _value(demo, "--trainer.default_root_dir") == str(Path("runs") / "demo" / stage / "gn")
-    other = launch.build_args(stage, tmp_path, "mabn", 0, 1, [])
+    other = launch.build_args(stage, tmp_path, "mabn", 0, 1, [], backbone="none")
     assert _value(other, "--trainer.default_root_dir") == str(Path("runs") / stage / "mabn")
     if stage == "pretrain":  # the demo's backbone never lands where a real stage 1 exports
         assert _value(real, "--model.init_args.export_dir") == "pretrain"

@@ -37,7 +37,7 @@ def fitted(tmp_path_factory) -> tuple[Path, Path]:
     ]  # fmt: skip
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        trainer = cli.run_cli(launch.build_args("cityscapes", data, "bn", 0, 1, extra)).trainer
+        trainer = cli.run_cli(launch.build_args("cityscapes", data, "bn", 0, 1, extra, backbone="none")).trainer
     return data, Path(trainer.checkpoint_callback.best_model_path)
 
 

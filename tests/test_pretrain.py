@@ -77,7 +77,8 @@ class _RecordLR(pl.Callback):
 
 def test_lr_schedule_follows_the_recipe_formula(tiny_data, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    args = _fit_args(tiny_data, "bn", "--model.init_args.milestones", "[2, 4]", "--model.init_args.base_lr", "0.4")
+    # milestones in epochs: 5 optimizer steps an epoch put the drops at steps 2 and 4
+    args = _fit_args(tiny_data, "bn", "--model.init_args.milestones", "[0.4, 0.8]", "--model.init_args.base_lr", "0.4")
     args += ["--data.init_args.batch_size", "4"]  # 40 images: 10 micro-batches, 5 whole optimizer steps an epoch
     parsed = cli.run_cli(args[1:], run=False)  # without the "fit" subcommand: build, don't run
     record = _RecordLR()
@@ -91,30 +92,41 @@ def test_lr_schedule_follows_the_recipe_formula(tiny_data, tmp_path, monkeypatch
     assert record.lrs == pytest.approx(expected, rel=1e-12)
 
 
+class _ZeroGradientStep(pl.Callback):
+    """At the start of training, before any batch: the norms' gamma 2 and beta -1, then one optimizer step with
+    zero loss gradients, so that only weight decay moves them; records (lr, weight decay); then stops the fit."""
+
+    def on_train_start(self, trainer, pl_module):
+        optimizer = trainer.optimizers[0]
+        self.lr, self.wd = optimizer.param_groups[0]["lr"], optimizer.param_groups[0]["weight_decay"]
+        with torch.no_grad():
+            for m in pl_module.modules():
+                if isinstance(m, MABN2d):
+                    m.weight.fill_(2.0)
+                    m.bias.fill_(-1.0)
+        for p in pl_module.parameters():
+            p.grad = torch.zeros_like(p)
+        optimizer.step()
+        trainer.should_stop = True  # the fit loop ends before its first batch
+
+
 def test_weight_decay_reaches_norm_gamma_and_beta(tiny_data, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     parsed = cli.run_cli(_fit_args(tiny_data, "mabn", arch=None)[1:], run=False)
     task: ClassificationTask = parsed.model
     assert task.hparams.arch == "resnet101" and len(task.model.layer3) == 23  # the recipe's default: ResNet-101
     assert backbone_path(task.hparams.export_dir, "mabn", task.hparams.arch).name == "resnet101-mabn.pt"
-    trainer = pl.Trainer(max_steps=1, logger=False, enable_checkpointing=False)
-    trainer.strategy.connect(task)
-    task.trainer = trainer
-    trainer.datamodule = parsed.datamodule
-    optimizer = task.configure_optimizers()["optimizer"]
-    lr, wd = optimizer.param_groups[0]["lr"], optimizer.param_groups[0]["weight_decay"]
-    assert wd == 1e-4
+    task.hparams.export_dir = None
+    step = _ZeroGradientStep()
+    trainer = pl.Trainer(max_epochs=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, limit_val_batches=0, callbacks=[step])  # fmt: skip
+    trainer.fit(task, parsed.datamodule)
+    assert step.wd == 1e-4
     norms = [m for m in task.modules() if isinstance(m, MABN2d)]
-    with torch.no_grad():
-        for m in norms:
-            m.weight.fill_(2.0)
-            m.bias.fill_(-1.0)
-    for p in task.parameters():
-        p.grad = torch.zeros_like(p)
-    optimizer.step()  # zero loss gradient: only weight decay moves the parameters
+    assert norms
     for m in norms:
-        torch.testing.assert_close(m.weight, torch.full_like(m.weight, 2.0 * (1 - lr * wd)))
-        torch.testing.assert_close(m.bias, torch.full_like(m.bias, -1.0 * (1 - lr * wd)))
+        torch.testing.assert_close(m.weight, torch.full_like(m.weight, 2.0 * (1 - step.lr * step.wd)))
+        torch.testing.assert_close(m.bias, torch.full_like(m.bias, -1.0 * (1 - step.lr * step.wd)))
 
 
 def _copy_tree(src: Path, dst: Path) -> Path:

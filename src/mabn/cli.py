@@ -36,6 +36,7 @@ from .errors import ConfigError, own_message
 from .files import AtomicCheckpointIO, write_text_atomic
 from .models import DEFAULT_ARCH, BackboneError
 from .process import first_process
+from .scaling import RunShape, device_batch, iterations_per_epoch, loader_batches, total_iterations
 from .tasks.classification import backbone_path
 
 CHECKPOINT_CALLBACK = "pytorch_lightning.callbacks.ModelCheckpoint"
@@ -64,22 +65,57 @@ def _devices(trainer: Namespace) -> int | None:
     return count * int(trainer.get("num_nodes") or 1) if count > 0 else None
 
 
+def _device_batch(config: Namespace) -> int | None:
+    """The per-device batch: the data's ``batch_size``, or its share of ``global_batch_size`` over the devices
+    (``mabn.scaling.device_batch``)."""
+    data, model = config.data.get("init_args") or Namespace(), config.model.get("init_args") or Namespace()
+    if data.get("global_batch_size"):
+        return device_batch(data.global_batch_size, _devices(config.trainer) or 1, model.get("norm_batch_size"))
+    return data.get("batch_size")
+
+
 def check_batch(config: Namespace) -> None:
     """The per-device batch must split into whole normalization (ghost) batches."""
-    data, model = config.data.get("init_args") or Namespace(), config.model.get("init_args") or Namespace()
-    world = _devices(config.trainer) or 1
-    per_device = data.get("batch_size")
-    if data.get("global_batch_size"):
-        total = data.global_batch_size
-        if total % world:
-            raise ConfigError(f"global_batch_size={total} does not split over {world} devices: use a multiple of it")
-        per_device = total // world
-    size = model.get("norm_batch_size")
+    size = (config.model.get("init_args") or Namespace()).get("norm_batch_size")
+    per_device = _device_batch(config)
     if size and per_device and per_device % size:
         raise ConfigError(
             f"the per-device batch of {per_device} does not split into normalization batches of "
             f"norm_batch_size={size}: use a per-device batch that is a multiple of {size}"
         )
+
+
+def run_shape(config: Namespace) -> RunShape | None:
+    """The run's batch and length computed from ``config`` as the Trainer will run them (None without a
+    per-device batch); the training samples are counted by file name when the data set exists."""
+    data, trainer = config.data.get("init_args") or Namespace(), config.trainer
+    per_device = _device_batch(config)
+    if not per_device:
+        return None
+    devices = _devices(trainer) or 1
+    accumulate = trainer.get("accumulate_grad_batches") or 1
+    counter = getattr(_import(config.data.class_path), "train_samples", None)
+    samples = counter(data) if counter is not None and Path(data.get("data_dir") or "").is_dir() else None
+    per_epoch = steps = None
+    if samples is not None:
+        batches = loader_batches(samples, per_device, devices)
+        if batches == 0:
+            raise ConfigError(
+                f"the training split holds {samples} samples: too few for one batch of {per_device} on each of "
+                f"{devices} devices"
+            )
+        per_epoch = iterations_per_epoch(batches, accumulate)
+        steps = total_iterations(batches, trainer.get("max_epochs"), trainer.get("max_steps"), accumulate)
+    norm_batch = (config.model.get("init_args") or Namespace()).get("norm_batch_size")
+    return RunShape(per_device, devices, accumulate, norm_batch, samples, per_epoch, steps)
+
+
+def plan_lines(config: Namespace) -> list[str]:
+    """What the run's task says at the start of fit (batch, lr, schedule), computed from ``config``."""
+    task, shape = _import(config.model.class_path), run_shape(config)
+    if shape is None or not hasattr(task, "plan_lines"):
+        return []
+    return task.plan_lines(dict(config.model.init_args), shape)
 
 
 def check_export(config: Namespace) -> None:
@@ -141,7 +177,12 @@ class AtomicSaveConfig(SaveConfigCallback):
 
 
 class _Checked(Exception):
-    """Raised by ``check`` once the configuration passed, to stop before anything is built."""
+    """Raised by ``check`` once the configuration passed, to stop before anything is built; carries the run's
+    plan (``plan_lines``)."""
+
+    def __init__(self, plan: list[str]) -> None:
+        super().__init__("checked")
+        self.plan = plan
 
 
 class MabnCLI(LightningCLI):
@@ -170,7 +211,7 @@ class MabnCLI(LightningCLI):
         config = self.config.fit
         check_fit_config(config)
         if self.check_only:
-            raise _Checked
+            raise _Checked(plan_lines(config))
         place_run(config, self.plan.folder)
         if first_process():
             runs.remove_stale_temporaries(self.plan.folder)
@@ -210,13 +251,14 @@ class _CheckCLI(MabnCLI):
     check_only = True
 
 
-def check(args: list[str]) -> None:
-    """Parse and check a ``fit`` command line without building or reading anything; ``ConfigError`` or
-    jsonargparse's own exit on a mistake."""
+def check(args: list[str]) -> list[str]:
+    """Parse and check a ``fit`` command line without building anything or reading more than file names;
+    ``ConfigError`` or jsonargparse's own exit on a mistake. Returns the run's plan: its batch, lr and schedule."""
     try:
         run_cli(args, cli_class=_CheckCLI)
-    except _Checked:
-        return
+    except _Checked as checked:
+        return checked.plan
+    return []
 
 
 def user_error(err: BaseException) -> str | None:

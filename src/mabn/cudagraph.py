@@ -30,8 +30,8 @@ from .norm._common import sync_group
 from .process import has_process_group
 
 
-def capture_blockers(model: nn.Module) -> list[str]:
-    """The layers of ``model`` that cannot run inside a CUDA graph, each as "name (why)"."""
+def _blocking_layers(model: nn.Module) -> list[tuple[str, str]]:
+    """(name, why) of each layer of ``model`` that cannot run inside a CUDA graph."""
     blockers = []
     for name, m in model.named_modules():
         why = None
@@ -42,8 +42,29 @@ def capture_blockers(model: nn.Module) -> list[str]:
         elif isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training and m.momentum is None:
             why = "BatchNorm with momentum=None reads its batch count on the host"
         if why:
-            blockers.append(f"{name or type(m).__name__} ({why})")
+            blockers.append((name or type(m).__name__, why))
     return blockers
+
+
+def capture_blockers(model: nn.Module) -> list[str]:
+    """The layers of ``model`` that cannot run inside a CUDA graph, each as "name (why)"."""
+    return [f"{name} ({why})" for name, why in _blocking_layers(model)]
+
+
+def why_not_capturable(model: nn.Module, device: torch.device) -> str | None:
+    """Why ``model`` on ``device`` cannot be trained through CUDA graphs, in a few words; None when it can.
+
+    One short reason, for a log line: a ResNet with SyncBatchNorm has a hundred blocking layers, each the same
+    story, so the first is named and the others counted (``check_capturable`` lists them all).
+    """
+    if device.type != "cuda":
+        return f"the model is on {device.type}; CUDA graphs need a GPU"
+    blockers = _blocking_layers(model)
+    if not blockers:
+        return None
+    name, why = blockers[0]
+    others = len(blockers) - 1
+    return f"layer {name}: {why}" + (f"; and {others} more layer{'s' * (others > 1)}" if others else "")
 
 
 def check_capturable(model: nn.Module, device: torch.device) -> None:

@@ -41,6 +41,7 @@ DEMO_DATA = Path("data")
 RUNS = Path("runs")
 BACKBONES = Path("pretrain")
 DEMO = "demo"  # the folder under runs/ and pretrain/ that holds the demo profile's artefacts
+NO_BACKBONE = "none"  # --backbone none: stage 2's encoder from random weights, on purpose
 DEMO_WAIT_S = 1800  # how long the processes of other nodes wait for process 0 to generate the demo set
 
 
@@ -200,17 +201,28 @@ def check_cluster(gpus: int, nodes: int) -> str | None:
     return None
 
 
-def default_backbone(norm: str, backbone: Path | None, demo: bool) -> list[str]:
-    """Stage 2 reads ``backbone``, else stage 1's export for the same norm and profile when there is one."""
-    if backbone is None:
-        candidate = backbone_path(BACKBONES / DEMO if demo else BACKBONES, norm)
-        if not candidate.is_file():
-            return []
-        say(f"Using the stage-1 backbone {candidate} (BACKBONE=... picks another).")
-        backbone = candidate
-    elif not backbone.is_file():
-        raise LaunchError(f"BACKBONE={backbone}: no such file")
-    return ["--model.init_args.backbone", str(backbone)]
+def stage2_backbone(norm: str, backbone: str | Path | None, demo: bool, pending: bool = False) -> tuple[list[str], str]:
+    """Where stage 2's encoder starts: (the LightningCLI arguments, the line that says so). ``backbone`` is a
+    file, ``none`` (random weights on purpose) or None: stage 1's export for the same norm and profile, which a
+    real run requires (``pending``: a job queued after stage 1's writes it first) and the demo uses if present."""
+    if backbone is not None and str(backbone) == NO_BACKBONE:
+        return [], "Backbone: none (BACKBONE=none): the encoder starts from random weights"
+    if backbone is not None:
+        if not Path(backbone).is_file():
+            raise LaunchError(f"BACKBONE={backbone}: no such file")
+        return ["--model.init_args.backbone", str(backbone)], f"Backbone: {backbone} (BACKBONE=...)"
+    path = backbone_path(BACKBONES / DEMO if demo else BACKBONES, norm)
+    source = f"Backbone: {path}, stage 1's export for NORM={norm}"
+    if path.is_file():
+        return ["--model.init_args.backbone", str(path)], f"{source} (BACKBONE=... picks another)"
+    if pending:
+        return [], f"{source}, to be written by the stage-1 job this one waits for"
+    if demo:
+        return [], f"Backbone: none ({path} not found: make pretrain NORM={norm} writes it); random encoder weights"
+    raise LaunchError(
+        f"no stage-1 backbone {path}: run stage 1 first (make pretrain NORM={norm} DATA=<imagenet>), give one "
+        f"with BACKBONE=<file>, or BACKBONE=none (--backbone none) to train the encoder from random weights"
+    )
 
 
 def run_dir(stage: str, norm: str, demo: bool, given: Path | None) -> Path:
@@ -225,13 +237,15 @@ def build_args(
     gpus: int,
     nodes: int,
     extra: list[str],
-    backbone: Path | None = None,
+    backbone: str | Path | None = None,
     resume: str | None = None,
     dry_run: bool = False,
     folder: Path | None = None,
+    backbone_pending: bool = False,
 ) -> list[str]:
     """The LightningCLI arguments of a stage run (the demo profile without ``data``); nothing is generated or
-    read here. ``dry_run`` assumes a GPU machine."""
+    read here. ``dry_run`` assumes a GPU machine; ``backbone_pending`` (with it): stage 1 writes the backbone
+    before this run starts."""
     label, preset = norm, STAGE1_PRESETS.get(norm)  # the run's name: the norm, or a stage-1 preset
     if preset is not None and stage != "pretrain":
         raise LaunchError(
@@ -257,7 +271,9 @@ def build_args(
         args += ["--model.init_args.export_dir", str(export_dir / label if preset else export_dir)]
         args += list(preset.args) if preset else []
     if stage == "cityscapes":
-        args += default_backbone(norm, backbone, demo)
+        loading, line = stage2_backbone(norm, backbone, demo, backbone_pending and dry_run)
+        say(line)
+        args += loading
     if resume:
         args += ["--ckpt_path", resume]
     return args + hardware + extra
@@ -272,7 +288,15 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--gpus", type=int, default=0, help="GPUs per node (0: CPU)")
     parser.add_argument("--nodes", type=int, default=1)
-    parser.add_argument("--backbone", type=Path, help="stage 2: a stage-1 backbone file (default: pretrain/...)")
+    parser.add_argument(
+        "--backbone",
+        help="stage 2: a backbone file, or 'none' for random encoder weights (default: stage 1's export)",
+    )
+    parser.add_argument(
+        "--backbone-pending",
+        action="store_true",
+        help="with --dry-run: stage 1's backbone is written by a job that runs first (make slurm AFTER=<job>)",
+    )
     parser.add_argument("--resume", help="'auto' (the newest checkpoint of the experiment folder, if any) or a path")
     parser.add_argument("--run-dir", type=Path, help="the experiment folder (default: runs/<stage>/<norm>)")
     parser.add_argument("--dry-run", action="store_true", help="print the LightningCLI arguments, check, exit")
@@ -284,16 +308,24 @@ def main(argv: list[str] | None = None) -> None:
     try:
         where = check_cluster(ns.gpus, ns.nodes)
         args = build_args(
-            ns.stage, ns.data, ns.norm, ns.gpus, ns.nodes, extra, ns.backbone, ns.resume, ns.dry_run, ns.run_dir
+            ns.stage,
+            ns.data,
+            ns.norm,
+            ns.gpus,
+            ns.nodes,
+            extra,
+            ns.backbone,
+            ns.resume,
+            ns.dry_run,
+            ns.run_dir,
+            ns.backbone_pending,
         )
-        cli.check(args)  # every configuration mistake stops here, before any data is generated or read
+        plan = cli.check(args)  # every configuration mistake stops here, before any data is generated or read
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
     if ns.dry_run:
-        if where:
-            print(where)
-        print("python -m mabn " + shlex.join(args))
+        print("\n".join([*plan, *([where] if where else []), "python -m mabn " + shlex.join(args)]))
         return
     if ns.data is None:
         try:

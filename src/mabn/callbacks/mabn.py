@@ -101,7 +101,8 @@ class MABNCallback(pl.Callback):
         self._step, self._log_now = step, log_now
         # A CUDA-graphed model runs the layers' Python forward once, at capture: the logged layers track from
         # then on, and every replay refreshes the statistics tensors they captured. A compiled one tracks at every
-        # step too: switching tracking would compile a second graph.
+        # step too: switching tracking would compile a second graph. A NormTask's ``cuda_graph`` is its decision for
+        # this fit, not the hyperparameter (which may be "auto").
         graphed = getattr(pl_module, "cuda_graph", False) or getattr(pl_module, "compile_mode", None) is not None
         self._graphed = graphed and every > 0
         for name in self._logging:

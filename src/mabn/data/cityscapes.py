@@ -6,8 +6,9 @@ Reads the official layout directly: ``*_gtFine_labelIds.png`` files are mapped t
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import albumentations as A
 import cv2
@@ -19,6 +20,7 @@ from torch.utils.data import DataLoader, Dataset
 from torchvision.datasets import Cityscapes
 
 from ..process import rank
+from ..scaling import device_batch
 from .errors import DatasetError
 from .loading import augmentation_seed, make_loader
 
@@ -245,8 +247,10 @@ def train_transform(
 class CityscapesDataModule(pl.LightningDataModule):
     """Cityscapes fine train/val in the official layout under ``data_dir``, with the hszhao/semseg recipe.
 
-    Training batches are ``batch_size`` (per device) random ``crop_size`` crops; the train loader shuffles
-    and drops the last partial batch so every batch splits into whole ghost batches. Validation yields
+    Training batches are ``batch_size`` (per device) random ``crop_size`` crops; with ``global_batch_size`` the
+    per-device batch is its share instead, by the rule of ``mabn.scaling.device_batch`` with the model's
+    normalization batch. The train loader shuffles and drops the last partial batch so every batch splits into
+    whole ghost batches. Validation yields
     full, untransformed images (``val_batch_size`` 1 by default) for sliding-window evaluation.
     """
 
@@ -286,12 +290,10 @@ class CityscapesDataModule(pl.LightningDataModule):
     def setup(self, stage: str | None = None) -> None:
         """Index the splits the stage needs; raises ``DatasetError`` if the layout is missing or broken."""
         if self.global_batch_size:
-            # The recipe fixes the gradient batch (16); with fewer devices each one takes a larger share,
-            # which the model's ghost batches still normalize in groups of norm_batch_size.
             world = self.trainer.world_size if self.trainer is not None else 1
-            if self.global_batch_size % world:
-                raise ValueError(f"global_batch_size {self.global_batch_size} does not divide over {world} devices")
-            self.batch_size = self.global_batch_size // world
+            module = self.trainer.lightning_module if self.trainer is not None else None
+            norm_batch = module.hparams.get("norm_batch_size") if module is not None else None
+            self.batch_size = device_batch(self.global_batch_size, world, norm_batch)
         if stage in (None, "fit"):
             # Seeded from torch so that seed_everything also fixes the augmentations with num_workers=0.
             transform = train_transform(
@@ -300,6 +302,12 @@ class CityscapesDataModule(pl.LightningDataModule):
             self.train_set = CityscapesDataset(self.data_dir, self.train_split, transform)
         if stage in (None, "fit", "validate"):
             self.val_set = CityscapesDataset(self.data_dir, self.val_split)
+
+    @staticmethod
+    def train_samples(args: Mapping[str, Any]) -> int:
+        """The size of the training split the data module's ``args`` name, from file names alone (what
+        ``--dry-run`` plans with)."""
+        return len(find_samples(args["data_dir"], args.get("train_split") or "train"))
 
     def _loader(self, dataset: CityscapesDataset | None, batch_size: int, train: bool) -> DataLoader:
         if dataset is None:

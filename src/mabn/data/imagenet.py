@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import albumentations as A
 import numpy as np
@@ -42,17 +44,19 @@ def class_names(split_dir: Path) -> list[str]:
     return names
 
 
+def image_files(folder: Path) -> list[str]:
+    """The images of one class folder, sorted; a DatasetError when it holds none."""
+    files = sorted(e.path for e in os.scandir(folder) if e.name.lower().endswith(IMAGE_EXTENSIONS))
+    if not files:
+        raise DatasetError(f"class folder {folder} holds no images ({', '.join(IMAGE_EXTENSIONS)})")
+    return files
+
+
 class ImageFolder(Dataset):
     """Images of ``split_dir/<class>/*`` labelled by the index of their class in ``classes``."""
 
     def __init__(self, split_dir: Path, classes: list[str], transform: A.Compose) -> None:
-        self.samples: list[tuple[str, int]] = []
-        for label, name in enumerate(classes):
-            folder = split_dir / name
-            files = sorted(e.path for e in os.scandir(folder) if e.name.lower().endswith(IMAGE_EXTENSIONS))
-            if not files:
-                raise DatasetError(f"class folder {folder} holds no images ({', '.join(IMAGE_EXTENSIONS)})")
-            self.samples += [(f, label) for f in files]
+        self.samples = [(f, label) for label, name in enumerate(classes) for f in image_files(split_dir / name)]
         self.transform = transform
 
     def __len__(self) -> int:
@@ -105,6 +109,13 @@ class ImageFolderDataModule(pl.LightningDataModule):
     @property
     def num_classes(self) -> int:
         return len(self.classes)
+
+    @staticmethod
+    def train_samples(args: Mapping[str, Any]) -> int:
+        """The size of the training split the data module's ``args`` name, from file names alone (what
+        ``--dry-run`` plans with)."""
+        split = Path(args["data_dir"]) / "train"
+        return sum(len(image_files(split / name)) for name in class_names(split))
 
     def setup(self, stage: str | None = None) -> None:
         # Seeded from torch so that seed_everything also fixes the augmentations with num_workers=0.

@@ -3,20 +3,22 @@
 from __future__ import annotations
 
 import functools
+import math
 import time
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, Literal
 
 import pytorch_lightning as pl
 import torch
 from pytorch_lightning.utilities import rank_zero_info
 
 from ..callbacks import NormPolicy, norm_callbacks
-from ..cudagraph import check_capturable, training_call
+from ..cudagraph import check_capturable, training_call, why_not_capturable
 from ..errors import ConfigError
 from ..models import ARCHS, DEFAULT_ARCH
 from ..norm import NORM_PRESETS
 from ..norm.cenconv import SGDCentring, centre_after_sgd_steps
+from ..scaling import RunShape, iterations_per_epoch
 
 
 def require(ok: bool, name: str, value: Any, wanted: str) -> None:
@@ -28,8 +30,10 @@ def require(ok: bool, name: str, value: Any, wanted: str) -> None:
 class NormTask(pl.LightningModule):
     """A LightningModule around ``self.model`` whose norms may be callback-managed (MABN2d, BatchRenorm2d).
 
-    With the ``cuda_graph`` hyperparameter set, the model's training forward and backward are captured as
-    CUDA graphs at the first training batch and replayed afterwards (``mabn.cudagraph``). With ``compile``
+    With the ``cuda_graph`` hyperparameter true, the model's training forward and backward are captured as
+    CUDA graphs at the first training batch and replayed afterwards (``mabn.cudagraph``); ``auto`` (the default)
+    does so when the fit runs on a GPU, the model can be captured and ``compile`` is unset, and otherwise trains
+    eagerly and says why in one line at fit start. With ``compile``
     (true: torch.compile's default mode; or a mode name such as ``reduce-overhead``, which adds CUDA graphs),
     they run as one ``torch.compile`` graph each, compiled at the first training batch; that batch's time is
     reported. Evaluation stays eager.
@@ -45,7 +49,7 @@ class NormTask(pl.LightningModule):
     - ``norm_policy``: how MABNCallback drives MABN2d/BatchRenorm2d (phases per module group, resets, statistics
       logging), a ``mabn.callbacks.NormPolicy``; unset: its defaults;
     - ``momentum``, ``weight_decay``: SGD's;
-    - ``cuda_graph``, ``compile``: as above;
+    - ``cuda_graph`` (true, false or auto), ``compile``: as above;
     - ``arch``: the ResNet depth of the network, one of ``mabn.models.ARCHS`` (default resnet101, the paper's).
     """
 
@@ -53,6 +57,7 @@ class NormTask(pl.LightningModule):
     _first_step_started: float | None = None  # when the first compiled training step began (host clock)
     _first_step_reported = False
     _centring: list[SGDCentring] = []  # per optimizer, while a fit runs
+    _graphed_fit: bool | None = None  # ``cuda_graph`` as resolved at fit start; None before the first fit
 
     def __init__(
         self,
@@ -62,7 +67,7 @@ class NormTask(pl.LightningModule):
         norm_policy: NormPolicy | None = None,
         momentum: float = 0.9,
         weight_decay: float = 1e-4,
-        cuda_graph: bool = False,
+        cuda_graph: bool | Literal["auto"] = "auto",
         compile: bool | str = False,
         arch: str = DEFAULT_ARCH,
     ) -> None:
@@ -89,10 +94,18 @@ class NormTask(pl.LightningModule):
         require(hp.get("base_lr", 1) > 0, "base_lr", hp.get("base_lr"), "must be > 0")
         require(0 <= hp.get("momentum", 0) < 1, "momentum", hp.get("momentum"), "must be in [0, 1)")
         require(hp.get("weight_decay", 0) >= 0, "weight_decay", hp.get("weight_decay"), "must be >= 0")
+        graph = hp.get("cuda_graph", "auto")
+        # isinstance, not `in (True, False, "auto")`: 1 == True would let 0 and 1 through.
+        require(isinstance(graph, bool) or graph == "auto", "cuda_graph", graph, "choose true, false or auto")
 
     @property
     def cuda_graph(self) -> bool:
-        return bool(self.hparams.get("cuda_graph", False))
+        """Whether the training forward and backward run as CUDA graphs: the ``cuda_graph`` hyperparameter as
+        ``on_fit_start`` resolved it for this fit. Everything that asks (``training_forward``, MABNCallback) reads
+        this, never the hyperparameter, which may be the string "auto". Before any fit only ``true`` captures."""
+        if self._graphed_fit is None:
+            return self.hparams.get("cuda_graph", "auto") is True
+        return self._graphed_fit
 
     @property
     def compile_mode(self) -> str | None:
@@ -101,13 +114,38 @@ class NormTask(pl.LightningModule):
         return "default" if value is True else value or None
 
     def on_fit_start(self) -> None:
-        if self.cuda_graph and self.compile_mode:
-            raise ValueError(
-                "cuda_graph and compile are two ways to the same end: set one (compile: reduce-overhead gives "
-                "CUDA graphs through torch.compile)"
-            )
-        if self.cuda_graph:  # fail before any data is loaded
+        # Here, not in __init__: only now are the device and the process group (which decides whether a
+        # synchronized norm communicates) known.
+        self._graphed_fit = self._resolve_cuda_graph()
+
+    def _resolve_cuda_graph(self) -> bool:
+        setting = self.hparams.get("cuda_graph", "auto")
+        if setting is True:
+            # Asked for explicitly: an impossible capture is an error, before any data is loaded.
+            if self.compile_mode:
+                raise ValueError(
+                    "cuda_graph and compile are two ways to the same end: set one (compile: reduce-overhead gives "
+                    "CUDA graphs through torch.compile)"
+                )
             check_capturable(self.model, self.device)
+            return True
+        if setting != "auto":
+            return False
+        # auto is the default, so it must train wherever eager training does: it never fails. It names the path it
+        # took because on a GPU the two differ much in speed (eager MABN steps are bound by kernel launches).
+        # compile wins: it was asked for by name, auto was not.
+        if self.compile_mode:
+            rank_zero_info("cuda_graph auto: no CUDA-graph capture (compile is set; torch.compile runs the step)")
+            return False
+        why = why_not_capturable(self.model, self.device)
+        if why is not None:
+            rank_zero_info(f"cuda_graph auto: eager training step ({why})")
+            return False
+        rank_zero_info(
+            "cuda_graph auto: the training forward and backward run as CUDA graphs (captured at the first "
+            "training batch)"
+        )
+        return True
 
     def on_train_start(self) -> None:
         # After the checkpoint's weights and optimizer state are restored: they are centred once, here.
@@ -151,3 +189,24 @@ class NormTask(pl.LightningModule):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.model(x)
+
+    def run_shape(self, per_device: int) -> RunShape:
+        """The fit's batch over its devices and its length, as the Trainer runs it (call from
+        ``configure_optimizers``: it loads the train loader)."""
+        trainer = self.trainer
+        total = trainer.estimated_stepping_batches
+        if trainer.train_dataloader is None:  # a run bounded by max_steps alone: the estimate read no data
+            trainer.fit_loop.setup_data()
+        loader = trainer.train_dataloader
+        if math.isinf(trainer.num_training_batches):
+            raise ConfigError("the schedule is in epochs: the training data loader must have a length")
+        samples = len(loader.dataset) if loader is not None and hasattr(loader.dataset, "__len__") else None
+        return RunShape(
+            per_device=per_device,
+            devices=trainer.world_size,
+            accumulate=trainer.accumulate_grad_batches,
+            norm_batch=self.hparams.get("norm_batch_size"),
+            samples=samples,
+            iterations_per_epoch=iterations_per_epoch(trainer.num_training_batches, trainer.accumulate_grad_batches),
+            total_iterations=int(total),
+        )

@@ -15,6 +15,7 @@ from torchmetrics import MeanMetric
 from torchmetrics.classification import MulticlassAccuracy
 
 from ..models import DEFAULT_ARCH, resnet, save_backbone
+from ..scaling import RunShape
 from . import schedules
 from .base import NormTask, require
 
@@ -33,8 +34,10 @@ class ClassificationTask(NormTask):
     """ResNet-101 classification with the paper's recipe (appendix B.2).
 
     SGD with momentum; weight decay on every parameter, norm gamma and beta included; lr =
-    ``base_lr`` x global batch / ``base_batch_size``, divided by 10 at each milestone (iterations).
-    An optional linear lr warm-up over ``warmup_steps`` (0 in the paper) precedes the drops.
+    ``base_lr`` x global batch / ``base_batch_size`` (the linear scaling rule), multiplied by ``lr_gamma`` at each of
+    the ``milestones`` (epochs, converted to iterations at the run's iterations per epoch, so the drops stay at
+    the recipe's epochs on any number of devices). An optional linear lr warm-up over ``warmup_epochs`` (0 in the
+    paper) precedes the drops.
     At the end of fitting the best checkpoint's backbone is exported to ``export_dir``.
     The norm, its phases and statistics logging (``norm_policy``), SGD's momentum and weight decay, ``cuda_graph``,
     ``compile`` and ``arch`` are the arguments every stage shares (``**shared``, see ``NormTask``); the backbone file
@@ -46,9 +49,9 @@ class ClassificationTask(NormTask):
         num_classes: int = 1000,
         base_lr: float = 0.1,
         base_batch_size: int = 256,
-        milestones: tuple[int, ...] = (150_000, 300_000, 450_000),
+        milestones: tuple[float, ...] = (30, 60, 90),
         lr_gamma: float = 0.1,
-        warmup_steps: int = 0,
+        warmup_epochs: float = 0.0,
         zero_init_residual: bool = False,
         label_smoothing: float = 0.0,
         export_dir: str | None = "pretrain",
@@ -68,10 +71,25 @@ class ClassificationTask(NormTask):
         super().check_hparams(hp)
         require(hp["base_batch_size"] > 0, "base_batch_size", hp["base_batch_size"], "must be > 0")
         require(hp["lr_gamma"] > 0, "lr_gamma", hp["lr_gamma"], "must be > 0")
-        require(hp["warmup_steps"] >= 0, "warmup_steps", hp["warmup_steps"], "must be >= 0")
+        require(hp["warmup_epochs"] >= 0, "warmup_epochs", hp["warmup_epochs"], "must be >= 0")
         require(0 <= hp["label_smoothing"] < 1, "label_smoothing", hp["label_smoothing"], "must be in [0, 1)")
-        steps = list(hp["milestones"])
-        require(steps == sorted(steps), "milestones", steps, "must be increasing")
+        epochs = list(hp["milestones"])
+        require(
+            epochs == sorted(epochs) and min(epochs, default=0) >= 0, "milestones", epochs, "must be increasing epochs"
+        )
+
+    @classmethod
+    def plan_lines(cls, hp: Mapping[str, Any], shape: RunShape) -> list[str]:
+        """The run's batch, lr and schedule, said at the start of fit and by ``--dry-run``."""
+        drops = ", ".join(f"{m:g}" for m in hp["milestones"])
+        steps = [shape.iterations(m) for m in hp["milestones"]]
+        at = "" if None in steps else f" (iterations {', '.join(map(str, steps))})"
+        warmup = f"linear warm-up over {shape.epochs_text(hp['warmup_epochs'])}, then " if hp["warmup_epochs"] else ""
+        return [
+            *shape.lines(),
+            shape.lr_line(hp["base_lr"], hp["base_batch_size"]),
+            f"schedule: {warmup}lr x {hp['lr_gamma']:g} at epochs {drops}{at}",
+        ]
 
     def build_model(self) -> torch.nn.Module:
         hp = self.hparams
@@ -98,12 +116,15 @@ class ClassificationTask(NormTask):
 
     def configure_optimizers(self) -> dict[str, Any]:
         hp = self.hparams
-        batch = global_batch_size(self.trainer, self.trainer.datamodule.batch_size)
-        lr = hp.base_lr * batch / hp.base_batch_size
-        rank_zero_info(f"lr = {hp.base_lr} x {batch} / {hp.base_batch_size} = {lr:g} (global batch {batch})")
+        shape = self.run_shape(self.trainer.datamodule.batch_size)
+        rank_zero_info("\n".join(self.plan_lines(hp, shape)))
+        lr = shape.lr(hp.base_lr, hp.base_batch_size)
         optimizer = torch.optim.SGD(self.parameters(), lr=lr, momentum=hp.momentum, weight_decay=hp.weight_decay)
         factor = partial(
-            schedules.warmup_multistep, warmup_steps=hp.warmup_steps, milestones=list(hp.milestones), gamma=hp.lr_gamma
+            schedules.warmup_multistep,
+            warmup_steps=shape.iterations(hp.warmup_epochs),
+            milestones=[shape.iterations(m) for m in hp.milestones],
+            gamma=hp.lr_gamma,
         )
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}

@@ -18,6 +18,7 @@ from ..data.cityscapes import CLASS_NAMES, IGNORE_INDEX, IMAGENET_MEAN, IMAGENET
 from ..inference import sliding_window_logits
 from ..metrics import SegmentationMetric, format_iou_table
 from ..models import DEFAULT_ARCH, PSPNet, check_backbone, load_backbone_into
+from ..scaling import RunShape
 from . import schedules
 from .base import NormTask, require
 
@@ -31,8 +32,10 @@ MAX_MASK_CLASSES = 255
 class SegmentationTask(NormTask):
     """PSPNet with the recipe of Zhao et al. and the MABN paper's Cityscapes appendix.
 
-    SGD with momentum and weight decay; the encoder at ``base_lr``, the new heads at ``head_lr_mult`` x;
-    lr rises linearly over ``warmup_epochs`` and then follows poly(``poly_power``), stepped per iteration.
+    SGD with momentum and weight decay; the encoder at ``base_lr`` x global batch / ``base_batch_size`` (the
+    linear scaling rule), the new heads at ``head_lr_mult`` x that; lr rises linearly over ``warmup_epochs`` and
+    then follows poly(``poly_power``) to the end of the run, stepped per iteration (epochs convert to iterations
+    at the run's iterations per epoch, so the schedule keeps the recipe's epochs on any number of devices).
     Loss: cross-entropy (ignore 255) of the main head plus ``aux_weight`` x that of the auxiliary head.
     Validation runs the full images through sliding windows of ``eval_crop`` (default: the training
     crop) with stride 2/3 of it, optional flip and scales, and reports the Cityscapes mIoU.
@@ -50,6 +53,7 @@ class SegmentationTask(NormTask):
         num_classes: int = 19,
         backbone: str | None = None,
         base_lr: float = 0.01,
+        base_batch_size: int = 16,
         head_lr_mult: float = 10.0,
         warmup_epochs: float = 3.0,
         poly_power: float = 0.9,
@@ -80,6 +84,7 @@ class SegmentationTask(NormTask):
         super().check_hparams(hp)
         if hp.get("backbone"):  # a backbone that cannot start this norm stops before any data is read
             check_backbone(hp["backbone"], hp["norm"], hp.get("arch", DEFAULT_ARCH))
+        require(hp["base_batch_size"] > 0, "base_batch_size", hp["base_batch_size"], "must be > 0")
         require(hp["head_lr_mult"] > 0, "head_lr_mult", hp["head_lr_mult"], "must be > 0 (heads' lr = base_lr x it)")
         require(hp["warmup_epochs"] >= 0, "warmup_epochs", hp["warmup_epochs"], "must be >= 0")
         require(hp["poly_power"] > 0, "poly_power", hp["poly_power"], "must be > 0")
@@ -95,6 +100,18 @@ class SegmentationTask(NormTask):
             f"prediction masks hold at most {MAX_MASK_CLASSES} classes (wandb stores them as 8-bit images); "
             "set log_predictions_every_n_epochs=0",
         )
+
+    @classmethod
+    def plan_lines(cls, hp: Mapping[str, Any], shape: RunShape) -> list[str]:
+        """The run's batch, lr and schedule, said at the start of fit and by ``--dry-run``."""
+        heads = f" for the encoder, x {hp['head_lr_mult']:g} for the heads"
+        end = "" if shape.total_iterations is None else f" to iteration {shape.total_iterations}"
+        warmup = shape.epochs_text(hp["warmup_epochs"])
+        return [
+            *shape.lines(),
+            shape.lr_line(hp["base_lr"], hp["base_batch_size"], heads),
+            f"schedule: linear warm-up over {warmup}, then poly {hp['poly_power']:g}{end}",
+        ]
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         images, labels = batch
@@ -188,28 +205,26 @@ class SegmentationTask(NormTask):
 
     def configure_optimizers(self) -> dict[str, Any]:
         hp = self.hparams
+        shape = self.run_shape(self.trainer.datamodule.batch_size)
+        rank_zero_info("\n".join(self.plan_lines(hp, shape)))
+        lr = shape.lr(hp.base_lr, hp.base_batch_size)
         heads = list(self.model.heads().parameters())
         head_ids = {id(p) for p in heads}
         encoder = [p for p in self.model.parameters() if id(p) not in head_ids]
         optimizer = torch.optim.SGD(
-            [{"params": encoder, "lr": hp.base_lr}, {"params": heads, "lr": hp.base_lr * hp.head_lr_mult}],
-            lr=hp.base_lr,
+            [{"params": encoder, "lr": lr}, {"params": heads, "lr": lr * hp.head_lr_mult}],
+            lr=lr,
             momentum=hp.momentum,
             weight_decay=hp.weight_decay,
         )
-        total = self.trainer.estimated_stepping_batches  # also loads the train loader for steps_per_epoch
-        warmup = round(hp.warmup_epochs * self.steps_per_epoch())
-        rank_zero_info(f"lr: linear warm-up over {warmup} iterations, then poly {hp.poly_power} to {total}")
-        factor = partial(schedules.warmup_poly, max_steps=total, warmup_steps=warmup, power=hp.poly_power)
+        factor = partial(
+            schedules.warmup_poly,
+            max_steps=shape.total_iterations,
+            warmup_steps=shape.iterations(hp.warmup_epochs),
+            power=hp.poly_power,
+        )
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
-
-    def steps_per_epoch(self) -> int:
-        """Optimizer steps per epoch as the fit loop runs them: the batches this device sees (after any
-        distributed sampler and limit), with a step also on the last, partial accumulation window.
-        Valid once ``estimated_stepping_batches`` has loaded the train loader."""
-        trainer = self.trainer
-        return max(1, math.ceil(trainer.num_training_batches / trainer.accumulate_grad_batches))
 
 
 def pixel_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
