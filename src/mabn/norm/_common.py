@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import Tensor
 
@@ -47,9 +49,17 @@ def nonfinite_error(layer: str, what: str) -> FloatingPointError:
     )
 
 
+# torch.promote_types goes through the dispatcher, an operator call that an eager step would pay in every layer: the
+# answers for the float dtypes are looked up instead.
+_STAT_DTYPES = {
+    dtype: torch.promote_types(dtype, torch.float32)
+    for dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+}
+
+
 def stat_dtype(x: Tensor) -> torch.dtype:
     """Statistics are kept in float32 or better, whatever the activation dtype."""
-    return torch.promote_types(x.dtype, torch.float32)
+    return _STAT_DTYPES.get(x.dtype) or torch.promote_types(x.dtype, torch.float32)
 
 
 def per_sample(t: Tensor, group_size: int) -> Tensor:
@@ -80,10 +90,17 @@ def per_sample_bn_backward(
     def flat(t: Tensor) -> Tensor:
         return t.contiguous().view(1, n * c, h, w)
 
-    empty = var.new_empty(0)  # no saved batch statistics: inference mode reads the running ones (CUDA needs them)
+    empty = _no_statistics(var.dtype, var.device)
     return torch.ops.aten.native_batch_norm_backward(
         flat(grad_out), flat(x), weight, mean, var, empty, empty, False, eps, [need_x, True, True]
     )
+
+
+@functools.cache
+def _no_statistics(dtype: torch.dtype, device: torch.device) -> Tensor:
+    """The native backward's saved batch statistics, none: inference mode reads the running ones, but CUDA needs
+    tensors. One per dtype and device, made once: an allocation is an operator call on the host at every backward."""
+    return torch.empty(0, dtype=dtype, device=device)
 
 
 def sync_group() -> bool:

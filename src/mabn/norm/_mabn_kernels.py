@@ -12,6 +12,8 @@ roots and divisions use the correctly rounded forms (``sqrt_rn``, ``div_rn``), a
 """
 
 # No "from __future__ import annotations": Triton reads the tl.float64 annotations as objects.
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -284,6 +286,7 @@ def backward_kernel(
         tl.store(flags_ptr + 1, True, mask=nbad != 0)
 
 
+@functools.cache  # triton.next_power_of_2 is a constexpr function, microseconds per host call
 def _block(channels: int) -> int:
     return min(triton.next_power_of_2(channels), 1024)
 
@@ -314,13 +317,12 @@ def forward_stats(
         EMA_FIRST=cfg.ema_start == "first",
         BLOCK=_block(c),
     )
-    key = key_of(
-        norm, x_dtype, weight.dtype, layer.buffer_x2.dtype, aligned(weight), *ints, *timeline, *consts.values()
-    )
+    history = layer.buffer_x2  # a module attribute lookup costs host time too: once
+    key = key_of(norm, x_dtype, weight.dtype, history.dtype, aligned(weight), *ints, *timeline, *consts.values())
     _forward(
         key,
         (
-            *(norm, weight, layer.buffer_x2, layer.running_var, layer.iters, layer.count_x2),
+            *(norm, weight, history, layer.running_var, layer.iters, layer.count_x2),
             *(chi2, var, r, active, ema, scale, weight_flat, var_flat, mean_flat),
             *(layer.nonfinite_flags(norm.device), layer.policy_flags(norm.device)),
             *(*ints, float(hw), cfg.momentum, cfg.eps, cfg.renorm_clip, *timeline),
@@ -349,17 +351,25 @@ def backward_stats(
     c = weight.numel()
     n = dout_z.numel() // c
     gc = groups * c
-    psi, psi_bar, psi_active = var.new_empty(2 * gc + groups).split((gc, gc, groups))
+    # One allocation for psi, psi_bar, the psi flags and, where the parameters have the statistics' dtype (float32
+    # both, the usual case), the parameters' gradients: each allocation is an operator call on the host. It is new
+    # at every backward, so a second backward of the graph (retain_graph) never writes into gradients already handed
+    # out.
+    with_grads = weight.dtype == var.dtype
+    sizes = (gc, gc, groups, c, c) if with_grads else (gc, gc, groups)
+    psi, psi_bar, psi_active, *grads = var.new_empty(sum(sizes)).split(sizes)
+    grad_weight, grad_bias = grads if with_grads else (weight.new_empty(c), weight.new_empty(c))
     coef = torch.empty(n, c, 1, 1, dtype=x_dtype, device=var.device)
-    grad_weight, grad_bias = weight.new_empty(c), weight.new_empty(c)
     ints = (c, groups, n // groups)
     consts = dict(M=cfg.buffer_size, STATS=STATS_CODE[cfg.stats], SCALED=loss_scale is not None, BLOCK=_block(c))
-    scale = layer.nonfinite_flags(var.device) if loss_scale is None else loss_scale  # any pointer when unscaled
+    flags = layer.nonfinite_flags(var.device)
+    scale = flags if loss_scale is None else loss_scale  # any pointer when unscaled
+    history = layer.buffer_gz
     key = key_of(
         var,
         x_dtype,
         weight.dtype,
-        layer.buffer_gz.dtype,
+        history.dtype,
         scale.dtype,
         aligned(weight),
         aligned(scale),
@@ -369,8 +379,8 @@ def backward_stats(
     _backward(
         key,
         (
-            *(dout_z, dout_sum, r, var, active, weight, layer.buffer_gz, layer.running_psi, layer.count_gz),
-            *(psi, psi_bar, psi_active, coef, grad_weight, grad_bias, layer.nonfinite_flags(var.device), scale),
+            *(dout_z, dout_sum, r, var, active, weight, history, layer.running_psi, layer.count_gz),
+            *(psi, psi_bar, psi_active, coef, grad_weight, grad_bias, flags, scale),
             *(*ints, float(psi_count), cfg.momentum, cfg.eps),
         ),
         consts,
