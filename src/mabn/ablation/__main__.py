@@ -6,7 +6,8 @@ paired difference to BN(32) (confidence interval, paired t-test) beside the pape
 <out>/ablation.md, the run outcomes and training losses to <out>/results.json, the training curves beside
 the final errors to <out>/curves.png, the per-step statistics of layer1.0.bn1 to <out>/stats/*.csv and
 the paper's Figures 2, 5 and 6 to <out>/*.png. By default the key rows of Table 2 (--rows all: Tables 2
-and 6 in full).
+and 6 in full). --dry-run checks the options and the dataset, prints the runs and the files they would write,
+and trains, generates and writes nothing.
 """
 
 from __future__ import annotations
@@ -20,9 +21,10 @@ from pathlib import Path
 import torch
 
 from ..data.errors import DatasetError
+from ..data.imagenet import ImageFolderDataModule
 from . import figures, report, shapes
 from .model import BLOCKS, WIDTHS
-from .rows import ALL, KEY_ROWS, ROWS, select
+from .rows import ALL, KEY_ROWS, ROWS, Row, select
 from .runner import Task, available_cores, default_workers, run_all
 from .train import TrainConfig, open_data
 
@@ -84,18 +86,32 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument(
         "--loader-workers", type=int, default=0, help="DataLoader processes per run (default: 0, in the run's process)"
     )
+    parser.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="check the options (and --data's layout), print the runs and output files; train and write nothing",
+    )
     return parser.parse_args(argv)
 
 
-def _data_root(arg: Path | None) -> Path:
-    """The dataset root; without --data, the generated set (written once, then reused)."""
+def _data_root(arg: Path | None, dry_run: bool = False) -> Path:
+    """The dataset root; without --data, the generated set (written once, then reused; a dry run only names it)."""
     if arg is not None:
         return arg
+    if dry_run:
+        state = "present" if _generated() else "generated at the start of the run"
+        print(f"No dataset given (--data ...): the generated noisy-shape set in {GENERATED_DATA} ({state})")
+        return GENERATED_DATA
     print(
         "No dataset given (--data ...: train/<class>/* and val/<class>/*): training on the generated "
         f"noisy-shape classification set in {GENERATED_DATA}"
     )
     return shapes.generate(GENERATED_DATA)
+
+
+def _generated() -> bool:
+    """Whether the generated set is in place (its marker is written last)."""
+    return (GENERATED_DATA / shapes.MARKER).is_file()
 
 
 def _check_out(out: Path) -> None:
@@ -105,6 +121,41 @@ def _check_out(out: Path) -> None:
             raise ValueError(f"--out {out}: {folder} is not a folder")
 
 
+def outputs(out: Path, rows: list[Row]) -> list[Path]:
+    """The files a run of ``rows`` writes under ``out`` (the statistics and their figures: seed 0's probed rows)."""
+    probed = {row.key for row in rows if row.key in figures.PROBED_ROWS}
+    files = [out / "ablation.md", out / "results.json", out / "curves.png"]
+    files += [out / "stats" / f"{row.key}-seed0.csv" for row in rows if row.key in probed]
+    figure_rows = {"fig2-bn-statistics.png": figures.FIGURE2_ROWS, "fig5-6-chi2-psi.png": figures.FIGURE56_ROWS}
+    for name, needs in figure_rows.items():
+        files += [out / name] if probed & set(needs.values()) else []
+    return files
+
+
+def plan(
+    args: argparse.Namespace,
+    rows: list[Row],
+    config: TrainConfig,
+    data: ImageFolderDataModule | None,
+    workers: int,
+    argv: list[str],
+) -> list[str]:
+    """What the command would train and write (``--dry-run``)."""
+    shown = shlex.join(["python", "-m", "mabn.ablation", *(a for a in argv if a != "--dry-run")])
+    lines = [f"dry run of {shown}: nothing is trained, generated or written"]
+    if data is not None:
+        lines.append(
+            f"data: {config.data}: {data.num_classes} classes, {len(data.train_set)} training and "
+            f"{len(data.val_set)} validation images, {config.image_size} px crops"
+        )
+    lines.append(f"rows: {', '.join(f'{row.label} ({row.key}: {row.preset})' for row in rows)}")
+    lines.append(
+        f"runs: {len(rows)} rows x {args.seeds} seeds = {len(rows) * args.seeds} runs of {config.steps} steps, peak lr "
+        f"{config.lr}, {workers} at a time ({config.threads} thread(s) each), on {config.device}"
+    )
+    return lines + [f"writes {path}" for path in outputs(args.out, rows)]
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
@@ -112,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
         _check_out(args.out)
         rows = select(args.rows)
         config = TrainConfig(
-            data=_data_root(args.data),
+            data=_data_root(args.data, args.dry_run),
             steps=args.steps,
             image_size=args.image_size,
             lr=args.lr,
@@ -120,12 +171,16 @@ def main(argv: list[str] | None = None) -> int:
             loader_workers=args.loader_workers,
             device=args.device,
         )
-        data = open_data(config)  # a wrong layout fails here, once, before any run starts
+        # A wrong layout fails here, once, before any run starts (a dry run reads the generated set if it is there).
+        data = None if args.dry_run and args.data is None and not _generated() else open_data(config)
     except (ValueError, DatasetError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     # One device run at a time unless asked: CPU cores are shared out, a GPU is not.
     workers = args.workers or (default_workers(args.threads) if config.device == "cpu" else 1)
+    if args.dry_run:
+        print("\n".join(plan(args, rows, config, data, workers, argv)))
+        return 0
     seeds = range(args.seeds)
     # Seed-major, so the probed runs of the first seed finish first.
     tasks = [Task(row, seed, seed == 0 and row.key in figures.PROBED_ROWS) for seed in seeds for row in rows]
