@@ -32,7 +32,7 @@ STAGE_ARGS = $(NORM_ARGS) --gpus $(GPUS) --nodes $(NODES) $(if $(RESUME),--resum
 STAGE    ?= cityscapes
 AFTER    ?=
 
-.PHONY: venv test test-slow test-gpu gpu-check lint pretrain cityscapes slurm export test-split predict plots bench bench-norm ablation clean
+.PHONY: venv test test-slow test-gpu gpu-check gpu-wheels lint pretrain cityscapes slurm export test-split predict plots bench bench-norm ablation clean
 
 venv: $(STAMP)
 
@@ -53,17 +53,22 @@ test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow
 
 # On a machine with a GPU: the CUDA kernels held to the float64 references, CUDA-graph and compiled training
-# against eager.
+# against eager, the host work per MABN layer.
 GPU_TESTS = tests/test_mabn_kernels.py tests/test_norm_reference.py tests/test_norm_state.py tests/test_cenconv.py \
-	tests/test_cudagraph.py tests/test_loss_scale.py tests/test_compile.py
+	tests/test_cudagraph.py tests/test_loss_scale.py tests/test_compile.py tests/test_host_ops.py
 test-gpu: $(STAMP)
 	MABN_TEST_DEVICE=cuda $(PY) -m pytest -q $(GPU_TESTS)
 
-# The first thing to run whenever a GPU is at hand (over 8 minutes on one H200: docs/compile.md): the GPU tests, then the
-# PSPNet-101 training step, crop 712 with CUDA graphs, eager and compiled, then crop 512 with CUDA graphs and eager, into
-# docs/bench-cuda.md, which is rewritten as each of these ends.
-gpu-check: test-gpu
-	$(PY) -m mabn.bench check
+# The first thing to run whenever a GPU is at hand, its report in docs/bench-cuda.md, rewritten as each part ends:
+# the chain of a real stage-2 run (fit killed and resumed on the default path under DDP, test, predict, export, two
+# ranks over gloo with CUDA graphs), then the PSPNet-101 step at crop 713 (CUDA graphs, eager, bf16-mixed, compiled).
+# make test-gpu after it. A GPU machine without this checkout's packages: docs/testing.md#on-a-gpu.
+gpu-check: $(STAMP)
+	$(PY) -m mabn bench check
+
+# The wheels a lent GPU machine lacks (smp, albumentations, jsonargparse, ...) into .gpu-wheels/, to carry there.
+gpu-wheels: $(STAMP)
+	PYTHON=$(PY) scripts/gpu/wheels.sh
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests

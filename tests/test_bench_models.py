@@ -12,7 +12,7 @@ from functools import partial
 import pytest
 import torch
 
-from mabn.bench import infer, report, step
+from mabn.bench import chain, infer, report, step
 from mabn.bench.__main__ import main, run_check
 from mabn.models import PSPNet
 
@@ -149,15 +149,21 @@ def test_bench_cli_check_needs_cuda(capsys):
 
 
 def test_check_saves_each_section_as_it_ends(monkeypatch, tmp_path):
-    """A GPU check cut short (a session's end, a failure) keeps the sections it measured, in the report."""
+    """A GPU check cut short (a session's end, a failure) keeps what it ran, in the report: the chain first, then
+    each step section."""
     calls = []
 
-    def fake_run(device, repeats, crop, batch, cuda_graph, compile_mode):
-        calls.append((crop, cuda_graph, compile_mode))
+    def fake_chain(plan, device, save):
+        save("### The chain of a stage-2 run\n\n(every link passed)")
+        return []
+
+    def fake_run(device, repeats, crop, batch, cuda_graph, compile_mode, precision):
+        calls.append((crop, cuda_graph, compile_mode, precision))
         if len(calls) == 3:
             raise RuntimeError("cut short")
         return [step.StepRow("bn", 0.1, 2**30, 1.0, 1.0), step.StepRow("mabn", 0.105, 2**30, 1.05, 1.0)]
 
+    monkeypatch.setattr(chain, "run", fake_chain)
     monkeypatch.setattr(step, "run", fake_run)
     out, sections = tmp_path / "bench-cuda.md", []
 
@@ -166,7 +172,8 @@ def test_check_saves_each_section_as_it_ends(monkeypatch, tmp_path):
 
     with pytest.raises(RuntimeError, match="cut short"):
         run_check(CPU, 1, 2, "reduce-overhead", sections, save)
-    assert calls == [(712, True, None), (712, False, "reduce-overhead"), (512, True, None)]
+    assert calls == [(713, True, None, None), (713, False, None, None), (713, True, None, "bf16-mixed")]
     text = out.read_text()
-    assert text.count("### PSPNet-101 training step: batch 2, crop 712x712") == 2 and "as CUDA graphs" in text
-    assert "512x512" not in text and out.with_suffix(".png").is_file()
+    assert text.index("### The chain of a stage-2 run") < text.index("### PSPNet-101 training step")
+    assert text.count("### PSPNet-101 training step: batch 2, crop 713x713") == 2 and "as CUDA graphs" in text
+    assert "bf16-mixed" not in text and out.with_suffix(".png").is_file()

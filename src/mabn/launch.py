@@ -321,9 +321,8 @@ def main(argv: list[str] | None = None) -> None:
             ns.backbone_pending,
         )
         plan = cli.check(args)  # every configuration mistake stops here, before any data is generated or read
-    except ConfigError as err:
-        print(f"error: {err}", file=sys.stderr)
-        sys.exit(2)
+    except Exception as err:  # a configuration or data-layout mistake is one line; anything else a traceback
+        cli.exit_on_user_error(err)
     if ns.dry_run:
         print("\n".join([*plan, *([where] if where else []), "python -m mabn " + shlex.join(args)]))
         return

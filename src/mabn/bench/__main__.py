@@ -1,11 +1,18 @@
-"""``python -m mabn.bench norm|step|infer|all``: cost benchmarks, each ratio measured against BN in the same run.
+"""``python -m mabn.bench norm|step|infer|all|check|chain|ops``: cost benchmarks, each ratio measured against BN in
+the same run, and the GPU check of a whole run.
 
 norm: norm layers alone, forward+backward time and peak memory. step: a training step (forward, backward, SGD)
 per norm, time and peak memory, of PSPNet-101 or of ResNet-50 (--model), eager and with --compile also compiled.
 infer: images per second of the folded PSPNet-101 per norm and of the GroupNorm one. all: the three in one run,
-into one report (what `make bench` runs). check (CUDA): the PSPNet-101 step at crop 712 CUDA-graphed, then eager
-beside compiled (``--compile``, default reduce-overhead), then at crop 512 CUDA-graphed and eager, into
-docs/bench-cuda.md, rewritten as each ends (what `make gpu-check` runs after the GPU tests).
+into one report (what `make bench` runs). chain: a short stage-2 run's whole chain, each link a command of the
+product (fit killed and resumed, test, predict, export, two DDP ranks), see ``chain.py``. check (CUDA, what
+`make gpu-check` runs): the chain, then the PSPNet-101 step at crop 713 CUDA-graphed, eager, both again under
+bf16-mixed, then eager beside compiled (``--compile``, default reduce-overhead) in float32 and bf16-mixed, into
+docs/bench-cuda.md, rewritten as each part ends. ops: the host work
+of one norm layer's training forward and backward, the GPU eager step's bottleneck at small batches: ATen operators
+and Triton launches counted, host time on a tiny input (on the CPU through MABN's CUDA path, see ``ops.py``).
+--dry-run: check the options, print what would be measured (sections, models, rows, sizes, repeats) and the
+report's path, measure and write nothing; a CUDA-only command (check, --cuda-graph) is planned for CUDA anywhere.
 """
 
 from __future__ import annotations
@@ -15,17 +22,38 @@ import shlex
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
 from ..files import write_text_atomic
-from . import infer, norm, report, step
+from . import chain, infer, norm, ops, report, step
 
-DEFAULT_REPEATS = {"norm": 15, "step": 5, "infer": 7, "check": 10}
-# check: (crop, CUDA graphs, compiled) in the order they run. The recipe's crop 712 first, CUDA graphs (seconds
-# to set up) before compiling (minutes for PSPNet-101, longer with MABN), and the report rewritten after each,
-# so that a check cut short by a GPU session's end keeps what it measured.
-CHECK_PLAN = ((712, True, False), (712, False, True), (512, True, False), (512, False, False))
+DEFAULT_REPEATS = {"norm": 15, "step": 5, "infer": 7, "check": 10, "ops": 1000}
+
+
+class CheckStep(NamedTuple):
+    """One training-step section of ``check``: PSPNet-101 at ``crop``, its eager rows CUDA-graphed or not, with
+    ``compiled`` also the compiled rows, in float32 or ``precision``."""
+
+    crop: int
+    graphed: bool = False
+    compiled: bool = False
+    precision: str | None = None
+
+
+# check: after the chain of a real run (``chain``), the step sections in the order they run: the recipe's crop
+# 713, CUDA graphs (the default path, seconds to set up) and eager before compiling (minutes for PSPNet-101, longer
+# with MABN), float32 before bf16-mixed; the report is rewritten after each, so that a check cut short by a GPU
+# session's end keeps what it measured.
+CHECK_PLAN = (
+    CheckStep(713, graphed=True),
+    CheckStep(713),
+    CheckStep(713, graphed=True, precision=step.BF16),
+    CheckStep(713, precision=step.BF16),
+    CheckStep(713, compiled=True),
+    CheckStep(713, compiled=True, precision=step.BF16),
+)
 
 
 def _positive(text: str) -> int:
@@ -46,18 +74,89 @@ def run_check(
     compile_mode: str,
     sections: list[str],
     save: Callable[[list[step.StepRow]], tuple[Path, Path | None]],
-) -> None:
-    """The sections of CHECK_PLAN in order, each appended to ``sections`` and saved as it ends, by ``save(chart
-    rows)``: the chart shows the compiled section's rows once measured, else the first section's."""
+) -> list[str]:
+    """The chain of a real run, then the sections of CHECK_PLAN in order, each in ``sections`` and saved as it
+    ends, by ``save(chart rows)``: the chart shows the CUDA-graph rows (the default path). Returns the failed links
+    of the chain."""
+    sections.append("")
+    links = chain.run(chain.Plan().fresh(), device, lambda text: (sections.__setitem__(0, text), save([])))
     chart: list[step.StepRow] = []
-    for crop, graphed, compiled in CHECK_PLAN:
-        mode = compile_mode if compiled else None
-        rows = step.run(device, repeats, crop, batch, cuda_graph=graphed, compile_mode=mode)
-        sections.append(step.table(rows, repeats, crop, batch, graphed, compile_mode=mode))
-        if mode or not chart:
-            chart = rows
+    for n, section in enumerate(CHECK_PLAN, 1):
+        mode = compile_mode if section.compiled else None
+        rows = step.run(device, repeats, section.crop, batch, cuda_graph=section.graphed, compile_mode=mode,
+                        precision=section.precision)  # fmt: skip
+        sections.append(step.table(rows, repeats, section.crop, batch, section.graphed, compile_mode=mode,
+                                   precision=section.precision))  # fmt: skip
+        chart = chart or rows
         md, _ = save(chart)
-        print(f"check: {len(sections)} of {len(CHECK_PLAN)} sections measured, wrote {md}", flush=True)
+        print(f"check: {n} of {len(CHECK_PLAN)} step sections measured, wrote {md}", flush=True)
+    return chain.failed(links)
+
+
+def report_path(args: argparse.Namespace, device: torch.device) -> Path | None:
+    """``--out``, else the default report of the command (None for norm and ops, which write only when given)."""
+    if args.out is not None or args.what in ("norm", "ops"):
+        return args.out
+    stem = "bench" if args.what in ("all", "check") else f"bench-{args.what}"
+    if args.what not in ("check", "chain"):  # these have one report each, whatever the step options
+        if args.model != "pspnet101":
+            stem += f"-{args.model}-" + (f"ghost{args.norm_batch}" if args.norm_batch else "whole")
+        stem += ("-graph" if args.cuda_graph else "") + ("-compile" if args.compile else "")
+    return Path("docs") / f"{stem}-{device.type}.md"
+
+
+def plan(
+    args: argparse.Namespace,
+    device: torch.device,
+    size: tuple[int, int],
+    repeats: Callable[[str], int],
+    out: Path | None,
+    command: str,
+) -> list[str]:
+    """What ``command`` would measure and write (``--dry-run``), one line per section."""
+    here = "" if device.type != "cuda" or torch.cuda.is_available() else " (assumed by --dry-run: no CUDA device here)"
+    threads = f", {args.threads} CPU thread(s)" if args.threads else ""
+    lines = [f"dry run of {command}: nothing is measured or written", f"device: {device}{here}{threads}"]
+    groups = f"ghost batches of {args.norm_batch}" if args.norm_batch else "the whole batch"
+
+    def step_line(crop: int, graphed: bool, compile_mode: str | None, precision: str | None = None) -> str:
+        how = ", CUDA graphs" if graphed else f", eager and compiled ({compile_mode})" if compile_mode else ", eager"
+        how += f", {precision}" if precision else ""
+        what = f"crop {crop}x{crop}" if args.model == "pspnet101" else f"{crop}x{crop} px"
+        rows = ", ".join(step.row_names(compile_mode))
+        return (
+            f"training step: {step.MODELS[args.model]}, batch {args.batch}, {what}, BRN and MABN over {groups}"
+            f"{how}; rows {rows}; {repeats('check' if args.what == 'check' else 'step')} repeats"
+        )
+
+    if args.what in ("norm", "all"):
+        scale = f" x batch scale {args.scale}" if args.scale != 1.0 else ""
+        lines.append(f"norm layers alone: {len(norm.SHAPES)} shapes{scale}, bn, brn, mabn; {repeats('norm')} repeats")
+    if args.what in ("step", "all"):
+        lines.append(step_line(args.crop, args.cuda_graph, args.compile))
+    if args.what in ("chain", "check"):
+        shape = chain.Plan()
+        lines.append(
+            f"chain of a stage-2 run: {shape.arch} PSPNet at crop {shape.crop}, {chain.FIT_STEPS} steps; fit killed "
+            "after its first checkpoint, resumed, test, predict, export, two ranks over gloo"
+        )
+    if args.what == "check":
+        for n, section in enumerate(CHECK_PLAN, 1):
+            mode = (args.compile or "reduce-overhead") if section.compiled else None
+            line = step_line(section.crop, section.graphed, mode, section.precision)
+            lines.append(f"section {n} of {len(CHECK_PLAN)}: {line}")
+    if args.what == "ops":
+        lines.append(f"host work per norm layer: input {'x'.join(map(str, ops.SHAPE))}; {repeats('ops')} repeats")
+    if args.what in ("infer", "all"):
+        models = ", ".join(infer.label(n) for n in infer.MODELS)
+        lines.append(f"inference: 1x3x{size[0]}x{size[1]}, {models}; {repeats('infer')} repeats")
+    if out is None:
+        lines.append(f"report: printed only ({args.what} writes a file with --out)")
+    elif args.what in ("norm", "ops", "chain"):
+        lines.append(f"report: {out}")
+    else:
+        lines.append(f"report: {out} and its chart {out.with_suffix('.png')}")
+    return lines
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -65,8 +164,11 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         prog="python -m mabn.bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("what", choices=["norm", "step", "infer", "all", "check"])
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("what", choices=["norm", "step", "infer", "all", "check", "chain", "ops"])
+    parser.add_argument(
+        "--device",
+        help="torch device (default: cuda when present, else cpu; with --dry-run, cuda for check and --cuda-graph)",
+    )
     parser.add_argument(
         "--repeats",
         type=_positive,
@@ -106,33 +208,36 @@ def main(argv: list[str] | None = None) -> None:
         "--out",
         type=Path,
         help="markdown report, with the PNG chart beside it (default: docs/bench-<device>.md for all, "
-        "docs/bench-<what>-<device>.md for step and infer; norm writes only when given)",
+        "docs/bench-<what>-<device>.md for step and infer; norm and ops write only when given)",
+    )
+    parser.add_argument(
+        "--dry-run", action="store_true", help="check the options and print the plan; measure and write nothing"
     )
     args = parser.parse_args(argv)
     if args.norm_batch and args.batch % args.norm_batch:
         parser.error(f"--batch must be a multiple of {args.norm_batch}, got {args.batch}")
+    needs_cuda = args.cuda_graph or args.what == "check"
+    if args.device is None:  # a dry run plans a CUDA-only command for the GPU machine it is meant for
+        args.device = "cuda" if torch.cuda.is_available() or (args.dry_run and needs_cuda) else "cpu"
     device = torch.device(args.device)
-    if (args.cuda_graph or args.what == "check") and device.type != "cuda":
+    if needs_cuda and device.type != "cuda":
         what = "--cuda-graph" if args.cuda_graph else "check"
         parser.error(f"{what} needs a CUDA device, got --device {args.device}")
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    size = (args.size[0], args.size[1])
-    env = report.header(device)
-    print(env, flush=True)
 
     def repeats(what: str) -> int:
         return args.repeats or DEFAULT_REPEATS[what]
 
-    out = args.out
-    if out is None and args.what != "norm":
-        stem = "bench" if args.what in ("all", "check") else f"bench-{args.what}"
-        if args.what != "check":  # check has one report, whatever its options
-            if args.model != "pspnet101":
-                stem += f"-{args.model}-" + (f"ghost{args.norm_batch}" if args.norm_batch else "whole")
-            stem += ("-graph" if args.cuda_graph else "") + ("-compile" if args.compile else "")
-        out = Path("docs") / f"{stem}-{device.type}.md"
+    size = (args.size[0], args.size[1])
+    out = report_path(args, device)
     command = shlex.join(["python", "-m", "mabn.bench", *argv])
+    if args.dry_run:
+        shown = shlex.join(["python", "-m", "mabn.bench", *(a for a in argv if a != "--dry-run")])
+        print("\n".join(plan(args, device, size, repeats, out, shown)))
+        return
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    env = report.header(device)
+    print(env, flush=True)
     sections: list[str] = []
     step_rows: list[step.StepRow] = []
     infer_rows: list[infer.InferRow] = []
@@ -148,8 +253,19 @@ def main(argv: list[str] | None = None) -> None:
         workload = {"model": args.model, "norm_batch_size": args.norm_batch, "compile_mode": args.compile}
         step_rows = step.run(device, repeats("step"), args.crop, args.batch, cuda_graph=args.cuda_graph, **workload)
         sections.append(step.table(step_rows, repeats("step"), args.crop, args.batch, args.cuda_graph, **workload))
+    if args.what == "ops":
+        sections.append(ops.run(device, repeats=repeats("ops")))
+    if args.what == "chain":
+        write = lambda text: report.write(out, device, command, [text], [], [], env)  # noqa: E731
+        links = chain.run(chain.Plan().fresh(), device, write)
+        broken = chain.failed(links)
+        print(f"chain: {len(links) - len(broken)} of {len(links)} links passed; report {out}")
+        sys.exit(1 if broken else 0)
     if args.what == "check":
-        run_check(device, repeats("check"), args.batch, args.compile or "reduce-overhead", sections, save)
+        broken = run_check(device, repeats("check"), args.batch, args.compile or "reduce-overhead", sections, save)
+        if broken:
+            print(f"check: the chain's links {', '.join(broken)} failed; report {out}", file=sys.stderr)
+            sys.exit(1)
     if args.what in ("infer", "all"):
         infer_rows = infer.run(device, repeats("infer"), size)
         sections.append(infer.table(infer_rows, repeats("infer"), size))
@@ -158,7 +274,7 @@ def main(argv: list[str] | None = None) -> None:
 
     if out is None or args.what == "check":  # check wrote its report as each section ended
         return
-    if args.what == "norm":  # the table alone, as this command always wrote it
+    if args.what in ("norm", "ops"):  # the table alone, as norm always wrote it
         write_text_atomic(out, sections[0] + "\n")
         return
     md, png = save(step_rows)

@@ -27,6 +27,7 @@ from ..norm.cenconv import centre_after_sgd_steps
 from .measure import median_times, peak_memory
 
 MODELS = {"pspnet101": "PSPNet-101", "resnet50": "ResNet-50"}
+BF16 = "bf16-mixed"  # the one mixed precision the step bench runs (Lightning's name for it)
 NORMS = ("bn", "gn", "brn", "mabn")
 LOGGED = "mabn + stats logging"  # MABN with MABNCallback's statistics logging at every step
 ROWS = (*NORMS, LOGGED)
@@ -80,19 +81,23 @@ class _Trainer:
     set, the next step captures the forward and backward for its shape, later ones replay; with ``compile_mode``
     the forward and backward run through ``torch.compile``, compiled at the first step)."""
 
-    def __init__(self, model: nn.Module, compile_mode: str | None = None) -> None:
+    def __init__(self, model: nn.Module, compile_mode: str | None = None, precision: str | None = None) -> None:
         self.model = model
         self.cuda_graph = False
+        self.precision = precision
         self.optimizer = torch.optim.SGD(model.parameters(), **SGD)
         centre_after_sgd_steps(model, self.optimizer)  # as the tasks train: centred convs kept centred by SGD
         self.compiled = None if compile_mode is None else torch.compile(model, fullgraph=True, mode=compile_mode)
 
     def step(self, images: torch.Tensor, labels: torch.Tensor) -> None:
-        if self.compiled is not None:
-            out = self.compiled(images)
-        else:
-            out = training_call(self.model, images, self.cuda_graph)
-        _loss(out, labels).backward()
+        # bf16-mixed as Lightning runs it: the forward and the loss under autocast, the backward outside.
+        with torch.autocast(images.device.type, torch.bfloat16, enabled=self.precision == BF16):
+            if self.compiled is not None:
+                out = self.compiled(images)
+            else:
+                out = training_call(self.model, images, self.cuda_graph)
+            loss = _loss(out, labels)
+        loss.backward()
         self.optimizer.step()
         # Gradients are freed after every step, so models waiting their turn hold none and each step
         # allocates its own: every measured step then counts the same things.
@@ -106,8 +111,8 @@ class _LoggingTrainer(_Trainer):
     they read: the step number and the loggers, here one that keeps the last metrics in memory.
     """
 
-    def __init__(self, model: PSPNet) -> None:
-        super().__init__(model)
+    def __init__(self, model: PSPNet, precision: str | None = None) -> None:
+        super().__init__(model, precision=precision)
         self.callback = MABNCallback(NormPolicy(log_every_n_steps=1))
         self.logged: dict[str, float] = {}
         self.trainer = SimpleNamespace(global_step=0, loggers=[SimpleNamespace(log_metrics=self._keep)])
@@ -148,6 +153,7 @@ def run(
     model: str = "pspnet101",
     norm_batch_size: int | None = NORM_BATCH_SIZE,
     compile_mode: str | None = None,
+    precision: str | None = None,
 ) -> list[StepRow]:
     """Time and peak memory of one training step per norm, all on the same images and labels.
 
@@ -156,8 +162,11 @@ def run(
     is reported); then one step per row is measured for peak memory, then ``repeats`` interleaved rounds are
     timed (median reported). With ``cuda_graph`` (CUDA) every eager model's training forward and backward are
     CUDA graphs: the memory step is the one that captures them, so its peak includes the capture's.
-    ``num_classes``: 19 (Cityscapes) for PSPNet-101, 1000 for ResNet-50 when not given.
+    ``num_classes``: 19 (Cityscapes) for PSPNet-101, 1000 for ResNet-50 when not given. ``precision``:
+    ``bf16-mixed`` runs each forward and loss under bfloat16 autocast, as Lightning's precision of that name.
     """
+    if precision not in (None, BF16):
+        raise ValueError(f"precision must be {BF16!r} or None (float32), got {precision!r}")
     if norm_batch_size and batch % norm_batch_size:
         raise ValueError(f"batch must be a multiple of the normalization batch {norm_batch_size}, got {batch}")
     dense = model == "pspnet101"
@@ -171,16 +180,16 @@ def run(
         norm = "mabn" if name == LOGGED else name.removesuffix(" compiled")
         net = build(norm, num_classes, model, norm_batch_size).to(device).train()
         if name == LOGGED:
-            trainers[name] = _LoggingTrainer(net)
+            trainers[name] = _LoggingTrainer(net, precision)
         elif name.endswith(" compiled"):
-            trainers[name] = _Trainer(net, compile_mode)
+            trainers[name] = _Trainer(net, compile_mode, precision)
             started = time.perf_counter()
             trainers[name].step(images, labels)
             first_step[name] = time.perf_counter() - started
             print(f"training step {name}: first step (compiling) {first_step[name]:.1f} s", flush=True)
             continue
         else:
-            trainers[name] = _Trainer(net)
+            trainers[name] = _Trainer(net, precision=precision)
         trainers[name].step(*warmup)
         trainers[name].cuda_graph = cuda_graph  # captured at the measured shape, by the memory step below
     if not trainers[LOGGED].logged:
@@ -209,9 +218,11 @@ def table(
     model: str = "pspnet101",
     norm_batch_size: int | None = NORM_BATCH_SIZE,
     compile_mode: str | None = None,
+    precision: str | None = None,
 ) -> str:
     """The markdown section for ``rows``."""
     graphs = ", forward and backward as CUDA graphs" if cuda_graph else ""
+    graphs += f", {precision}" if precision else ""
     size = f"crop {crop}x{crop}" if model == "pspnet101" else f"{crop}x{crop} px"
     groups = f"ghost batches of {norm_batch_size}" if norm_batch_size else "the whole batch"
     lines = [
