@@ -122,7 +122,7 @@ bench-norm: $(STAMP)
 	$(PY) -m mabn bench norm --out docs/bench-norm-$$($(PY) -c "import torch; print('cuda' if torch.cuda.is_available() else 'cpu')").md
 
 # The paper's ImageNet ablation (Tables 2 and 6) at small scale: the key rows BN(32), BN(2), BRN(2), modified
-# BN(2) and MABN(2) x 4 paired seeds of a small ResNet, with paired t-tests against BN(32); table and figures
+# BN(2) and MABN(2) x 8 paired seeds of a small ResNet, with paired t-tests against BN(32); table and figures
 # in runs/ablation/ (docs/ablation/ablation.md). DATA: an ImageFolder root (absent: the generated noisy-shape
 # set); ARGS: further options, e.g. ARGS="--rows all" (Tables 2 and 6 in full) or ARGS="--device cuda".
 ablation: $(STAMP)
