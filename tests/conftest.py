@@ -72,3 +72,11 @@ def graph_stand_in(monkeypatch) -> GraphStandIn:
     stand_in = GraphStandIn()
     monkeypatch.setattr(torch.cuda, "make_graphed_callables", stand_in)
     return stand_in
+
+
+@pytest.fixture(scope="session")
+def backbones(tmp_path_factory):
+    """Light backbone files (``backbone_files.Backbones``), built once per session."""
+    from backbone_files import Backbones
+
+    return Backbones(tmp_path_factory.mktemp("backbones"))

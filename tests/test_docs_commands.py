@@ -67,13 +67,13 @@ import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from unittest import mock
 
 import pytest
 import torch
 from PIL import Image
 
 import docs_commands as dc
+from backbone_files import Backbones
 
 ROOT = dc.ROOT
 VENV = ROOT / ".venv"
@@ -156,63 +156,6 @@ def assets(tmp_path_factory) -> Assets:
     for path in sorted((cityscapes / "leftImg8bit" / "val").rglob("*.png"))[:2]:
         shutil.copy(path, images / path.name)
     return Assets(root / "imagenet", cityscapes, images)
-
-
-class Backbones:
-    """Backbone files as stage 1 writes them (``save_backbone``), and torchvision state dicts, built once per
-    session on the meta device with zero-strided tensors: every key and shape of the real file, a few hundred kB."""
-
-    def __init__(self, folder: Path) -> None:
-        self.folder = folder
-        self.built: dict[tuple, Path] = {}
-
-    @staticmethod
-    def _light(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-        return {
-            k: torch.zeros((), dtype=v.dtype).expand(v.shape)
-            for k, v in model.state_dict().items()
-            if not k.startswith("fc.")
-        }
-
-    def stage1(self, norm: str, arch: str = "resnet101", norm_batch_size: int | None = 2) -> Path:
-        from mabn.models import backbone, resnet, save_backbone
-
-        key = ("stage1", norm, arch, norm_batch_size)
-        if key not in self.built:
-            with torch.device("meta"):
-                model = resnet(norm, norm_batch_size=norm_batch_size if norm != "gn" else None, arch=arch)
-            config = {
-                "model": {"norm": norm, "arch": arch, "norm_batch_size": norm_batch_size},
-                "data": {},
-                "run_dir": f"runs/pretrain/{norm}",
-            }
-            path = self.folder / f"{len(self.built)}-{arch}-{norm}.pt"
-            with mock.patch.object(backbone, "backbone_state", self._light):
-                save_backbone(path, model, norm, config, None, arch)
-            self.built[key] = path
-        return self.built[key]
-
-    def torchvision(self, arch: str = "resnet101") -> Path:
-        import torchvision
-
-        key = ("torchvision", arch)
-        if key not in self.built:
-            with torch.device("meta"):
-                model = getattr(torchvision.models, arch)()
-            path = self.folder / f"{len(self.built)}-{arch}-torchvision.pth"
-            torch.save({k: torch.zeros((), dtype=v.dtype).expand(v.shape) for k, v in model.state_dict().items()}, path)
-            self.built[key] = path
-        return self.built[key]
-
-    def place(self, source: Path, target: Path) -> Path:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        os.link(source, target)
-        return target
-
-
-@pytest.fixture(scope="session")
-def backbones(tmp_path_factory) -> Backbones:
-    return Backbones(tmp_path_factory.mktemp("docs-backbones"))
 
 
 @pytest.fixture(scope="session")

@@ -45,8 +45,9 @@ def layouts(tmp_path_factory) -> dict[str, Path]:
 def _dry_run(capsys, stage: str, data: Path, gpus: int, nodes: int, *more: str) -> dict[str, str]:
     capsys.readouterr()
     launch.main([stage, "--data", str(data), "--gpus", str(gpus), "--nodes", str(nodes), "--dry-run", *more])
-    out = capsys.readouterr().out
-    return {line.split(":", 1)[0]: line.split(":", 1)[1].strip() for line in out.splitlines() if ":" in line}
+    lines = capsys.readouterr().out.splitlines()
+    said = {line.split(":", 1)[0]: line.split(":", 1)[1].strip() for line in lines if ":" in line}
+    return said | {"command": next(line for line in lines if line.startswith("python -m mabn fit"))}
 
 
 def _numbers(text: str) -> list[float]:
@@ -79,17 +80,17 @@ def test_stage1_keeps_120_epochs_with_drops_at_30_60_90_on_any_device_count(gpus
     assert drops[-3:] == [30 * per_epoch, 60 * per_epoch, 90 * per_epoch]
 
 
-@pytest.mark.parametrize("devices", range(1, 65))
-def test_device_batch_rule(devices):
+def test_device_batch_rule():
     """Independent statement of the rule: whole pairs, the recipe's 16 while 16 splits into whole pairs per
     device, one pair per device (so a larger global batch) beyond 8 devices, and an error otherwise."""
-    if devices in (1, 2, 4, 8):
-        assert scaling.device_batch(16, devices, 2) * devices == 16
-    elif devices > 8:
-        assert scaling.device_batch(16, devices, 2) == 2
-    else:
-        with pytest.raises(ConfigError, match=f"over {devices} devices .* use 1, 2, 4, 8 or more than 8 devices"):
-            scaling.device_batch(16, devices, 2)
+    for devices in range(1, 65):
+        if devices in (1, 2, 4, 8):
+            assert scaling.device_batch(16, devices, 2) * devices == 16
+        elif devices > 8:
+            assert scaling.device_batch(16, devices, 2) == 2
+        else:
+            with pytest.raises(ConfigError, match=f"over {devices} devices .* use 1, 2, 4, 8 or more than 8 devices"):
+                scaling.device_batch(16, devices, 2)
 
 
 def test_iterations_follow_the_sampler_and_the_dropped_last_batch():
@@ -100,12 +101,9 @@ def test_iterations_follow_the_sampler_and_the_dropped_last_batch():
     assert scaling.total_iterations(7, 3, 5, 1) == 5
 
 
-def test_missing_stage1_backbone_is_an_error_and_none_is_random_weights_on_purpose(layouts, tmp_path):
-    def run(*more: str) -> subprocess.CompletedProcess:
-        cmd = [sys.executable, "-m", "mabn", "cityscapes", "--data", str(layouts["cityscapes"]), "--dry-run", *more]
-        return subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300)
-
-    missing = run()
+def test_missing_stage1_backbone_is_an_error_and_none_is_random_weights_on_purpose(layouts, tmp_path, capsys):
+    cmd = [sys.executable, "-m", "mabn", "cityscapes", "--data", str(layouts["cityscapes"]), "--dry-run"]
+    missing = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert missing.returncode == 2
     error = [line for line in missing.stderr.splitlines() if line.startswith("error:")]
     assert error == [
@@ -113,18 +111,14 @@ def test_missing_stage1_backbone_is_an_error_and_none_is_random_weights_on_purpo
         "DATA=<imagenet>), give one with BACKBONE=<file>, or BACKBONE=none (--backbone none) to train the encoder "
         "from random weights"
     ]
-    random = run("--backbone", "none")
-    assert random.returncode == 0, random.stderr
-    assert "Backbone: none (BACKBONE=none): the encoder starts from random weights" in random.stdout
-    assert "--model.init_args.backbone" not in random.stdout
+    random = _dry_run(capsys, "cityscapes", layouts["cityscapes"], 1, 1, "--backbone", "none")
+    assert random["Backbone"] == "none (BACKBONE=none): the encoder starts from random weights"
+    assert "--model.init_args.backbone" not in random["command"]
 
 
-def test_dry_run_names_the_backbone_it_will_load(layouts, tmp_path, monkeypatch, capsys):
-    from mabn.models import resnet, save_backbone
-
+def test_dry_run_names_the_backbone_it_will_load(layouts, backbones, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
-    path = Path("pretrain/resnet101-mabn.pt")
-    save_backbone(path, resnet("mabn", 10, 2, None, arch="resnet101"), "mabn", {}, 0.5, "resnet101")
+    path = backbones.place(backbones.stage1("mabn"), Path("pretrain/resnet101-mabn.pt"))
     lines = _dry_run(capsys, "cityscapes", layouts["cityscapes"], 8, 1)
     assert lines["Backbone"] == f"{path}, stage 1's export for NORM=mabn (BACKBONE=... picks another)"
     pending = _dry_run(capsys, "cityscapes", layouts["cityscapes"], 8, 1, "--backbone-pending")
