@@ -4,13 +4,18 @@
 norms managed by MABNCallback) on 32 fixed 6x6 images, shuffled, with SGD and a per-step lr schedule: every kind
 of state a resume must restore (weights, norm streams, momentum, schedule, random state). Every epoch ends with a
 validation whose ``val/acc`` ModelCheckpoint monitors. ``$TINY_KILL_AT_STEP`` kills the process at that step, as
-an out-of-memory kill or a node failure would. ``SlowCheckpointIO`` stops inside the write of the checkpoint
+an out-of-memory kill or a node failure would. ``$TINY_HOLD_AT_STEP`` stops there instead, touches
+``$TINY_HOLDING_MARKER`` and waits until ``$TINY_RELEASE_MARKER`` exists (or it is killed), so a test can act
+while the run holds its folder. ``SlowCheckpointIO`` stops inside the write of the checkpoint
 at ``$TINY_SLOW_SAVE_AT_STEP``, after the bytes are in the temporary file and before the rename, and touches
-``$TINY_SAVING_MARKER`` so a test can kill the process exactly then.
+``$TINY_SAVING_MARKER`` so a test can kill the process exactly then. ``FullDiskCheckpointIO`` runs out of
+space in the middle of writing the checkpoint of ``$TINY_FULL_AT_STEP`` into its temporary file.
 """
 
 from __future__ import annotations
 
+import errno
+import io
 import os
 import signal
 import time
@@ -67,6 +72,11 @@ class TinyTask(pl.LightningModule):
     def on_train_batch_end(self, outputs, batch, batch_idx):
         if self.global_step == int(os.environ.get("TINY_KILL_AT_STEP", "-1")):
             os.kill(os.getpid(), signal.SIGKILL)
+        if self.global_step == int(os.environ.get("TINY_HOLD_AT_STEP", "-1")):
+            Path(os.environ["TINY_HOLDING_MARKER"]).touch()
+            deadline = time.monotonic() + 120
+            while not Path(os.environ["TINY_RELEASE_MARKER"]).exists() and time.monotonic() < deadline:
+                time.sleep(0.1)
 
 
 class TinyData(pl.LightningDataModule):
@@ -93,6 +103,24 @@ class SlowCheckpointIO(AtomicCheckpointIO):
             time.sleep(120)  # killed here by the test
 
         write_atomic(path, write_then_hang)
+
+
+def write_until_full(checkpoint: dict, file) -> None:
+    """Writes half of ``checkpoint``'s bytes into ``file``, then fails as a full disk does."""
+    buffer = io.BytesIO()
+    torch.save(checkpoint, buffer)
+    file.write(buffer.getvalue()[: len(buffer.getvalue()) // 2])
+    file.flush()
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+class FullDiskCheckpointIO(AtomicCheckpointIO):
+    @staticmethod
+    def _write(checkpoint, tmp):
+        if checkpoint.get("global_step") != int(os.environ.get("TINY_FULL_AT_STEP", "-1")):
+            return AtomicCheckpointIO._write(checkpoint, tmp)
+        with open(tmp, "wb") as file:
+            write_until_full(checkpoint, file)
 
 
 CONFIG = """

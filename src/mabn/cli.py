@@ -3,14 +3,17 @@
 Beyond LightningCLI, for ``fit``:
 - the configuration is checked before anything is built or read (``check_fit_config``), and a mistake stops
   with one ``error:`` line naming the value;
-- the run lives in one experiment folder, the Trainer's ``default_root_dir`` (``mabn.runs``): the loggers'
+- the run lives in one experiment folder, the Trainer's ``default_root_dir`` (``mabn.runs``), which one run at a
+  time holds (``mabn.runlock``: a second run on it stops before anything is built, naming the holder); the loggers'
   ``save_dir`` and ModelCheckpoint's ``dirpath`` (when the config leaves it unset) point into it;
   ``--ckpt_path auto`` resumes from the newest checkpoint of that folder, or starts a new run when there is
   none, so a killed or requeued job restarts with the very same command;
-- checkpoints and the saved config are written atomically and loaded weights-only (``AtomicCheckpointIO``);
+- checkpoints and the saved config are written atomically and loaded weights-only (``AtomicCheckpointIO``); a
+  full disk, a quota or a read-only folder is one line naming the file (``mabn.errors.WriteError``);
 - every trainer gets ``RandomStateCallback`` (exact resume needs the generators' states), ``FailFast`` (a
-  failing DDP process stops every process, naming its error) and ``AgreedRequeue`` (SLURM's requeue
-  checkpoint at a step every process agrees on).
+  failing DDP process stops every process, naming its error), ``AgreedRequeue`` (SLURM's requeue
+  checkpoint at a step every process agrees on) and ``OutOfMemoryReport`` (CUDA out of memory in a training
+  step is one line naming the per-device batch, the crop or image size, and what to lower).
 """
 
 from __future__ import annotations
@@ -28,11 +31,11 @@ import torch
 from jsonargparse import Namespace
 from pytorch_lightning.cli import LightningCLI, SaveConfigCallback
 
-from . import runs
-from .callbacks import AgreedRequeue, FailFast, RandomStateCallback
+from . import runlock, runs
+from .callbacks import AgreedRequeue, FailFast, OutOfMemoryReport, RandomStateCallback
 from .callbacks.distributed import end_process_group_at_exit
 from .data.errors import DatasetError
-from .errors import ConfigError, own_message
+from .errors import ConfigError, explained, own_message
 from .files import AtomicCheckpointIO, write_text_atomic
 from .models import DEFAULT_ARCH, BackboneError
 from .process import first_process
@@ -187,6 +190,7 @@ class _Checked(Exception):
 
 class MabnCLI(LightningCLI):
     check_only = False
+    take_lock = True  # a run holds its folder (mabn.runlock); a dry run only says whether another run does
 
     def add_arguments_to_parser(self, parser) -> None:
         # The number of classes is a property of the data, never set twice by hand.
@@ -199,6 +203,19 @@ class MabnCLI(LightningCLI):
             config = self.config.fit
             identity = runs.Identity(config.model.class_path, config.model.init_args.get("norm"))
             folder = Path(config.trainer.get("default_root_dir") or ".")
+            self.notes: list[str] = []
+            # Every check that needs no data comes first: a mistake stops before anything, the lock included, is
+            # written.
+            check_fit_config(config)
+            # Before the plan: while a run holds the folder, what it holds is no plan's to judge. Only the launch's
+            # first process locks; the others are the same run.
+            if config.trainer.get("default_root_dir") and first_process():
+                if self.take_lock:
+                    runlock.lock(folder)
+                else:
+                    busy = runlock.in_use(folder)
+                    if busy:
+                        self.notes.append(f"{busy}: a run of this command started now would stop with exit code 2")
             quiet = self.check_only  # the run after the check reports the same choice
             report = (lambda _: None) if quiet else runs.say_once
             self.plan = runs.plan(folder, config.get("ckpt_path"), identity, first_process(), report)
@@ -209,9 +226,8 @@ class MabnCLI(LightningCLI):
         if self.subcommand != "fit":
             return
         config = self.config.fit
-        check_fit_config(config)
         if self.check_only:
-            raise _Checked(plan_lines(config))
+            raise _Checked(plan_lines(config) + self.notes)
         place_run(config, self.plan.folder)
         if first_process():
             runs.remove_stale_temporaries(self.plan.folder)
@@ -224,8 +240,9 @@ class MabnCLI(LightningCLI):
         if not any(isinstance(p, pl.plugins.CheckpointIO) for p in plugins):
             kwargs.setdefault("plugins", [*plugins, AtomicCheckpointIO()])
         trainer = super().instantiate_trainer(**kwargs)
-        # Exact resume; a failing DDP process stops all; SLURM's requeue checkpoint at an agreed step.
-        for callback in (RandomStateCallback(), FailFast(), AgreedRequeue()):
+        # Exact resume; CUDA out of memory in a training step as one line (before FailFast, which passes that line
+        # to the other processes); a failing DDP process stops all; SLURM's requeue checkpoint at an agreed step.
+        for callback in (RandomStateCallback(), OutOfMemoryReport(), FailFast(), AgreedRequeue()):
             if not any(isinstance(c, type(callback)) for c in trainer.callbacks):
                 trainer.callbacks.append(callback)
         return trainer
@@ -249,20 +266,29 @@ def run_cli(args: list[str] | None = None, run: bool = True, cli_class: type[Mab
 
 class _CheckCLI(MabnCLI):
     check_only = True
+    take_lock = False
 
 
-def check(args: list[str]) -> list[str]:
+class _LockingCheckCLI(_CheckCLI):
+    take_lock = True
+
+
+def check(args: list[str], lock: bool = False) -> list[str]:
     """Parse and check a ``fit`` command line without building anything or reading more than file names;
-    ``ConfigError`` or jsonargparse's own exit on a mistake. Returns the run's plan: its batch, lr and schedule."""
+    ``ConfigError`` or jsonargparse's own exit on a mistake. Returns the run's plan: its batch, lr and schedule,
+    and whether another run holds the folder. ``lock``: the check before this process's own run, which takes
+    the folder's lock now (a second launch then stops before it generates any data); else nothing is written."""
     try:
-        run_cli(args, cli_class=_CheckCLI)
+        run_cli(args, cli_class=_LockingCheckCLI if lock else _CheckCLI)
     except _Checked as checked:
         return checked.plan
     return []
 
 
 def user_error(err: BaseException) -> str | None:
-    """The message of the dataset, backbone or configuration error behind ``err``, if there is one.
+    """The message of the dataset, backbone or configuration error (``WriteError``: a full disk, a quota, a
+    read-only folder) behind ``err``, or the line ``mabn.errors.explain`` gave a library's error (CUDA out of
+    memory in a training step), if there is one.
 
     jsonargparse wraps errors raised while it instantiates the data module, and a DataLoader worker
     re-raises with its traceback in the message: dig out the original, one-line message.
@@ -272,6 +298,8 @@ def user_error(err: BaseException) -> str | None:
         seen.add(id(err))
         if isinstance(err, DatasetError | BackboneError | ConfigError):
             return own_message(err)
+        if explained(err) is not None:
+            return explained(err)
         err = err.__cause__ or err.__context__
     return None
 

@@ -1,5 +1,11 @@
 """The error a user can act on without a traceback: one line naming the value or file and what would work."""
 
+from __future__ import annotations
+
+import os
+from contextlib import suppress
+from pathlib import Path
+
 
 class ConfigError(ValueError):
     """A configuration, path or checkpoint that cannot work as given; the entry points print its message as
@@ -13,3 +19,31 @@ def own_message(err: BaseException) -> str:
     if len(lines) > 1 and lines[0].startswith("Caught "):
         return lines[-1].split(": ", 1)[-1]
     return str(err)
+
+
+class WriteError(ConfigError):
+    """The operating system refused a write for a reason the user fixes (no space, quota, a read-only folder,
+    permissions): ``cannot write <path>: <cause>``, the path shown relative to the working folder when it lies
+    below it."""
+
+    def __init__(self, path: str | os.PathLike, cause: str) -> None:
+        self.path, self.cause = Path(path), cause
+        shown = self.path
+        if shown.is_absolute():
+            with suppress(ValueError):
+                shown = shown.relative_to(Path.cwd())
+        super().__init__(f"cannot write {shown}: {cause}")
+
+
+USER_MESSAGE = "mabn_user_message"  # the attribute ``explain`` sets
+
+
+def explain(err: BaseException, message: str) -> None:
+    """Give a library's error (torch's out-of-memory error, say) the one line the entry points print for it
+    instead of its traceback; set where the context that makes the line useful is known."""
+    setattr(err, USER_MESSAGE, message)
+
+
+def explained(err: BaseException) -> str | None:
+    """The line ``explain`` gave ``err``, if any."""
+    return getattr(err, USER_MESSAGE, None)

@@ -4,10 +4,15 @@
 fsynced, then renamed over the target (a rename within one filesystem is atomic), so a crash or a kill at any
 moment leaves either the old file or the new one, never a truncated mix, also on NFS or Lustre where a copy
 from ``$TMPDIR`` would not be atomic.
+
+A write that the operating system refuses for a reason the user can fix (``WRITE_FAULTS``: no space, quota,
+a read-only folder, permissions) raises ``WriteError``, one line naming the file and the cause, after the
+temporary file is removed: the target keeps its previous, whole content.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import tempfile
@@ -19,7 +24,11 @@ from typing import Any
 import torch
 from lightning_fabric.plugins.io.torch_io import TorchCheckpointIO
 
+from .errors import WriteError
+
 TMP_SUFFIX = ".tmp"  # what a write in progress (or one killed half-way) is called: <folder>/.<name>.<random>.tmp
+# The OSErrors of a write that are the disk's or the folder's, not the program's: one line, no traceback.
+WRITE_FAULTS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EFBIG}
 
 
 def first_line(err: BaseException) -> str:
@@ -38,27 +47,57 @@ def _fsync(path: str | Path, directory: bool = False) -> None:
         os.close(fd)
 
 
+def write_error(path: str | Path, err: BaseException) -> WriteError | None:
+    """``WriteError`` naming ``path`` for an OSError of ``WRITE_FAULTS``, also one behind another error (torch's
+    writer turns a failed write into a RuntimeError); None for anything else."""
+    seen: set[int] = set()
+    cause: BaseException | None = err
+    while cause is not None and id(cause) not in seen:
+        seen.add(id(cause))
+        if isinstance(cause, OSError) and cause.errno in WRITE_FAULTS:
+            return WriteError(path, cause.strerror or os.strerror(cause.errno))
+        cause = cause.__cause__ or cause.__context__
+    return None
+
+
+@contextmanager
+def write_faults(path: str | Path) -> Iterator[None]:
+    """The block's OSErrors of ``WRITE_FAULTS`` raised as ``WriteError`` naming ``path``."""
+    try:
+        yield
+    except OSError as err:
+        fault = write_error(path, err)
+        if fault is None:
+            raise
+        raise fault from err
+
+
 @contextmanager
 def atomic_path(path: str | Path) -> Iterator[Path]:
     """A temporary path beside ``path`` for the caller to write; renamed onto ``path`` when the block ends
-    without error (after fsync of the file and then of the folder), removed when it raises."""
+    without error (after fsync of the file and then of the folder), removed when it raises. A fault of the
+    disk or folder (``WRITE_FAULTS``), in the block or here, is raised as ``WriteError`` naming ``path``."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=TMP_SUFFIX, dir=path.parent)
+    with write_faults(path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=TMP_SUFFIX, dir=path.parent)
     os.close(fd)
     tmp = Path(name)
     umask = os.umask(0)
     os.umask(umask)
-    os.chmod(tmp, 0o666 & ~umask)  # mkstemp's 0600 would hide results from the rest of a team
     try:
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp's 0600 would hide results from the rest of a team
         yield tmp
-        _fsync(tmp)
+        _fsync(tmp)  # a full disk may show only here, when delayed allocation finds no room for the data
         os.replace(tmp, path)
         _fsync(path.parent, directory=True)
-    except BaseException:
+    except BaseException as err:
         with suppress(FileNotFoundError):
             tmp.unlink()
-        raise
+        fault = write_error(path, err)
+        if fault is None:
+            raise
+        raise fault from err
 
 
 def write_atomic(path: str | Path, write: Callable[[Path], Any]) -> Path:
@@ -80,7 +119,14 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__} takes no storage_options")
-        write_atomic(path, lambda tmp: torch.save(checkpoint, tmp))
+        write_atomic(path, lambda tmp: self._write(checkpoint, tmp))
+
+    @staticmethod
+    def _write(checkpoint: dict[str, Any], tmp: Path) -> None:
+        # Through a Python file: torch.save to a path reports a full disk as a RuntimeError without errno
+        # ("unexpected pos ..."), a Python file raises the OSError that names the cause.
+        with open(tmp, "wb") as file:
+            torch.save(checkpoint, file)
 
     def load_checkpoint(self, path: Any, map_location: Any = None, weights_only: bool | None = None) -> dict[str, Any]:
         if not Path(path).is_file():

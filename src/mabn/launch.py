@@ -320,7 +320,9 @@ def main(argv: list[str] | None = None) -> None:
             ns.run_dir,
             ns.backbone_pending,
         )
-        plan = cli.check(args)  # every configuration mistake stops here, before any data is generated or read
+        # Every configuration mistake stops here, before any data is generated or read; a run (not a dry run)
+        # also takes its folder's lock here, so a second launch on the folder stops as early.
+        plan = cli.check(args, lock=not ns.dry_run)
     except Exception as err:  # a configuration or data-layout mistake is one line; anything else a traceback
         cli.exit_on_user_error(err)
     if ns.dry_run:

@@ -7,6 +7,7 @@ import csv
 import netrc
 import os
 import secrets
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +16,7 @@ from pytorch_lightning.loggers import CSVLogger as _CSVLogger
 from pytorch_lightning.loggers import WandbLogger as _WandbLogger
 from pytorch_lightning.loggers.csv_logs import ExperimentWriter
 
-from .files import write_atomic, write_text_atomic
+from .files import first_line, write_atomic, write_text_atomic
 
 ID_FILE = "wandb-id"
 
@@ -50,7 +51,12 @@ class WandbLogger(_WandbLogger):
     finishes (``wandb sync <run folder>/wandb/offline-run-*`` uploads it later). ``WANDB_MODE`` (offline,
     online, disabled) always wins. Without an ``id`` it uses the one kept in ``save_dir`` (``run_id``) with
     ``resume="allow"``, so a resumed run continues the same wandb run. Summary metrics: the best ``val/miou``
-    and ``val/top1`` of the run."""
+    and ``val/top1`` of the run.
+
+    An online start that fails (server unreachable or not answering within ``online_timeout`` seconds, wandb's
+    ``init_timeout``; a refused key) never ends the training: the run goes on offline, same id and folder, and
+    one line says which folder to ``wandb sync`` later. wandb's login adds up to 10 s to the timeout when the
+    server does not answer (two 5 s look-ups of the account, fixed in wandb)."""
 
     def __init__(
         self,
@@ -58,21 +64,51 @@ class WandbLogger(_WandbLogger):
         save_dir: str = "runs",
         offline: bool | None = None,
         id: str | None = None,
+        online_timeout: float = 45.0,
         **kwargs: Any,
     ):
         if offline is None:
             offline = "WANDB_MODE" not in os.environ and not wandb_ready()
         if id is None:
             id = run_id(Path(save_dir))
+        # wandb's own bound on wandb.init (default 90 s); settings given as a dict may still set it themselves
+        if isinstance(kwargs.get("settings", {}), dict):
+            kwargs["settings"] = {"init_timeout": online_timeout, **kwargs.get("settings", {})}
         super().__init__(project=project, save_dir=save_dir, offline=offline, id=id, resume="allow", **kwargs)
 
     @property
     def experiment(self):
-        run = super().experiment
+        import wandb
+
+        try:
+            run = super().experiment
+        except (wandb.Error, TimeoutError) as err:  # CommError, AuthenticationError, UsageError; or wandb's own wait
+            run = self._go_offline(err)
         if getattr(run, "define_metric", None) is not None and not getattr(self, "_summaries_defined", False):
             for key in ("val/miou", "val/top1"):
                 run.define_metric(key, summary="max")
             self._summaries_defined = True
+        return run
+
+    def _go_offline(self, err: BaseException):
+        """The same run (id, folder) started again offline: wandb's init argument ``mode`` wins over
+        ``WANDB_MODE`` and needs no login. Only the process that started wandb gets here (rank zero)."""
+        import wandb
+
+        # wandb's service keeps the failed start's run for a few seconds ("run ID ... is in use" to a second
+        # wandb.init): ending the service ends it, and the next wandb.init starts a new one (0-4 s in all).
+        wandb.teardown()
+        self._wandb_init["mode"] = "offline"
+        run = super().experiment  # Lightning's path again: wandb.init, then its step metric definitions
+        folder = Path(run.settings.sync_dir)
+        if folder.is_relative_to(Path.cwd()):
+            folder = folder.relative_to(Path.cwd())
+        print(
+            f"wandb: no online run at {run.settings.base_url} ({type(err).__name__}: {first_line(err)}): logging"
+            f" offline to {folder}; upload it later with: wandb sync {folder}",
+            file=sys.stderr,
+            flush=True,
+        )
         return run
 
 

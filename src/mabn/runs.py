@@ -5,7 +5,7 @@ A fit writes everything into its experiment folder, the Trainer's ``default_root
 ``checkpoints/`` (best-k and ``last.ckpt``), ``metrics.csv``, ``config.yaml``, ``wandb/`` with the run's id in
 ``wandb-id``, and Lightning's SLURM checkpoints ``hpc_ckpt_<n>.ckpt``. A restart continues in the same
 folder: the same checkpoint folder (so ModelCheckpoint keeps its best across restarts), the same CSV file
-(cut back to the resumed step) and the same wandb run.
+(cut back to the resumed step) and the same wandb run. One run at a time holds the folder (``mabn.runlock``).
 
 ``--ckpt_path`` decides which checkpoint the fit starts from:
 - none: a new run, refused in a folder that already holds one (it would overwrite its checkpoints);

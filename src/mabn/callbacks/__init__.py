@@ -1,9 +1,10 @@
 """Lightning callbacks: the MABN/BRN phase policy and each device's statistic streams, random states for exact
-resume, the SyncBatchNorm check, and the multi-process guards (a failing process stops them all; SLURM's requeue
-saves at an agreed step)."""
+resume, the SyncBatchNorm check, the multi-process guards (a failing process stops them all; SLURM's requeue
+saves at an agreed step), and the one line for CUDA running out of memory in a training step."""
 
 from .failfast import FailFast
 from .mabn import MABNCallback, norm_callbacks
+from .oom import OutOfMemoryReport
 from .policy import NormPolicy, PhaseRule
 from .requeue import AgreedRequeue
 from .rng import RandomStateCallback
@@ -15,6 +16,7 @@ __all__ = [
     "FailFast",
     "MABNCallback",
     "NormPolicy",
+    "OutOfMemoryReport",
     "PerDeviceStreams",
     "PhaseRule",
     "RandomStateCallback",

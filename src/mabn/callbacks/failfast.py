@@ -10,6 +10,10 @@ process already reaches). A watcher thread in every process polls that key: on s
 says so on stderr and gives its own process ``grace_s`` seconds to end by itself, then ends it. The failing
 process waits, briefly, until the others have read its message (the store lives in rank 0's process and
 ends with it), and it too is ended after ``grace_s`` if its own exit hangs.
+
+When that error is one the user acts on (the CLI's one ``error:`` line: a full disk, a quota, a corrupt image,
+CUDA out of memory in a training step), its line goes into the store with it, and every other process that then
+stops by an error of its own ends with that same line and exit status 2, instead of a traceback.
 """
 
 from __future__ import annotations
@@ -22,18 +26,28 @@ import time
 import pytorch_lightning as pl
 import torch.distributed as dist
 
-from ..errors import own_message
+from ..errors import explain, own_message
 from ..process import rank, world_size
 
 FAILED_KEY = "mabn/failfast/failed"  # the first failing process's one-line error
 SEEN_KEY = "mabn/failfast/seen"  # how many other processes have read it
 STORE_GONE = "rank 0 is gone (the process group's store does not answer)"
+# FAILED_KEY holds "<rank R failed: ...>" and, after this separator, the user's line for that error, if it has one.
+USER_LINE = "\n"
 
 
 def one_line(err: BaseException) -> str:
     """``Type: message`` on one line: the first line of the error's own message (``own_message``)."""
     lines = [line.strip() for line in own_message(err).splitlines() if line.strip()]
     return f"{type(err).__name__}: {lines[0]}" if lines else type(err).__name__
+
+
+def user_line(err: BaseException) -> str:
+    """The CLI's one-line message for ``err`` when it is a user error, else ""."""
+    from ..cli import user_error  # the CLI builds this callback: imported by the time an error is seen
+
+    message = user_error(err) or ""
+    return message.splitlines()[0] if message else ""
 
 
 class FailFast(pl.Callback):
@@ -46,6 +60,7 @@ class FailFast(pl.Callback):
         self._store: dist.Store | None = None
         self._stop = threading.Event()
         self._failure: str | None = None  # the message this process stops for
+        self._user_line = ""  # the user's line of that failure, if it has one
         self._deadline: float | None = None  # monotonic time at which the watcher ends this process
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -66,16 +81,20 @@ class FailFast(pl.Callback):
         if self._store is None or not isinstance(exception, Exception):
             return
         mine = f"rank {rank()} failed: {one_line(exception)}"
+        record = f"{mine}{USER_LINE}{user_line(exception)}"
         try:
-            first = self._store.compare_set(FAILED_KEY, "", mine).decode()
+            first, _, shown = self._store.compare_set(FAILED_KEY, "", record).decode().partition(USER_LINE)
         except Exception:  # the store went with rank 0: what the watcher read, if anything, is all there is
-            first = self._failure or STORE_GONE
+            first, shown = self._failure or STORE_GONE, self._user_line
         if first == mine:
             self._await_readers()
         else:
-            # Lightning re-raises this very exception: its message is what the user reads last.
+            # Lightning re-raises this very exception: its message is what the user reads last, or the failing
+            # process's own line when that is a user error (the same line, and exit status 2, on every process).
             exception.args = (f"{first} (rank {rank()} then stopped with {one_line(exception)})",)
-        self._stop_within_grace(first)
+            if shown:
+                explain(exception, shown)
+        self._stop_within_grace(first, shown)
 
     def _await_readers(self) -> None:
         """Waits up to ``grace_s`` until every other process has read this process's error."""
@@ -88,9 +107,9 @@ class FailFast(pl.Callback):
                 return
             time.sleep(self.poll_s / 4)
 
-    def _stop_within_grace(self, message: str) -> None:
+    def _stop_within_grace(self, message: str, shown: str = "") -> None:
         if self._deadline is None:
-            self._failure = message
+            self._failure, self._user_line = message, shown
             self._deadline = time.monotonic() + self.grace_s
 
     def _watch(self, store: dist.Store, stop: threading.Event) -> None:
@@ -103,7 +122,7 @@ class FailFast(pl.Callback):
             try:
                 if not store.check([FAILED_KEY]):
                     continue
-                message = store.get(FAILED_KEY).decode()
+                message, _, shown = store.get(FAILED_KEY).decode().partition(USER_LINE)
                 if message.startswith(f"rank {rank()} "):
                     continue  # this process's own error: on_exception handles it
                 store.add(SEEN_KEY, 1)
@@ -113,4 +132,4 @@ class FailFast(pl.Callback):
                 self._stop_within_grace(STORE_GONE)
                 continue
             print(f"[rank {rank()}] {message}: stopping", file=sys.stderr, flush=True)
-            self._stop_within_grace(message)
+            self._stop_within_grace(message, shown)
