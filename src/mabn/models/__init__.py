@@ -1,5 +1,5 @@
 """Networks built with a chosen norm: ResNet-101 (stage 1) and PSPNet-101 (stage 2), or another ResNet depth
-(``arch``, one of ``ARCHS``)."""
+(``arch``, one of ``ARCHS``); stage 2 also on the other decoders of ``DECODERS`` (``build_segmentation_model``)."""
 
 from .backbone import (
     BackboneError,
@@ -9,11 +9,18 @@ from .backbone import (
     load_backbone_into,
     save_backbone,
 )
+from .decoders import DECODERS, DEFAULT_DECODER, Decoder, DecoderNet, build_segmentation_model, resolve_decoder
 from .pspnet import PSPNet
 from .resnet import ARCHS, DEFAULT_ARCH, check_arch, logged_norms, norm_kwargs_for, resnet, resnet101
 
 __all__ = [
     "PSPNet",
+    "DecoderNet",
+    "Decoder",
+    "DECODERS",
+    "DEFAULT_DECODER",
+    "build_segmentation_model",
+    "resolve_decoder",
     "ARCHS",
     "DEFAULT_ARCH",
     "check_arch",

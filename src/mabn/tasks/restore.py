@@ -38,7 +38,7 @@ def task_name(path: Path, ckpt: dict[str, Any], error: type[Exception]) -> str:
             raise error(f"{path} is a checkpoint of {class_path}, not of {' or '.join(TASKS)}")
         return name
     keys = ckpt["state_dict"].keys()
-    if any(k.startswith("model.ppm.") for k in keys):
+    if any(k.startswith(("model.ppm.", "model.classifier.")) for k in keys):  # PSPNet, or another decoder's
         return "SegmentationTask"
     if "model.fc.weight" in keys:
         return "ClassificationTask"

@@ -1,5 +1,5 @@
 """Stage 2: PSPNet-101 fine-tuning on Cityscapes with warm-up + poly lr, evaluated by sliding window (``arch``: a
-PSPNet on another ResNet depth)."""
+PSPNet on another ResNet depth; ``decoder``: another decoder on the same encoder, docs/decoders.md)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,14 @@ from pytorch_lightning.utilities import rank_zero_info, rank_zero_warn
 from ..data.cityscapes import CLASS_NAMES, IGNORE_INDEX, IMAGENET_MEAN, IMAGENET_STD
 from ..inference import sliding_window_logits
 from ..metrics import SegmentationMetric, format_iou_table
-from ..models import DEFAULT_ARCH, PSPNet, check_backbone, load_backbone_into
+from ..models import (
+    DECODERS,
+    DEFAULT_ARCH,
+    DEFAULT_DECODER,
+    build_segmentation_model,
+    check_backbone,
+    load_backbone_into,
+)
 from ..scaling import RunShape
 from . import schedules
 from .base import NormTask, require
@@ -46,6 +53,10 @@ class SegmentationTask(NormTask):
     The norm, its phases, resets and statistics logging (``norm_policy``), SGD's momentum and weight decay,
     ``cuda_graph``, ``compile`` and ``arch`` are the arguments every stage shares (``**shared``, see ``NormTask``);
     a backbone must be of the same arch.
+    ``decoder`` (default ``pspnet``, the paper's) puts another decoder of ``mabn.models.DECODERS`` on the same
+    encoder, at ``output_stride`` (default: the decoder's own); ``heads()`` and the norm policy's heads group cover
+    its decoder and head (``model.classifier``) and its auxiliary head (``model.aux``) where it has one; a decoder
+    without one trains on the main loss alone (``aux_weight`` unused). See docs/decoders.md.
     """
 
     def __init__(
@@ -64,11 +75,15 @@ class SegmentationTask(NormTask):
         eval_scales: tuple[float, ...] = (1.0,),
         log_predictions_every_n_epochs: int = 1,
         num_logged_predictions: int = 2,
+        decoder: str = DEFAULT_DECODER,
+        output_stride: int | None = None,
         **shared: Any,
     ) -> None:
         super().__init__(**shared)
         hp = self.hparams
-        self.model = PSPNet(num_classes, hp.norm, hp.norm_batch_size, hp.norm_options, dropout=dropout, arch=hp.arch)
+        self.model = build_segmentation_model(
+            decoder, num_classes, hp.norm, hp.norm_batch_size, hp.norm_options, hp.arch, dropout, output_stride
+        )
         if backbone:
             info = load_backbone_into(self.model.encoder, backbone, hp.norm, hp.arch)
             rank_zero_info(f"Encoder loaded from {backbone} ({info['description']}) into norm {hp.norm}")
@@ -90,6 +105,12 @@ class SegmentationTask(NormTask):
         require(hp["poly_power"] > 0, "poly_power", hp["poly_power"], "must be > 0")
         require(hp["aux_weight"] >= 0, "aux_weight", hp["aux_weight"], "must be >= 0")
         require(0 <= hp["dropout"] < 1, "dropout", hp["dropout"], "must be in [0, 1)")
+        decoder = hp.get("decoder", DEFAULT_DECODER)
+        require(decoder in DECODERS, "decoder", decoder, f"choose one of {', '.join(DECODERS)}")
+        stride = hp.get("output_stride")
+        strides = " or ".join(map(str, sorted(DECODERS[decoder].output_strides)))
+        require(stride is None or stride in DECODERS[decoder].output_strides, "output_stride", stride,
+                f"decoder {decoder} takes {strides} (or null: its default)")  # fmt: skip
         require(len(hp["eval_scales"]) > 0 and min(hp["eval_scales"]) > 0, "eval_scales", hp["eval_scales"], "> 0")
         for name in ("log_predictions_every_n_epochs", "num_logged_predictions"):
             require(hp[name] >= 0, name, hp[name], "must be >= 0")
@@ -107,7 +128,17 @@ class SegmentationTask(NormTask):
         heads = f" for the encoder, x {hp['head_lr_mult']:g} for the heads"
         end = "" if shape.total_iterations is None else f" to iteration {shape.total_iterations}"
         warmup = shape.epochs_text(hp["warmup_epochs"])
+        decoder = hp.get("decoder", DEFAULT_DECODER)
+        model = []  # the paper's PSPNet says nothing; another decoder says what is built
+        if decoder != DEFAULT_DECODER:
+            spec = DECODERS[decoder]
+            stride = hp.get("output_stride") or spec.output_strides[0]
+            aux = "auxiliary head on layer3" if spec.aux else "no auxiliary head (aux_weight unused)"
+            model = [
+                f"model: {spec.title} decoder (smp) on {hp.get('arch', DEFAULT_ARCH)}, output stride {stride}, {aux}"
+            ]
         return [
+            *model,
             *shape.lines(),
             shape.lr_line(hp["base_lr"], hp["base_batch_size"], heads),
             f"schedule: linear warm-up over {warmup}, then poly {hp['poly_power']:g}{end}",
@@ -115,8 +146,13 @@ class SegmentationTask(NormTask):
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         images, labels = batch
-        out, aux = self.training_forward(images)
-        main_loss, aux_loss = pixel_loss(out, labels), pixel_loss(aux, labels)
+        out = self.training_forward(images)
+        out, aux = out if isinstance(out, tuple) else (out, None)  # a decoder without an auxiliary head
+        main_loss = pixel_loss(out, labels)
+        if aux is None:
+            self.log_dict({"train/loss": main_loss, "train/main_loss": main_loss}, prog_bar=True)
+            return main_loss
+        aux_loss = pixel_loss(aux, labels)
         loss = main_loss + self.hparams.aux_weight * aux_loss
         self.log_dict({"train/loss": loss, "train/main_loss": main_loss, "train/aux_loss": aux_loss}, prog_bar=True)
         return loss
