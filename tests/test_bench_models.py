@@ -130,7 +130,8 @@ def test_resnet50_step_has_compiled_rows_against_compiled_bn(monkeypatch):
 
     monkeypatch.setattr(torch, "compile", dynamo_only)
     rows = step.run(CPU, repeats=1, crop=32, batch=4, model="resnet50", norm_batch_size=None, compile_mode="default")
-    assert [r.norm for r in rows] == ["bn", "gn", "brn", "mabn", "mabn + stats logging", "bn compiled", "mabn compiled"]
+    eager = ["bn", "gn", "brn", "mabn", "mabn + stats logging", step.PLAIN, step.PLAIN_FORWARD]
+    assert [r.norm for r in rows] == [*eager, "bn compiled", "mabn compiled"]
     assert calls == [{"fullgraph": True, "mode": "default"}] * 2
     by_name = {r.norm: r for r in rows}
     assert by_name["bn"].time_ratio == 1.0 and by_name["bn compiled"].time_ratio == 1.0

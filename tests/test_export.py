@@ -88,10 +88,13 @@ def test_exported_graph_has_no_norm_and_no_centring(seg_export):
     assert kinds.count("aten::_convolution") == convs
 
 
-@pytest.mark.skipif(
+needs_onnx = pytest.mark.skipif(
     not all(importlib.util.find_spec(m) for m in ("onnx", "onnxscript", "onnxruntime")),
     reason="needs onnx, onnxscript and onnxruntime (pip install onnx onnxscript onnxruntime)",
 )
+
+
+@needs_onnx
 def test_onnx_matches_the_folded_model_under_onnxruntime(seg_export):
     import onnx
     import onnxruntime
@@ -108,6 +111,51 @@ def test_onnx_matches_the_folded_model_under_onnxruntime(seg_export):
     (out,) = session.run(None, {"image": x.numpy()})
     with torch.no_grad():
         assert _rel(torch.from_numpy(out), model(x)) < 2e-3
+
+
+@needs_onnx
+def test_onnx_takes_any_batch_height_and_width(seg_export):
+    """The ONNX graph's input is (batch, 3, height, width), all three symbolic; export checked it at the sample
+    and at two images of a second, non-square size, and it matches the PyTorch model at both (and a third)."""
+    import onnx
+    import onnxruntime
+
+    model, result = seg_export
+    assert result.other_shape == (2, 3, *export.other_size(*SIZE)) == (2, 3, 33, 81)
+    assert result.onnxruntime_other is not None and result.onnxruntime_other.relative < 1e-3
+    (graph_input,) = onnx.load(str(result.onnx)).graph.input
+    dims = [d.dim_param or d.dim_value for d in graph_input.type.tensor_type.shape.dim]
+    assert dims == ["batch", 3, "height", "width"]
+    session = onnxruntime.InferenceSession(str(result.onnx), providers=["CPUExecutionProvider"])
+    for shape in [(1, 3, *SIZE), (2, 3, 37, 50), (1, 3, 90, 21)]:
+        x = torch.randn(*shape)
+        (out,) = session.run(None, {"image": x.numpy()})
+        with torch.no_grad():
+            ref = model(x)
+        assert out.shape == (shape[0], 5, *shape[2:]) and _rel(torch.from_numpy(out), ref) < 2e-3, shape
+
+
+@pytest.mark.parametrize("bins", [1, 2, 3, 6, (2, 5)])
+def test_averaging_pool_is_adaptive_average_pooling_at_any_size(bins):
+    pool, averaging = nn.AdaptiveAvgPool2d(bins), export.AveragingPool2d(nn.modules.utils._pair(bins))
+    for size in [(8, 8), (5, 7), (1, 2), (13, 3), (64, 129)]:
+        x = torch.randn(2, 3, *size, dtype=torch.float64)
+        torch.testing.assert_close(averaging(x), pool(x), rtol=1e-12, atol=1e-12)
+
+
+@needs_onnx
+def test_an_onnx_graph_that_only_fits_the_traced_size_is_refused(tmp_path, capsys, monkeypatch):
+    """The exporter's own decomposition of adaptive pooling unrolls each bin's window for the traced size (PSPNet's
+    3- and 6-bin pooling of 16x16 features here): at the second size onnxruntime fails on an index (elsewhere
+    the graph computes wrong numbers). The file is refused, and only the TorchScript module is left."""
+    torch.manual_seed(0)
+    task = SegmentationTask(norm="bn", num_classes=3, arch="resnet18")
+    _trained_like(task)
+    _save(task, tmp_path / "psp.ckpt")
+    monkeypatch.setattr(export, "_for_onnx", lambda folded: folded)
+    err = _error_line(capsys, [str(tmp_path / "psp.ckpt"), "--input-size", "128", "128"])
+    assert f"{tmp_path / 'psp.onnx'}: onnxruntime cannot run the ONNX model at 2x3x65x161: " in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["psp.ckpt", "psp.folded.pt"]
 
 
 @pytest.fixture(scope="module")
@@ -149,6 +197,21 @@ def test_a_fold_that_changes_the_model_is_refused_and_writes_nothing(cls_checkpo
     err = _error_line(capsys, [str(path), "--out", str(tmp_path), "--input-size", "32", "32"])
     assert f"{path}: the folded model differs from the reference" in err and "nothing written" in err
     assert list(tmp_path.iterdir()) == []
+
+
+@needs_onnx
+def test_an_onnx_model_off_at_the_second_size_is_refused(cls_checkpoint, tmp_path, capsys, monkeypatch):
+    run = export._run_onnxruntime
+
+    def off_at_the_second_size(path, sample, other):
+        at_sample, at_other = run(path, sample, other)
+        return [at_sample, at_other * 1.01]
+
+    monkeypatch.setattr(export, "_run_onnxruntime", off_at_the_second_size)
+    path, _ = cls_checkpoint
+    err = _error_line(capsys, [str(path), "--out", str(tmp_path), "--input-size", "32", "32"])
+    assert f"{tmp_path / 'cls.onnx'}: the ONNX model under onnxruntime at 2x3x17x41 differs from the reference" in err
+    assert "only" in err and [p.name for p in tmp_path.iterdir()] == ["cls.folded.pt"]
 
 
 def _error_line(capsys, argv) -> str:

@@ -6,6 +6,7 @@ import os
 os.environ.setdefault("NO_ALBUMENTATIONS_UPDATE", "1")
 
 from .norm import NORM_PRESETS, BatchRenorm2d, CenConv2d, MABN2d, convert_norm, fold_norms
+from .norm.cenconv import keep_centred
 
-__all__ = ["MABN2d", "CenConv2d", "BatchRenorm2d", "convert_norm", "fold_norms", "NORM_PRESETS"]
+__all__ = ["MABN2d", "CenConv2d", "BatchRenorm2d", "convert_norm", "keep_centred", "fold_norms", "NORM_PRESETS"]
 __version__ = "0.1.0"

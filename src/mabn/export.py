@@ -3,7 +3,8 @@
 Every norm that is linear at inference (BN, BRN, MABN) is folded into the conv before it (``fold_norms``),
 so the exported network costs what a BN network costs; GroupNorm stays. Each output is checked before it
 is written: the folded model against the unfolded one, the TorchScript module against the folded model,
-and the ONNX file (when onnxruntime is installed) against the folded model. A file that does not reproduce
+and the ONNX file (when onnxruntime is installed) against the folded model, at the sample size and at a second,
+non-square one with two images: the ONNX graph takes any batch, height and width. A file that does not reproduce
 the trained network is never left behind.
 """
 
@@ -32,6 +33,8 @@ TOLERANCE = 1e-4
 # The input size checked and exported when none is given, per task: a Cityscapes frame at half resolution, and
 # ImageNet's evaluation crop.
 INPUT_SIZES: dict[str, tuple[int, int]] = {"SegmentationTask": (512, 1024), "ClassificationTask": (224, 224)}
+# The smallest side the ONNX graph is traced at (see ``_export_onnx``): a ResNet's stride-32 features are 4 px here.
+TRACE_SIDE = 128
 
 
 class ExportError(ValueError):
@@ -62,7 +65,10 @@ class Exported:
     torchscript: Path
     onnx: Path | None  # None: the ONNX exporter's dependencies are missing (the reason is printed)
     folded: Difference  # folded vs unfolded model, both in float64
-    onnxruntime: Difference | None  # ONNX file vs folded model; None without onnxruntime
+    onnxruntime: Difference | None  # ONNX file vs folded model at the sample size; None without onnxruntime
+    # The same at ``other_shape`` (two images of another size: the graph's batch, height and width are dynamic).
+    onnxruntime_other: Difference | None = None
+    other_shape: tuple[int, int, int, int] | None = None
 
 
 def load_model(path: str | Path) -> tuple[str, nn.Module]:
@@ -92,23 +98,97 @@ def _trace(folded: nn.Module, sample: Tensor) -> torch.jit.ScriptModule:
         return torch.jit.trace(folded, sample, check_trace=False)
 
 
+def other_size(height: int, width: int) -> tuple[int, int]:
+    """The second size the ONNX file is checked at: about half the height and five quarters of the width (one side
+    shorter than traced, one longer), both odd (no multiple of the network's stride 8, so the pyramid pooling's bins
+    split the features unevenly), and never square."""
+    h, w = (height // 2) | 1, (width * 5 // 4) | 1
+    return h, w + 2 if w == h else w
+
+
+def _averaging(n: int | torch.SymInt, bins: int, like: Tensor) -> Tensor:
+    """The (bins, n) matrix of adaptive average pooling along one axis of length ``n``: row i averages
+    [floor(i n / bins), ceil((i + 1) n / bins)), as ``nn.AdaptiveAvgPool2d`` does; ``n`` may be symbolic."""
+    i = torch.arange(bins, device=like.device)
+    start = torch.div(i * n, bins, rounding_mode="floor")
+    end = torch.div((i + 1) * n + bins - 1, bins, rounding_mode="floor")
+    j = torch.arange(n, device=like.device)
+    inside = (j >= start[:, None]) & (j < end[:, None])
+    return inside.to(like.dtype) / (end - start).to(like.dtype)[:, None]
+
+
+class AveragingPool2d(nn.Module):
+    """``nn.AdaptiveAvgPool2d(bins)`` as two averaging matrices, ``A_h @ x @ A_w^T``, for the ONNX export.
+
+    ONNX has no adaptive pooling, and the exporter's decomposition of it unrolls the sum over each bin's window
+    for the traced size: the graph then accepts other sizes and is wrong at some of them (PSPNet's 3- and 6-bin
+    pooling, relative error ~0.2), or fails in onnxruntime at others. Built from ``arange`` and comparisons on the
+    symbolic height and width, the matrices are right at every size.
+    """
+
+    def __init__(self, bins: tuple[int, int]) -> None:
+        super().__init__()
+        self.bins = bins
+
+    def forward(self, x: Tensor) -> Tensor:
+        h, w = x.shape[-2:]
+        return _averaging(h, self.bins[0], x) @ x @ _averaging(w, self.bins[1], x).transpose(0, 1)
+
+
+def _for_onnx(folded: nn.Module) -> nn.Module:
+    """A copy of ``folded`` whose adaptive average poolings to fixed bins are ``AveragingPool2d``."""
+    model = copy.deepcopy(folded)
+    for parent in model.modules():
+        for name, child in parent.named_children():
+            if isinstance(child, nn.AdaptiveAvgPool2d):
+                size = child.output_size
+                bins = (size, size) if isinstance(size, int) else tuple(size)
+                if all(isinstance(b, int) for b in bins):  # None (keep that axis) stays as it is
+                    setattr(parent, name, AveragingPool2d(bins))
+    return model
+
+
 def _export_onnx(folded: nn.Module, sample: Tensor, path: Path) -> None:
-    """Write ``folded`` as one ONNX file (weights inside: under the 2 GB protobuf limit) for ``sample``'s shape."""
+    """Write ``folded`` as one ONNX file (weights inside: under the 2 GB protobuf limit) whose input "image" has
+    dynamic batch, height and width.
+
+    Traced on two images (a batch of one would be fixed at one) of ``sample``'s size but at least ``TRACE_SIDE``
+    px a side: torch.export fixes any size that is 1 in the trace (a ResNet's last features at 32 px), and then
+    the whole input shape, silently; a graph with a fixed dimension is refused here.
+    """
+    height, width = (max(side, TRACE_SIDE) for side in sample.shape[-2:])
+    traced = torch.randn(2, 3, height, width, generator=torch.Generator().manual_seed(1))
+    dims = {0: torch.export.Dim("batch"), 2: torch.export.Dim("height"), 3: torch.export.Dim("width")}
     program = torch.onnx.export(
-        folded, (sample,), dynamo=True, verbose=False, input_names=["image"], output_names=["logits"]
+        _for_onnx(folded),
+        (traced,),
+        dynamo=True,
+        verbose=False,
+        input_names=["image"],
+        output_names=["logits"],
+        dynamic_shapes=(dims,),
     )
+    shape = list(program.model.graph.inputs[0].shape)
+    if any(isinstance(shape[axis], int) for axis in (0, 2, 3)):
+        raise RuntimeError(f"the exporter fixed the input shape to {shape}, which no other size would fit")
     program.save(str(path), external_data=False)
 
 
-def _run_onnxruntime(path: Path, sample: Tensor) -> Tensor | None:
-    """The ONNX file's output for ``sample`` on onnxruntime's CPU provider; None when it is not installed."""
+def _run_onnxruntime(path: Path, *inputs: Tensor) -> list[Tensor] | None:
+    """The ONNX file's output for each input on onnxruntime's CPU provider; None when it is not installed. A run
+    that fails raises RuntimeError naming the input's shape."""
     try:
         import onnxruntime
     except ImportError:
         return None
     session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-    (out,) = session.run(None, {session.get_inputs()[0].name: sample.numpy()})
-    return torch.from_numpy(out)
+    name, outs = session.get_inputs()[0].name, []
+    for x in inputs:
+        try:
+            outs.append(torch.from_numpy(session.run(None, {name: x.numpy()})[0]))
+        except Exception as err:  # onnxruntime's own error types: an index out of range, a shape mismatch
+            raise RuntimeError(f"at {'x'.join(map(str, x.shape))}: {first_line(err)}") from err
+    return outs
 
 
 def export(
@@ -116,8 +196,10 @@ def export(
 ) -> Exported:
     """Fold the checkpoint's model and write ``<stem>.folded.pt`` (TorchScript) and ``<stem>.onnx`` to ``out_dir``.
 
-    ``out_dir`` defaults to the checkpoint's folder, ``input_size`` (H, W) to the task's usual size. The ONNX
-    graph has that fixed input shape (1, 3, H, W); the traced TorchScript module accepts other sizes too.
+    ``out_dir`` defaults to the checkpoint's folder, ``input_size`` (H, W) to the task's usual size: the sample
+    every output is checked at, in float64 for the folding. The ONNX graph's input has dynamic batch, height and
+    width, and onnxruntime is also held to the float32 folded model on two images of ``other_size(H, W)``; the
+    traced TorchScript module accepts other sizes too.
     """
     checkpoint = Path(checkpoint)
     name, model = load_model(checkpoint)
@@ -126,7 +208,11 @@ def export(
     out_dir.mkdir(parents=True, exist_ok=True)
     stem = checkpoint.stem
     ts_path, onnx_path = out_dir / f"{stem}.folded.pt", out_dir / f"{stem}.onnx"
-    sample = torch.randn(1, 3, height, width, generator=torch.Generator().manual_seed(0))
+    gen = torch.Generator().manual_seed(0)
+    sample = torch.randn(1, 3, height, width, generator=gen)
+    other = torch.randn(2, 3, *other_size(height, width), generator=gen)
+    other_shape = (2, 3, *other.shape[-2:])
+    shown_other = "x".join(map(str, other_shape))
 
     with torch.no_grad():
         # The folding is exact algebra, so check it in float64, where rounding cannot hide or fake an error.
@@ -158,7 +244,7 @@ def export(
         write_atomic(ts_path, lambda tmp: traced.save(str(tmp)))
         print(f"TorchScript: wrote {ts_path} ({ts_diff} to the folded model)")
 
-        onnx_written, ort_diff = None, None
+        onnx_written, ort_diff, other_diff = None, None, None
         # Written in a scratch folder first and moved into place only once checked.
         with tempfile.TemporaryDirectory(dir=out_dir) as scratch:
             scratch_path = Path(scratch) / onnx_path.name
@@ -170,18 +256,31 @@ def export(
                 reason = f"{type(err).__name__}: {first_line(err)}"
                 raise ExportError(f"{onnx_path}: ONNX export failed ({reason}); only {ts_path} written") from err
             else:
-                ort_out = _run_onnxruntime(scratch_path, sample)
-                if ort_out is None:
+                try:
+                    ort_outs = _run_onnxruntime(scratch_path, sample, other)
+                except RuntimeError as err:
+                    raise ExportError(
+                        f"{onnx_path}: onnxruntime cannot run the ONNX model {err}; only {ts_path} written"
+                    ) from err
+                if ort_outs is None:
                     print("onnxruntime is not installed: the ONNX file was not run (`pip install onnxruntime`)")
                 else:
-                    diff = Difference.between(ort_out, exact)
-                    _check("the ONNX model under onnxruntime", diff, limit, onnx_path, f"only {ts_path} written")
-                    ort_diff = Difference.between(ort_out, out)
+                    outcome = f"only {ts_path} written"
+                    diff = Difference.between(ort_outs[0], exact)
+                    _check("the ONNX model under onnxruntime", diff, limit, onnx_path, outcome)
+                    ort_diff = Difference.between(ort_outs[0], out)
+                    # At the second size the float32 folded model is the reference: as far from exact as at the
+                    # sample, so the same allowance holds; a graph fixed to the sample's size is off by O(1).
+                    other_diff = Difference.between(ort_outs[1], folded(other))
+                    _check(f"the ONNX model under onnxruntime at {shown_other}", other_diff, limit, onnx_path, outcome)
+                    print(
+                        f"ONNX under onnxruntime vs the folded model: {ort_diff} at 1x3x{height}x{width}, "
+                        f"{other_diff} at {shown_other}"
+                    )
                 os.replace(scratch_path, onnx_path)
                 onnx_written = onnx_path
-                shown = f" (onnxruntime: {ort_diff} to the folded model)" if ort_diff is not None else ""
-                print(f"ONNX: wrote {onnx_path}{shown}")
-    return Exported(name, ts_path, onnx_written, folded_diff, ort_diff)
+                print(f"ONNX: wrote {onnx_path} (input image: any batch, height and width)")
+    return Exported(name, ts_path, onnx_written, folded_diff, ort_diff, other_diff, other_shape)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -195,7 +294,8 @@ def main(argv: list[str] | None = None) -> None:
         type=int,
         nargs=2,
         metavar=("H", "W"),
-        help="sample input size, also the ONNX input shape (default: 512 1024 for PSPNet, 224 224 for ResNet)",
+        help="sample input size the outputs are checked at (default: 512 1024 for PSPNet, 224 224 for ResNet); "
+        "the ONNX model takes any size",
     )
     args = parser.parse_args(argv)
     if args.input_size is not None and min(args.input_size) < 1:

@@ -123,7 +123,7 @@ def plan(
         how = ", CUDA graphs" if graphed else f", eager and compiled ({compile_mode})" if compile_mode else ", eager"
         how += f", {precision}" if precision else ""
         what = f"crop {crop}x{crop}" if args.model == "pspnet101" else f"{crop}x{crop} px"
-        rows = ", ".join(step.row_names(compile_mode))
+        rows = ", ".join(step.row_names(compile_mode, args.model))
         return (
             f"training step: {step.MODELS[args.model]}, batch {args.batch}, {what}, BRN and MABN over {groups}"
             f"{how}; rows {rows}; {repeats('check' if args.what == 'check' else 'step')} repeats"

@@ -1,8 +1,9 @@
 """Training-step benchmark: forward, backward and SGD step per norm, time and peak memory vs BN.
 
 Two models: PSPNet-101 as the segmentation stage trains it (2 images per device), and torchvision's ResNet-50 at
-small inputs (e.g. batch 8 at 160 px), where the norms and the per-layer host work weigh more. Compiled rows
-(``torch.compile``, fullgraph) run beside the eager ones and are compared with compiled BN.
+small inputs (e.g. batch 8 at 160 px), where the norms and the per-layer host work weigh more; for ResNet-50 also a
+user's plain loop (``convert_norm(model, "mabn")``, ``torch.optim.SGD``), with and without ``mabn.keep_centred``.
+Compiled rows (``torch.compile``, fullgraph) run beside the eager ones and are compared with compiled BN.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from ..cudagraph import training_call
 from ..data.cityscapes import IGNORE_INDEX
 from ..models import PSPNet
 from ..norm import convert_norm
-from ..norm.cenconv import centre_after_sgd_steps
+from ..norm.cenconv import keep_centred
 from .measure import median_times, peak_memory
 
 MODELS = {"pspnet101": "PSPNet-101", "resnet50": "ResNet-50"}
@@ -31,6 +32,10 @@ BF16 = "bf16-mixed"  # the one mixed precision the step bench runs (Lightning's 
 NORMS = ("bn", "gn", "brn", "mabn")
 LOGGED = "mabn + stats logging"  # MABN with MABNCallback's statistics logging at every step
 ROWS = (*NORMS, LOGGED)
+# ResNet-50 only: a user's loop, convert_norm(model, "mabn") with its defaults (the whole batch; past its warm-ups,
+# as every row) and torch.optim.SGD, with mabn.keep_centred(model, optimizer), and without it (centring in forward).
+PLAIN = "mabn plain loop"
+PLAIN_FORWARD = "mabn plain loop, no keep_centred"
 COMPILED = ("bn", "mabn")  # the norms of the compiled rows, named "<norm> compiled" (compiling takes minutes)
 # The recipe's per-device batch is one ghost batch of 2: BRN and MABN normalize groups of this size.
 NORM_BATCH_SIZE = 2
@@ -81,12 +86,15 @@ class _Trainer:
     set, the next step captures the forward and backward for its shape, later ones replay; with ``compile_mode``
     the forward and backward run through ``torch.compile``, compiled at the first step)."""
 
-    def __init__(self, model: nn.Module, compile_mode: str | None = None, precision: str | None = None) -> None:
+    def __init__(
+        self, model: nn.Module, compile_mode: str | None = None, precision: str | None = None, centred: bool = True
+    ) -> None:
         self.model = model
         self.cuda_graph = False
         self.precision = precision
         self.optimizer = torch.optim.SGD(model.parameters(), **SGD)
-        centre_after_sgd_steps(model, self.optimizer)  # as the tasks train: centred convs kept centred by SGD
+        if centred:  # as the tasks train: centred convs kept centred by SGD
+            keep_centred(model, self.optimizer)
         self.compiled = None if compile_mode is None else torch.compile(model, fullgraph=True, mode=compile_mode)
 
     def step(self, images: torch.Tensor, labels: torch.Tensor) -> None:
@@ -138,9 +146,11 @@ def _batch(
     return images.to(device), labels.to(device)
 
 
-def row_names(compile_mode: str | None) -> tuple[str, ...]:
-    """The rows a run measures: every norm eager, and with ``compile_mode`` the compiled ones."""
-    return ROWS + (tuple(f"{norm} compiled" for norm in COMPILED) if compile_mode else ())
+def row_names(compile_mode: str | None, model: str = "pspnet101") -> tuple[str, ...]:
+    """The rows a run measures: every norm eager, for ResNet-50 the plain loops, and with ``compile_mode`` the
+    compiled ones."""
+    plain = (PLAIN, PLAIN_FORWARD) if model == "resnet50" else ()
+    return ROWS + plain + (tuple(f"{norm} compiled" for norm in COMPILED) if compile_mode else ())
 
 
 def run(
@@ -175,8 +185,14 @@ def run(
     images, labels = _batch(batch, crop, num_classes, device, dense)
     trainers: dict[str, Any] = {}
     first_step: dict[str, float] = {}
-    for name in row_names(compile_mode):
+    for name in row_names(compile_mode, model):
         torch.manual_seed(0)
+        if name in (PLAIN, PLAIN_FORWARD):  # convert_norm's defaults: no ghost batches
+            net = build("mabn", num_classes, model, None).to(device).train()
+            trainers[name] = _Trainer(net, precision=precision, centred=name == PLAIN)
+            trainers[name].step(*warmup)
+            trainers[name].cuda_graph = cuda_graph
+            continue
         norm = "mabn" if name == LOGGED else name.removesuffix(" compiled")
         net = build(norm, num_classes, model, norm_batch_size).to(device).train()
         if name == LOGGED:
@@ -244,6 +260,12 @@ def table(
         f"`{LOGGED}`: MABN with `MABNCallback(NormPolicy(log_every_n_steps=1))` computing its statistics summary at "
         "every step (the default logs every 50 steps).",
     ]
+    if any(r.norm == PLAIN for r in rows):
+        lines.append(
+            f'`{PLAIN}`: a user\'s loop, `convert_norm(model, "mabn")` (the whole batch) and `torch.optim.SGD` with '
+            f"`mabn.keep_centred(model, optimizer)`; `{PLAIN_FORWARD}`: the same without it, the convs centring "
+            "their weights in every forward."
+        )
     if cuda_graph:
         lines.append(
             "Every eager model's training forward and backward replay CUDA graphs (`mabn.cudagraph`). Peak memory "

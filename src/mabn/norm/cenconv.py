@@ -4,12 +4,13 @@ A CenConv2d centres its filters in every training forward (and projects the weig
 the definition and works with any optimizer. With SGD (any momentum, dampening, Nesterov and weight decay, no
 gradient clipping) the same weights follow from keeping the stored weights centred instead: the centring P is a
 linear projection, so P commutes with SGD's update, and re-centring in place after every optimizer step (one
-foreach call for all convs, ``centre_after_sgd_steps``) gives exactly the weights the forward would use, while the
-forward and backward run as a plain convolution: fewer passes over the weights per step.
+foreach call for all convs, ``keep_centred``, which both stages use) gives exactly the weights the forward would
+use, while the forward and backward run as a plain convolution: fewer passes over the weights per step.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterable
 from typing import Any
 
@@ -96,7 +97,7 @@ class CenConv2d(nn.Conv2d):
     backward pass rather than stored (see ``_CentredConv2d``), so between forward and backward the layer
     keeps only one float per filter more than ``nn.Conv2d``.
 
-    ``centred_in_place`` (set by ``centre_after_sgd_steps``): the stored weight is kept centred by the optimizer
+    ``centred_in_place`` (set by ``keep_centred``): the stored weight is kept centred by the optimizer
     side, and the forward is a plain convolution with it.
     """
 
@@ -140,7 +141,7 @@ def recentre_(convs: Iterable[nn.Conv2d]) -> None:
 
 
 class SGDCentring:
-    """The handle of ``centre_after_sgd_steps``: ``remove()`` returns the convs to centring in their forward."""
+    """The handle of ``keep_centred``: ``remove()`` returns the convs to centring in their forward."""
 
     def __init__(self, convs: list[CenConv2d], hook: Any) -> None:
         self.convs, self._hook = convs, hook
@@ -151,23 +152,42 @@ class SGDCentring:
             conv.centred_in_place = False
 
 
-def centre_after_sgd_steps(model: nn.Module, optimizer: torch.optim.Optimizer) -> SGDCentring | None:
-    """Keep ``model``'s CenConv2d weights centred in place after each step of ``optimizer`` and let their forwards
-    run as plain convolutions: the same weight trajectory as centring in every forward, for SGD only (see the
-    module docstring); returns None, changing nothing, for any other optimizer, or without CenConv2d weights that
-    it updates. Do not clip gradients in between (the clip would see the unprojected gradient's norm).
+def keep_centred(model: nn.Module, optimizer: torch.optim.Optimizer) -> SGDCentring | None:
+    """Make ``optimizer`` keep ``model``'s CenConv2d weights centred: re-centred in place after each of its steps
+    (one foreach call), their forwards and backwards then plain convolutions. Training is the same as with the
+    centring in every forward, at the cost of the plain network; returns the handle whose ``remove()`` undoes it.
 
-    Centres the weights once now, so that a model restored from a checkpoint is consistent at once.
+    Exact for ``torch.optim.SGD`` with any momentum, dampening, Nesterov and weight decay. With P the centring (a
+    linear projection), forward centring trains raw weights v on gradients P g; SGD's step (d = g + wd v, buffer
+    b = mu b + (1 - dampening) d, direction b or, with Nesterov, d + mu b; v -= lr direction) is linear in (g, v, b),
+    so P of it is the same step for (P v, P b) driven by P g: the stored weights w = P v kept here follow it exactly,
+    whatever the raw means and the buffers' uncentred parts (which never reach P v). Any other optimizer's update is
+    not linear in them (Adam divides by a per-element scale, which P does not commute with): the convs keep
+    centring in their forward, one warning says so, and None is returned. None also, silently, when the optimizer
+    updates no CenConv2d weight. Clipping gradients in between breaks the equality (the clip would see the
+    unprojected gradient's norm); the stages call this only without gradient clipping.
+
+    Centres the weights once now: call it after loading weights, so that a restored model is consistent at once.
     """
     updated = {id(p) for group in optimizer.param_groups for p in group["params"]}
     convs = [m for m in model.modules() if isinstance(m, CenConv2d) and id(m.weight) in updated]
-    if type(optimizer) is not torch.optim.SGD or not convs:
+    if not convs:
+        return None
+    if type(optimizer) is not torch.optim.SGD:
+        warnings.warn(
+            f"keep_centred: {type(optimizer).__name__} is not torch.optim.SGD, whose update alone commutes with the "
+            f"centring; the {len(convs)} CenConv2d layer(s) keep centring their weights in every forward",
+            stacklevel=2,
+        )
         return None
     recentre_(convs)
     for conv in convs:
         conv.centred_in_place = True
     hook = optimizer.register_step_post_hook(lambda *_: recentre_(convs))
     return SGDCentring(convs, hook)
+
+
+centre_after_sgd_steps = keep_centred  # the name the stages (``NormTask.on_train_start``) import
 
 
 def conv_like(cls: type[nn.Conv2d], conv: nn.Conv2d, bias: bool) -> nn.Conv2d:
