@@ -32,7 +32,7 @@ STAGE_ARGS = $(NORM_ARGS) --gpus $(GPUS) --nodes $(NODES) $(if $(RESUME),--resum
 STAGE    ?= cityscapes
 AFTER    ?=
 
-.PHONY: venv test test-slow test-gpu gpu-check gpu-wheels lint pretrain cityscapes slurm export test-split predict plots bench bench-norm ablation clean
+.PHONY: venv test test-slow test-gpu gpu-check gpu-wheels lint pretrain cityscapes segment slurm export test-split predict plots bench bench-norm ablation clean
 
 venv: $(STAMP)
 
@@ -80,6 +80,11 @@ pretrain: $(STAMP)
 cityscapes: $(STAMP)
 	$(PY) -m mabn cityscapes $(STAGE_ARGS)
 
+# Stage 2's recipe on a dataset of your own (docs/your-data.md): DATA holds images/{train,val}/*, masks/{train,val}/*.png
+# (paired by name) and classes.yaml; the rest as for make cityscapes (runs/segment/<norm>, the stage-1 backbone).
+segment: $(STAMP)
+	$(PY) -m mabn segment $(STAGE_ARGS)
+
 # A stage as a SLURM job with one task per GPU (GPUS per node, NODES); requeued on preemption, and the
 # requeued job resumes from the newest checkpoint.
 slurm: $(STAMP)
@@ -92,7 +97,7 @@ export: $(STAMP)
 	@test -n "$(CKPT)" || { echo "usage: make export CKPT=runs/cityscapes/mabn/checkpoints/<file>.ckpt [ARGS=...]"; exit 2; }
 	$(PY) -m mabn export "$(CKPT)" $(ARGS)
 
-# A stage-2 checkpoint scored on a Cityscapes split by sliding windows, with the per-class IoU table. DATA and
+# A stage-2 checkpoint scored on a split of its dataset by sliding windows, with the per-class IoU table. DATA and
 # SPLIT default to the checkpoint's root and val split; ARGS: --flip, --scales 0.75 1 1.25, --crop N.
 SPLIT  ?=
 IMAGES ?=
@@ -100,10 +105,11 @@ test-split: $(STAMP)
 	@test -n "$(CKPT)" || { echo "usage: make test-split CKPT=runs/cityscapes/mabn/checkpoints/<file>.ckpt [DATA=...] [SPLIT=val] [ARGS=...]"; exit 2; }
 	$(PY) -m mabn test "$(CKPT)" $(if $(DATA),--data "$(DATA)") $(if $(SPLIT),--split "$(SPLIT)") $(ARGS)
 
-# A stage-2 checkpoint's predictions of a split (DATA, SPLIT) or of a folder of images (IMAGES) as Cityscapes
-# labelId PNGs, colour masks and (ARGS=--overlay) overlays, in OUT (default: <run>/predictions/<ckpt>-<split>).
+# A stage-2 checkpoint's predictions of a split (DATA, SPLIT) or of IMAGES (a folder, an image or a glob such as
+# 'photos/*.jpg') as mask PNGs (Cityscapes labelIds, or the values of your classes.yaml), colour masks and
+# (ARGS=--overlay) overlays, in OUT (default: <run>/predictions/<ckpt>-<split or images>).
 predict: $(STAMP)
-	@test -n "$(CKPT)" || { echo "usage: make predict CKPT=runs/cityscapes/mabn/checkpoints/<file>.ckpt [DATA=... SPLIT=val | IMAGES=<folder>] [OUT=<folder>] [ARGS=...]"; exit 2; }
+	@test -n "$(CKPT)" || { echo "usage: make predict CKPT=runs/cityscapes/mabn/checkpoints/<file>.ckpt [DATA=... SPLIT=val | IMAGES=<folder, image or glob>] [OUT=<folder>] [ARGS=...]"; exit 2; }
 	$(PY) -m mabn predict "$(CKPT)" $(if $(DATA),--data "$(DATA)") $(if $(SPLIT),--split "$(SPLIT)") \
 		$(if $(IMAGES),--images "$(IMAGES)") $(if $(OUT),--out "$(OUT)") $(ARGS)
 

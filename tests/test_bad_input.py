@@ -20,7 +20,7 @@ import torch
 from PIL import Image
 
 from mabn import launch
-from mabn.data import demo_cityscapes, demo_imagenet
+from mabn.data import demo_cityscapes, demo_imagenet, demo_segment
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -30,6 +30,7 @@ TINY_FIT = [
     "--data.init_args.num_workers", "0", "--model.init_args.arch", "resnet18",
 ]  # fmt: skip
 CITYSCAPES_FIT = [*TINY_FIT, "--data.init_args.global_batch_size", "2", "--data.init_args.crop_size", "32"]
+SEGMENT_FIT = [*CITYSCAPES_FIT[:-2]]  # the crop follows the images (32x64)
 IMAGENET_FIT = [*TINY_FIT, "--data.init_args.batch_size", "2", "--data.init_args.image_size", "32",
                 "--data.init_args.val_resize", "36"]  # fmt: skip
 
@@ -40,6 +41,7 @@ def sets(tmp_path_factory) -> dict[str, Path]:
     return {
         "cityscapes": demo_cityscapes.generate(root / "cs", n_train=2, n_val=1, size=(32, 64)),
         "imagenet": demo_imagenet.generate(root / "in", n_train=2, n_val=1, size=36),
+        "segment": demo_segment.generate(root / "seg", n_train=2, n_val=2, size=(32, 64)),
     }
 
 
@@ -90,6 +92,14 @@ def _label(path: Path, fill: int | None = None, size: tuple[int, int] | None = N
     Image.fromarray(label).save(path)
 
 
+def _mask_value(folder: Path, value: int) -> None:
+    """One pixel of each mask in ``folder`` set to ``value``."""
+    for path in sorted(folder.glob("*.png")):
+        mask = np.asarray(Image.open(path)).copy()
+        mask[3, 5] = value
+        Image.fromarray(mask).save(path)
+
+
 def _other_run_backbone(w: Path) -> None:
     (w / "pretrain/demo").mkdir(parents=True)
     torch.save({"config": {"run_dir": "runs/demo/pretrain/first"}}, w / "pretrain/demo/resnet101-mabn.pt")
@@ -100,7 +110,8 @@ def _occupied(w: Path) -> None:
     _ckpt(w / "runs/demo/cityscapes/mabn/checkpoints/last.ckpt", "mabn.tasks.SegmentationTask")
 
 
-CS, IN = "cityscapes", "imagenet"
+CS, IN, SEGMENT = "cityscapes", "imagenet", "segment"
+OWN = ["--data", "{w}/segment", "--backbone", "none", "--", *SEGMENT_FIT]
 SEG, CLS = "mabn.tasks.SegmentationTask", "mabn.tasks.ClassificationTask"
 
 # (id, entry, argv (with {w}: the working folder), setup, expected text in the error line)
@@ -140,6 +151,19 @@ CASES: list[tuple[str, str, list[str], Callable[[Path], None] | None, str]] = [
      lambda w: _label(_first(w / "cityscapes/gtFine/val", "*.png"), fill=200), "holds no Cityscapes class"),
     ("empty-split", CS, ["--data", "{w}/cityscapes", "--backbone", "none", "--", *CITYSCAPES_FIT],
      lambda w: [p.unlink() for p in (w / "cityscapes/leftImg8bit/val").rglob("*.png")], "no images matching"),
+    ("own-data-without-classes-file", SEGMENT, ["--data", "{w}/segment"],
+     lambda w: (w / "segment/classes.yaml").unlink(), "DATA={w}/segment: missing file {w}/segment/classes.yaml"),
+    ("own-image-without-mask", SEGMENT, OWN, lambda w: (w / "segment/masks/val/scene001.png").unlink(),
+     "image {w}/segment/images/val/scene001.jpg has no mask {w}/segment/masks/val/scene001.png (1 image(s)"),
+    ("own-mask-of-another-size", SEGMENT, OWN, lambda w: _label(w / "segment/masks/val/scene001.png", size=(16, 16)),
+     "size mismatch: image {w}/segment/images/val/scene001.jpg is 64x32 but mask {w}/segment/masks/val/scene001.png "
+     "is 16x16 (WxH) (1 of the 2 pairs"),
+    ("own-mask-value-of-no-class", SEGMENT, OWN, lambda w: _mask_value(w / "segment/masks/val", 99),
+     "mask {w}/segment/masks/val/scene000.png holds value 99, neither a class nor ignored by "
+     "{w}/segment/classes.yaml (class mask values 7, 8, 11, 17, 21, 23, 24, 26, ignore_index 0); 2 of the 2 masks"),
+    ("own-classes-file-that-does-not-parse", SEGMENT, OWN,
+     lambda w: (w / "segment/classes.yaml").write_text("classes: [road, car\n"),
+     "classes file {w}/segment/classes.yaml is not valid YAML: "),
     ("empty-class-folder", "pretrain", ["--data", "{w}/imagenet", "--", *IMAGENET_FIT],
      lambda w: [p.unlink() for p in sorted((w / "imagenet/val").iterdir())[0].iterdir()], "holds no images"),
     ("truncated-image", "pretrain", ["--data", "{w}/imagenet", "--", *IMAGENET_FIT],

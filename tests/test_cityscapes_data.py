@@ -13,7 +13,7 @@ from PIL import Image
 from torch.utils.data import DataLoader
 from torchvision.datasets import Cityscapes
 
-from mabn.data import demo_cityscapes
+from mabn.data import demo_cityscapes, once
 from mabn.data.cityscapes import (
     CLASS_NAMES,
     IGNORE_INDEX,
@@ -209,10 +209,10 @@ def test_demo_generator_is_idempotent_and_only_touches_its_own_files(tmp_path: P
     # An interrupted run (in-progress marker, no completion marker) is redone.
     label = next((root / "gtFine" / "val").rglob("*_gtFine_labelIds.png"))
     label.unlink()
-    (root / demo_cityscapes.MARKER).rename(root / demo_cityscapes.IN_PROGRESS)
+    (root / once.MARKER).rename(root / once.IN_PROGRESS)
     demo_cityscapes.generate(root, n_train=2, n_val=2, size=(32, 64))
     assert label.exists() and (root / demo_cityscapes.MARKER).exists()
-    assert not (root / demo_cityscapes.IN_PROGRESS).exists()
+    assert not (root / once.IN_PROGRESS).exists()
 
 
 def test_demo_generator_refuses_a_foreign_folder(tmp_path: Path) -> None:

@@ -15,7 +15,8 @@ The test then replays the recorded Python calls in its own process (``python -m 
 as a subprocess), in order, with the call's folder and environment, and stops at the first that fails, as
 make and ``set -e`` would:
 
-- stages (``make pretrain|cityscapes|slurm``, ``python -m mabn pretrain|cityscapes``, ``scripts/slurm/submit.sh``,
+- stages (``make pretrain|cityscapes|segment|slurm``, ``python -m mabn pretrain|cityscapes|segment``,
+  ``scripts/slurm/submit.sh``,
   ``sbatch``/``srun`` of train.sbatch, ``torchrun ... -m mabn``) run as dry runs: make gets ``DRY_RUN=1`` (the
   Makefile passes ``--dry-run`` on, to submit.sh for slurm), submit.sh ``--dry-run``, and a replayed stage call
   that lacks it gets ``--dry-run`` (before ``--``). sbatch and srun run train.sbatch's stage inside a simulated
@@ -32,7 +33,8 @@ make and ``set -e`` would:
 - ``export``, ``test-split``, ``predict``, ``plots`` (make targets and ``python -m mabn`` commands) and
   ``demo-data`` run for real (slow marker) on a two-step PSPNet/ResNet-18 fit at crop 32 made once per session:
   its run folder is linked to the path the command names (``CKPT=runs/cityscapes/mabn/checkpoints/last.ckpt``,
-  ``RUN=runs/demo/cityscapes/mabn``, make plots' default). ``export`` gets ``--input-size 64 128`` when the
+  ``RUN=runs/demo/cityscapes/mabn``, make plots' default; a path with ``segment`` gets a like fit of
+  ``python -m mabn segment`` on the generated dataset of one's own). ``export`` gets ``--input-size 64 128`` when the
   command gives none: its default 512x1024 float64 check takes a minute on 2 cores;
 - a bare ``make export|test-split|predict`` must print the target's usage and exit 2; a command's bare name or
   its synopsis (``python -m mabn test CKPT [--data ROOT] ...``) must have a ``--help`` that names every option;
@@ -42,7 +44,10 @@ Placeholders: ``<...>`` and elided values (``CKPT=...``, ``--norm ...``) take th
 ``docs_commands.PLACEHOLDERS`` / ``ELIDED``; /data/imagenet, /path/to/imagenet, /path/to/imagefolder are a
 generated ImageNet layout (train/<wnid>/*.JPEG, enough images for a batch of 32 on 16 devices), /data/cityscapes
 and /path/to/cityscapes a generated Cityscapes layout (leftImg8bit and gtFine, splits train, val, test),
-/path/to/images a folder of PNGs, /path/to/out a folder in the sandbox. Files a command takes as given are
+/data/my-data and /path/to/my-data a generated dataset of one's own (images/, masks/, classes.yaml),
+/path/to/images a folder of PNGs, /path/to/out a folder in the sandbox; a command or snippet that names a demo
+set's folder (data/demo-cityscapes, data/demo-segment) finds a small one generated there, one that names a
+stage-2 checkpoint under runs/ finds the session's short fit there. Files a command takes as given are
 created where it expects them, the way the product writes them: stage 2 runs after stage 1, so its sandbox holds
 ``pretrain/[demo/]<arch>-<norm>.pt`` (or the ``BACKBONE=`` file the command names, a torchvision state dict for
 ``*.pth``), written by ``save_backbone`` from a ResNet of the norm built on the meta device with zero-strided
@@ -131,11 +136,12 @@ class Assets:
     imagenet: Path
     cityscapes: Path
     images: Path
+    own: Path  # a dataset of one's own (python -m mabn segment)
 
 
 @pytest.fixture(scope="session")
 def assets(tmp_path_factory) -> Assets:
-    from mabn.data import demo_cityscapes
+    from mabn.data import demo_cityscapes, demo_segment
 
     root = tmp_path_factory.mktemp("docs-data")
     # ImageNet: 2 classes; 600 training images, enough for a batch of 32 on each of 16 devices (2 nodes x 8).
@@ -155,17 +161,16 @@ def assets(tmp_path_factory) -> Assets:
     images.mkdir()
     for path in sorted((cityscapes / "leftImg8bit" / "val").rglob("*.png"))[:2]:
         shutil.copy(path, images / path.name)
-    return Assets(root / "imagenet", cityscapes, images)
+    own = demo_segment.generate(root / "my-data", n_train=32, n_val=3, size=(32, 64), seed=5)
+    return Assets(root / "imagenet", cityscapes, images, own)
 
 
-@pytest.fixture(scope="session")
-def tiny_run(assets, tmp_path_factory) -> Path:
-    """The run folder of a two-step MABN fit of PSPNet on ResNet-18 at crop 32 on the generated Cityscapes, its
+def _tiny_fit(stage: str, data: Path, work: Path) -> Path:
+    """The run folder of a two-step MABN fit of PSPNet on ResNet-18 at crop 32 of ``stage`` on ``data``, its
     norm statistics logged at every step (for plots)."""
     from mabn import launch
 
-    work = tmp_path_factory.mktemp("docs-run")
-    folder = work / "runs" / "cityscapes" / "mabn"
+    folder = work / "runs" / stage / "mabn"
     extra = [
         "--trainer.max_steps", "2", "--trainer.limit_train_batches", "2", "--trainer.num_sanity_val_steps", "0",
         "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false",
@@ -176,12 +181,24 @@ def tiny_run(assets, tmp_path_factory) -> Path:
     cwd = Path.cwd()
     os.chdir(work)
     try:
-        launch.main(["cityscapes", "--data", str(assets.cityscapes), "--norm", "mabn", "--backbone", "none",
-                     "--run-dir", str(folder), "--", *extra])  # fmt: skip
+        launch.main([stage, "--data", str(data), "--norm", "mabn", "--backbone", "none", "--run-dir", str(folder),
+                     "--", *extra])  # fmt: skip
     finally:
         os.chdir(cwd)
     assert (folder / "checkpoints" / "last.ckpt").is_file() and (folder / "metrics.csv").is_file()
     return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_run(assets, tmp_path_factory) -> Path:
+    """A short stage-2 fit on the generated Cityscapes (``_tiny_fit``)."""
+    return _tiny_fit("cityscapes", assets.cityscapes, tmp_path_factory.mktemp("docs-run"))
+
+
+@pytest.fixture(scope="session")
+def tiny_segment_run(assets, tmp_path_factory) -> Path:
+    """A short fit of ``python -m mabn segment`` on the generated dataset of one's own (``_tiny_fit``)."""
+    return _tiny_fit("segment", assets.own, tmp_path_factory.mktemp("docs-segment-run"))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -196,6 +213,7 @@ def _truncated_checkpoint(w: Path) -> None:
 
 SETUPS: dict[str, Callable[[Path, Backbones], object]] = {
     "make cityscapes DATA=cityscapes": lambda w, b: (w / "cityscapes" / "leftImg8bit").mkdir(parents=True),
+    "make segment DATA=mine": lambda w, b: [(w / "mine" / part).mkdir(parents=True) for part in ("images", "masks")],
     "make export CKPT=cut.ckpt": lambda w, b: _truncated_checkpoint(w),
     "make export CKPT=b.pt": lambda w, b: b.place(b.stage1("mabn", "resnet18"), w / "b.pt"),
     "make plots RUN=runs/nothing": lambda w, b: (w / "runs" / "nothing").mkdir(parents=True),
@@ -287,6 +305,8 @@ def _data_paths(text: str, case: Case) -> str:
         "/path/to/imagefolder": assets.imagenet,
         "/data/cityscapes": assets.cityscapes,
         "/path/to/cityscapes": assets.cityscapes,
+        "/data/my-data": assets.own,
+        "/path/to/my-data": assets.own,
         "/path/to/images": assets.images,
         "/path/to/out": case.sandbox / "out",
     }
@@ -395,7 +415,7 @@ def _run_folder(folder: Path, case: Case, checkpoint: Path | None = None) -> Non
     """The session's tiny run, linked to ``folder`` (and its last checkpoint to ``checkpoint``)."""
     if folder.exists() and (checkpoint is None or checkpoint.exists()):
         return  # the command's own file (a failing example's), or one made earlier in the case
-    run: Path = case.request.getfixturevalue("tiny_run")
+    run: Path = case.request.getfixturevalue("tiny_segment_run" if "segment" in folder.parts else "tiny_run")
     if not folder.exists():
         shutil.copytree(run, folder, copy_function=os.link)
         case.created |= {folder / p.relative_to(run) for p in run.rglob("*")}
@@ -423,8 +443,32 @@ def _ablation_results(code: str, case: Case) -> None:
             case.created |= {path, path.parent}
 
 
+EXAMPLE_SETS = {"data/demo-cityscapes": "demo_cityscapes", "data/demo-segment": "demo_segment"}
+
+
+def _example_sets(text: str, case: Case) -> None:
+    """The demo sets a command or snippet names (``data/demo-segment/...``), small, generated where it reads them."""
+    import importlib
+
+    for folder, module in EXAMPLE_SETS.items():
+        root = case.sandbox / folder
+        if re.search(rf"(?<![\w/.-]){re.escape(folder)}\b", text) and not root.exists():
+            generator = importlib.import_module(f"mabn.data.{module}")
+            with contextlib.redirect_stdout(None):
+                generator.generate(root, n_train=16, n_val=2, size=(32, 64), seed=5)
+            case.created |= {root, *root.rglob("*")}
+
+
+def _checkpoints(code: str, case: Case) -> None:
+    """The stage-2 checkpoints a snippet loads (``runs/.../checkpoints/<file>.ckpt``): the session's short fit."""
+    for run, name in re.findall(r"(?<![\w/.-])(runs/[\w/.-]+?)/checkpoints/([\w.-]+\.ckpt)", code):
+        _run_folder(case.sandbox / run, case, case.sandbox / run / "checkpoints" / name)
+
+
 def _snippet(code: str, name: str, case: Case) -> int:
     _ablation_results(code, case)
+    _example_sets(code, case)
+    _checkpoints(code, case)
     return _in_process(case, lambda: exec(compile(code, name, "exec"), {"__name__": "__main__"}))
 
 
@@ -447,7 +491,7 @@ def _mabn(argv: list[str], call: Call, case: Case) -> int:
             case.say(f"DRY_RUN=1 / --dry-run did not reach the stage: python -m mabn {shlex.join(argv)}")
             return 1
         argv = _with_dry_run(argv)
-        if sub == "cityscapes":
+        if sub in ("cityscapes", "segment"):
             with _as_called(call, case):
                 _stage2_backbone(argv, case)
     elif sub in ("fit", "validate") and not {"--print_config", "--help", "-h"} & set(argv):
@@ -638,6 +682,7 @@ def run_command(command: dc.Command, case: Case) -> int:
     if command.text in SETUPS:
         SETUPS[command.text](case.sandbox, case.request.getfixturevalue("backbones"))
         case.created |= _files(case.sandbox)
+    _example_sets(command.text, case)
     text = prepared(command, kind, case)
     case.dry_run_asked = kind == dc.STAGE and bool(re.search(r"(^|\s)(DRY_RUN=1|--dry-run)(\s|$)", text))
     case.say(f"$ {text}\n")

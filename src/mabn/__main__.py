@@ -10,17 +10,18 @@ USAGE = """usage: python -m mabn <command> [arguments]   (python -m mabn <comman
 stages (the recipes of configs/, the demo profile without --data):
   pretrain      stage 1: re-pretrain ResNet-101 on ImageNet and export its backbone
   cityscapes    stage 2: fine-tune PSPNet-101 on Cityscapes from a stage-1 backbone
+  segment       stage 2 on a dataset of your own (--data DIR: images/, masks/, classes.yaml)
 LightningCLI (--config configs/<stage>.yaml ...):
   fit, validate
 stage-2 checkpoints:
   test          score a checkpoint on a split (sliding windows, flip and scales as options): per-class IoU
-  predict       a checkpoint's predictions of a split or a folder: Cityscapes labelId PNGs, colour masks
+  predict       a checkpoint's predictions of a split, a folder, an image or a glob: mask PNGs, colour masks
 results:
   export        a checkpoint -> folded TorchScript and ONNX models, checked before they are written
   plots         a run's norm statistics and training curves as PNG files
   bench         the cost of each norm against BN: training step, memory, inference
   ablation      the paper's ImageNet ablation (Tables 2 and 6) at small scale
-  demo-data     generate the demo data sets the stages use without --data (pretrain, cityscapes or both)
+  demo-data     generate the demo data sets the stages use without --data (pretrain, cityscapes, segment)
 """
 
 
@@ -59,7 +60,7 @@ def _demo_data(argv: list[str]) -> object:
     parser = argparse.ArgumentParser(
         prog="python -m mabn demo-data", description="Generate the demo data sets the stages use without --data."
     )
-    parser.add_argument("stages", nargs="*", help=f"any of {', '.join(sorted(launch.PROFILES))} (default: both)")
+    parser.add_argument("stages", nargs="*", help=f"any of {', '.join(sorted(launch.PROFILES))} (default: all)")
     stages = parser.parse_args(argv).stages or sorted(launch.PROFILES)
     for stage in stages:
         if stage not in launch.PROFILES:
@@ -73,6 +74,7 @@ def _demo_data(argv: list[str]) -> object:
 COMMANDS: dict[str, Callable[[list[str]], object]] = {
     "pretrain": _stage("pretrain"),
     "cityscapes": _stage("cityscapes"),
+    "segment": _stage("segment"),
     **{name: _lightning for name in ("fit", "validate")},
     "test": _module("evaluate"),
     "predict": _module("predict"),

@@ -1,5 +1,6 @@
-"""``python -m mabn test CKPT``: a stage-2 checkpoint scored on a Cityscapes split, and what the
-``test`` and ``predict`` commands share (the checkpoint as a ready SegmentationTask, the evaluation options).
+"""``python -m mabn test CKPT``: a stage-2 checkpoint scored on a split of its dataset (Cityscapes, or a dataset
+of the user's own: ``python -m mabn segment``), and what the ``test`` and ``predict`` commands share (the
+checkpoint as a ready SegmentationTask with its classes, the evaluation options).
 
 The split is read in full images and predicted by ``SegmentationTask.predict_classes``, the sliding-window
 code path of validation (crop, flip and scales as options, the checkpoint's own by default), on one device
@@ -17,7 +18,9 @@ import pytorch_lightning as pl
 import torch
 
 from . import cli, runs
-from .data.cityscapes import CLASS_NAMES, CityscapesDataset
+from .data.cityscapes import NUM_CLASSES, CityscapesDataset
+from .data.classes import CLASSES_FILE, ClassTable
+from .data.folder import IMAGES, FolderDataset
 from .data.loading import make_loader
 from .errors import ConfigError
 from .metrics import format_iou_table
@@ -34,13 +37,50 @@ class Stage2Checkpoint:
 
     path: Path
     task: SegmentationTask
-    data: dict[str, Any]  # CityscapesDataModule's hyperparameters (data_dir, crop_size, val_split, ...)
+    data: dict[str, Any]  # the data module's hyperparameters (data_dir, crop_size, val_split, classes, ...)
 
     @property
     def run_folder(self) -> Path:
         """The experiment folder the checkpoint belongs to (``<run>/checkpoints/<file>.ckpt``)."""
         parent = self.path.parent
         return parent.parent if parent.name == runs.CHECKPOINTS else parent
+
+    @property
+    def own_data(self) -> bool:
+        """Whether it was trained on a dataset of the user's own (``FolderDataModule``, which records its classes)."""
+        return "classes" in self.data
+
+    @property
+    def classes(self) -> ClassTable:
+        """Its classes: those of the dataset it was trained on, as the checkpoint records them; Cityscapes'."""
+        if self.own_data:
+            return ClassTable.from_dict(self.data["classes"])
+        if self.task.hparams.num_classes != NUM_CLASSES:
+            raise ConfigError(
+                f"{self.path} predicts {self.task.hparams.num_classes} classes and records no class table "
+                f"(Cityscapes has {NUM_CLASSES})"
+            )
+        return ClassTable.cityscapes()
+
+    def dataset(self, root: Path, split: str) -> CityscapesDataset:
+        """The full images and labels of ``split`` under ``root``, in the layout it was trained on. A dataset of
+        the user's own is read with ``root``'s own classes.yaml when it has one, which must name the same classes."""
+        if not self.own_data:
+            return CityscapesDataset(root, split)
+        classes = self.classes
+        if (root / CLASSES_FILE).is_file():
+            classes = ClassTable.read(root / CLASSES_FILE)
+            if classes.names != self.classes.names:
+                raise ConfigError(
+                    f"{root / CLASSES_FILE} names the classes {', '.join(classes.names)}, but {self.path} was "
+                    f"trained on {', '.join(self.classes.names)}"
+                )
+        return FolderDataset(root, split, classes)
+
+    def image_folder(self, root: Path, split: str) -> Path:
+        """The images of ``split`` under ``root``: ``leftImg8bit/<split>``, or ``images/<split>`` for a dataset of
+        the user's own."""
+        return root / (IMAGES if self.own_data else "leftImg8bit") / split
 
 
 def load_stage2(path: Path) -> Stage2Checkpoint:
@@ -56,9 +96,11 @@ def load_stage2(path: Path) -> Stage2Checkpoint:
 
 def eval_parser(command: str, description: str) -> argparse.ArgumentParser:
     """The parser of ``python -m mabn <command>`` with what ``test`` and ``predict`` share: the checkpoint, the
-    sliding-window options, the DataLoader workers and the Cityscapes root."""
+    sliding-window options, the DataLoader workers and the dataset root."""
     parser = argparse.ArgumentParser(prog=f"python -m mabn {command}", description=description)
-    parser.add_argument("checkpoint", type=Path, help="a stage-2 checkpoint (runs/cityscapes/<norm>/checkpoints/...)")
+    parser.add_argument(
+        "checkpoint", type=Path, help="a stage-2 checkpoint (runs/cityscapes|segment/<norm>/checkpoints/...)"
+    )
     parser.add_argument("--crop", type=int, help="window size (default: the checkpoint's eval_crop or crop_size)")
     parser.add_argument(
         "--flip",
@@ -67,7 +109,7 @@ def eval_parser(command: str, description: str) -> argparse.ArgumentParser:
     )
     parser.add_argument("--scales", type=float, nargs="+", help="image scales to average (default: the checkpoint's)")
     parser.add_argument("--num-workers", type=int, default=4, help="DataLoader workers")
-    parser.add_argument("--data", type=Path, help="Cityscapes root (default: the checkpoint's data_dir)")
+    parser.add_argument("--data", type=Path, help="the dataset's root (default: the checkpoint's data_dir)")
     return parser
 
 
@@ -86,10 +128,10 @@ def configure(checkpoint: Stage2Checkpoint, ns: argparse.Namespace) -> None:
 
 
 def data_root(checkpoint: Stage2Checkpoint, given: Path | None) -> Path:
-    """The Cityscapes root: ``given``, else the one the checkpoint was trained on."""
+    """The dataset's root: ``given``, else the one the checkpoint was trained on."""
     root = given or checkpoint.data.get("data_dir")
     if root is None:
-        raise ConfigError(f"{checkpoint.path} names no data_dir: give the Cityscapes root with --data")
+        raise ConfigError(f"{checkpoint.path} names no data_dir: give the dataset's root with --data")
     return Path(root)
 
 
@@ -105,7 +147,7 @@ def run_test(ns: argparse.Namespace) -> dict[str, torch.Tensor]:
     configure(checkpoint, ns)
     root = data_root(checkpoint, ns.data)
     split = ns.split or checkpoint.data.get("val_split") or "val"
-    dataset = CityscapesDataset(root, split)
+    dataset = checkpoint.dataset(root, split)
     hp = checkpoint.task.hparams
     print(
         f"Testing {ns.checkpoint} on {root} split {split} ({len(dataset)} images): crop {hp.eval_crop}, "
@@ -113,14 +155,16 @@ def run_test(ns: argparse.Namespace) -> dict[str, torch.Tensor]:
     )
     inference_trainer().test(checkpoint.task, make_loader(dataset, 1, False, ns.num_workers), verbose=False)
     result = checkpoint.task.test_result
-    print(format_iou_table(result["per_class_iou"], CLASS_NAMES))
+    print(format_iou_table(result["per_class_iou"], checkpoint.classes.names))
     print(f"pixel accuracy {100 * result['pixel_accuracy'].item():.2f}")
     return result
 
 
 def parser() -> argparse.ArgumentParser:
     parser = eval_parser("test", __doc__)
-    parser.add_argument("--split", help="the split under leftImg8bit/ and gtFine/ (default: the checkpoint's val)")
+    parser.add_argument(
+        "--split", help="the split under leftImg8bit/ and gtFine/, or images/ and masks/ (default: the checkpoint's)"
+    )
     return parser
 
 

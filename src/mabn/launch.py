@@ -1,7 +1,8 @@
-"""``python -m mabn pretrain|cityscapes``: pick the real or demo profile and a trainer preset, check the whole
-configuration, then run the LightningCLI.
+"""``python -m mabn pretrain|cityscapes|segment``: pick the real or demo profile and a trainer preset, check the
+whole configuration, then run the LightningCLI.
 
-The Makefile's ``make pretrain`` and ``make cityscapes`` call this. With ``--data`` it runs the paper's recipe
+The Makefile's ``make pretrain``, ``make cityscapes`` and ``make segment`` call this (``segment``: stage 2's recipe
+on a dataset of the user's own, ``mabn.data.folder``). With ``--data`` it runs the paper's recipe
 from ``configs/`` on that dataset, and a ``--data`` that is not the expected layout is an error naming the
 missing folder; without ``--data`` it says so, generates a small set in the same on-disk layout (once) and
 runs the demo profile, which trains for a few minutes on a CPU. The demo writes only under ``runs/demo/``,
@@ -43,6 +44,7 @@ BACKBONES = Path("pretrain")
 DEMO = "demo"  # the folder under runs/ and pretrain/ that holds the demo profile's artefacts
 NO_BACKBONE = "none"  # --backbone none: stage 2's encoder from random weights, on purpose
 DEMO_WAIT_S = 1800  # how long the processes of other nodes wait for process 0 to generate the demo set
+STAGE2 = ("cityscapes", "segment")  # the stages that fine-tune a stage-1 backbone
 
 
 class LaunchError(ConfigError):
@@ -63,30 +65,38 @@ def _demo_set(root: Path, generate: Callable[[Path], Path], marker: str) -> Path
 
 @dataclass(frozen=True)
 class Profile:
-    """A stage's data: the folders that make ``--data`` the real dataset (then the recipe ``config`` runs), and
-    without ``--data`` the message and the demo set that replaces it."""
+    """A stage's data: the folders (and files) that make ``--data`` the real dataset (then the recipe ``config``
+    runs, after the ``base`` configs it builds on), and without ``--data`` the message and the demo set that
+    replaces it (then each config's ``configs/demo/`` version follows, where there is one)."""
 
     config: str
     layout: tuple[str, ...]
     demo: str  # the module of mabn.data that generates the demo set, named like its folder under data/
     missing: str
+    base: tuple[str, ...] = ()  # configs read before ``config`` (segment: cityscapes.yaml's recipe)
+    files: tuple[str, ...] = ()  # files of the layout besides its folders
 
     def resolve(self, data: Path | None) -> tuple[list[str], Path]:
         """(the configs to run, the data root): the demo's without ``data``; a ``data`` that is not the layout
-        is an error naming the first missing folder."""
+        is an error naming the first missing folder or file."""
+        configs = [*self.base, self.config]
         if data is not None:
             if not data.is_dir():
                 raise LaunchError(f"DATA={data}: no such folder (expected {self.expected})")
             for folder in self.layout:
                 if not (data / folder).is_dir():
                     raise LaunchError(f"DATA={data}: missing folder {data / folder} (expected {self.expected})")
-            return [self.config], data
+            for name in self.files:
+                if not (data / name).is_file():
+                    raise LaunchError(f"DATA={data}: missing file {data / name} (expected {self.expected})")
+            return configs, data
         say(self.missing)
-        return [self.config, f"demo/{self.config}"], DEMO_DATA / self.demo.replace("_", "-")
+        demo = [f"demo/{name}" for name in configs if (CONFIGS / "demo" / name).is_file()]
+        return configs + demo, DEMO_DATA / self.demo.replace("_", "-")
 
     @property
     def expected(self) -> str:
-        return ", ".join(f"{folder}/..." for folder in self.layout)
+        return ", ".join([*(f"{folder}/..." for folder in self.layout), *self.files])
 
     def generate_demo(self, root: Path) -> Path:
         generator = importlib.import_module(f"{__package__}.data.{self.demo}")
@@ -108,6 +118,15 @@ PROFILES = {
         "No Cityscapes given (DATA=...): expected leftImg8bit/<split>/<city>/*_leftImg8bit.png and\n"
         "gtFine/<split>/<city>/*_gtFine_labelIds.png. Running the demo profile on generated street scenes\n"
         "(configs/demo/cityscapes.yaml).",
+    ),
+    "segment": Profile(
+        "segment.yaml",
+        ("images", "masks"),
+        "demo_segment",
+        "No dataset given (DATA=...): expected images/<split>/*, masks/<split>/*.png and classes.yaml\n"
+        "(docs/your-data.md). Running the demo profile on the generated example (configs/demo/cityscapes.yaml).",
+        base=("cityscapes.yaml",),
+        files=("classes.yaml",),
     ),
 }
 
@@ -270,7 +289,7 @@ def build_args(
         export_dir = BACKBONES / DEMO if demo else BACKBONES
         args += ["--model.init_args.export_dir", str(export_dir / label if preset else export_dir)]
         args += list(preset.args) if preset else []
-    if stage == "cityscapes":
+    if stage in STAGE2:
         loading, line = stage2_backbone(norm, backbone, demo, backbone_pending and dry_run)
         say(line)
         args += loading

@@ -1,23 +1,30 @@
-"""``python -m mabn predict CKPT``: a stage-2 checkpoint's predictions as the PNG files Cityscapes takes.
+"""``python -m mabn predict CKPT``: a stage-2 checkpoint's predictions as PNG files, and ``load(CKPT)``, the same
+predictions in Python (``Segmenter.predict(image) -> class map``).
 
-For every image of a folder (``--images``, searched recursively) or of a Cityscapes split (``--data``,
-``--split``: ``<root>/leftImg8bit/<split>``) it writes, named after the frame (the image's name without
-``_leftImg8bit``), into the output folder:
-- ``labelIds/<frame>_labelIds.png``: Cityscapes labelIds, what the benchmark server and cityscapesscripts'
-  ``evalPixelLevelSemanticLabeling`` read (it matches ``<city>_<seq>_<frame>*.png`` to each ground truth, so
-  point it at this folder alone: ``CITYSCAPES_RESULTS=<out>/labelIds``);
-- ``color/<frame>_color.png``: the classes in the Cityscapes colours;
+For every image of ``--images`` (folders, searched recursively, image files, or glob patterns) or of a split of
+the checkpoint's dataset (``--data``, ``--split``: ``<root>/leftImg8bit/<split>`` for Cityscapes,
+``<root>/images/<split>`` for a dataset of the user's own) it writes, named after the frame (the image's name
+without ``_leftImg8bit`` and its suffix), into the output folder:
+
+- Cityscapes: ``labelIds/<frame>_labelIds.png``, Cityscapes labelIds, what the benchmark server and
+  cityscapesscripts' ``evalPixelLevelSemanticLabeling`` read (it matches ``<city>_<seq>_<frame>*.png`` to each
+  ground truth, so point it at this folder alone: ``CITYSCAPES_RESULTS=<out>/labelIds``);
+  a dataset of the user's own: ``masks/<frame>.png``, in its own mask values (each class's first value in
+  ``classes.yaml``), as its masks are;
+- ``color/<frame>_color.png``: the classes in the dataset's colours (Cityscapes', or those of ``classes.yaml``);
 - ``overlay/<frame>_overlay.png`` with ``--overlay``: the colours blended over the image.
 
-The output folder defaults to ``<run>/predictions/<checkpoint name>-<split or folder name>``. It records its
-run in ``predict.json``; a folder holding any other files (another checkpoint, images or options, or files of
+The output folder defaults to ``<run>/predictions/<checkpoint name>-<split, folder or image name>``. It records
+its run in ``predict.json``; a folder holding any other files (another checkpoint, images or options, or files of
 unknown origin) is refused unless ``--overwrite`` is given. Every file is written atomically.
 """
 
 from __future__ import annotations
 
 import argparse
+import glob
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -27,33 +34,22 @@ import torch
 from PIL import Image
 from pytorch_lightning.callbacks import BasePredictionWriter
 from torch.utils.data import Dataset
-from torchvision.datasets import Cityscapes
 
 from . import cli
-from .data.cityscapes import IGNORE_INDEX, IMAGE_SUFFIX, IMAGENET_MEAN, IMAGENET_STD, NUM_CLASSES
+from .data.cityscapes import IMAGE_SUFFIX, IMAGENET_MEAN, IMAGENET_STD, TRAIN_ID_COLORS, TRAIN_TO_LABEL_ID
+from .data.classes import ClassTable
 from .data.errors import DatasetError
+from .data.folder import IMAGE_TYPES, MASKS
 from .data.loading import make_loader
 from .errors import ConfigError
 from .evaluate import Stage2Checkpoint, configure, data_root, eval_parser, inference_trainer, load_stage2
 from .files import atomic_path, write_text_atomic
 
+__all__ = ["Segmenter", "TRAIN_ID_COLORS", "TRAIN_TO_LABEL_ID", "load"]
+
 MANIFEST = "predict.json"
-IMAGE_TYPES = (".png", ".jpg", ".jpeg")
 OVERLAY_ALPHA = 0.5  # weight of the class colours over the image
-
-
-def _train_id_tables() -> tuple[np.ndarray, np.ndarray]:
-    """trainId -> labelId and trainId -> RGB colour (uint8) for the 19 evaluated classes."""
-    label_ids = np.zeros(NUM_CLASSES, dtype=np.uint8)
-    colors = np.zeros((NUM_CLASSES, 3), dtype=np.uint8)
-    for cls in Cityscapes.classes:
-        if 0 <= cls.train_id < IGNORE_INDEX:
-            label_ids[cls.train_id] = cls.id
-            colors[cls.train_id] = cls.color
-    return label_ids, colors
-
-
-TRAIN_TO_LABEL_ID, TRAIN_ID_COLORS = _train_id_tables()
+GLOB = re.compile(r"[*?[]")
 
 
 def frame_name(image: Path) -> str:
@@ -61,18 +57,56 @@ def frame_name(image: Path) -> str:
     return image.name[: -len(IMAGE_SUFFIX)] if image.name.endswith(IMAGE_SUFFIX) else image.stem
 
 
+def _is_image(path: Path) -> bool:
+    return path.suffix.lower() in IMAGE_TYPES and not path.name.startswith(".") and path.is_file()
+
+
+def image_files(specs: list[str | Path]) -> list[Path]:
+    """The images ``specs`` name, in order and each once: a folder's images (recursively, sorted), an image file,
+    or a glob pattern's images (sorted; ``**`` matches any folders); ``DatasetError`` for one that names none."""
+    files: list[Path] = []
+    seen: set[Path] = set()
+    for spec in specs:
+        path = Path(spec)
+        if path.is_dir():
+            found = sorted(p for p in path.rglob("*") if _is_image(p))
+            if not found:
+                raise DatasetError(f"no {'/'.join(IMAGE_TYPES)} images under {path}")
+        elif path.is_file():
+            found = [path]
+        elif GLOB.search(str(spec)):
+            found = sorted(Path(p) for p in glob.glob(str(spec), recursive=True) if _is_image(Path(p)))
+            if not found:
+                raise DatasetError(f"no {'/'.join(IMAGE_TYPES)} images match {spec}")
+        else:
+            raise DatasetError(f"no such image file or folder: {spec}")
+        for image in found:
+            if image not in seen:
+                seen.add(image)
+                files.append(image)
+    return files
+
+
+def images_name(specs: list[str | Path]) -> str:
+    """What the images are called in the default output folder: a folder's name, an image's stem, the folder of
+    a glob pattern; ``images`` for several."""
+    if len(specs) != 1:
+        return "images"
+    path = Path(specs[0])
+    if path.is_file():
+        return path.stem
+    fixed = path.parts[: next((i for i, part in enumerate(path.parts) if GLOB.search(part)), len(path.parts))]
+    return Path(*fixed).resolve().name if fixed else "images"
+
+
 class FrameImages(Dataset):
-    """The images under ``folder`` (recursively, sorted) as normalized 3xHxW tensors with their index.
+    """``files`` as normalized 3xHxW tensors with their index, named by ``frame_name``.
 
     Normalized as ``CityscapesDataset`` does, so a split predicted here scores what ``test`` scores.
     """
 
-    def __init__(self, folder: Path) -> None:
-        if not folder.is_dir():
-            raise DatasetError(f"no such image folder: {folder}")
-        self.files = sorted(p for p in folder.rglob("*") if p.suffix.lower() in IMAGE_TYPES and p.is_file())
-        if not self.files:
-            raise DatasetError(f"no {'/'.join(IMAGE_TYPES)} images under {folder}")
+    def __init__(self, files: list[Path]) -> None:
+        self.files = list(files)
         self.names = [frame_name(p) for p in self.files]
         seen: dict[str, Path] = {}
         for name, path in zip(self.names, self.files):
@@ -106,20 +140,28 @@ def overlay(image: np.ndarray, colors: np.ndarray) -> np.ndarray:
     return blend.round().clip(0, 255).astype(np.uint8)
 
 
-class PredictionWriter(BasePredictionWriter):
-    """Writes each predicted image's labelIds, colour and (optionally) overlay PNG as its batch ends."""
+def mask_file(own_data: bool, name: str) -> Path:
+    """Where the mask of frame ``name`` goes: ``labelIds/<name>_labelIds.png`` (Cityscapes), ``masks/<name>.png``."""
+    return Path(MASKS, f"{name}.png") if own_data else Path("labelIds", f"{name}_labelIds.png")
 
-    def __init__(self, out: Path, images: FrameImages, with_overlay: bool) -> None:
+
+class PredictionWriter(BasePredictionWriter):
+    """Writes each predicted image's mask, colour and (optionally) overlay PNG as its batch ends."""
+
+    def __init__(
+        self, out: Path, images: FrameImages, with_overlay: bool, classes: ClassTable, own_data: bool = False
+    ) -> None:
         super().__init__(write_interval="batch")
         self.out, self.images, self.with_overlay = out, images, with_overlay
+        self.classes, self.own_data = classes, own_data
         self.written = 0
 
     def write_on_batch_end(
         self, trainer, pl_module, prediction: torch.Tensor, batch_indices, batch: Any, batch_idx: int, dataloader_idx=0
     ) -> None:
-        for train_ids, index in zip(prediction.cpu().numpy(), batch[1].tolist()):
-            name, colors = self.images.names[index], TRAIN_ID_COLORS[train_ids]
-            save_png(self.out / "labelIds" / f"{name}_labelIds.png", TRAIN_TO_LABEL_ID[train_ids])
+        for class_map, index in zip(prediction.cpu().numpy(), batch[1].tolist()):
+            name, colors = self.images.names[index], self.classes.palette[class_map]
+            save_png(self.out / mask_file(self.own_data, name), self.classes.class_values[class_map])
             save_png(self.out / "color" / f"{name}_color.png", colors)
             if self.with_overlay:
                 save_png(self.out / "overlay" / f"{name}_overlay.png", overlay(self.images.read_rgb(index), colors))
@@ -145,47 +187,135 @@ def claim_folder(out: Path, manifest: dict[str, Any], overwrite: bool) -> None:
     write_text_atomic(out / MANIFEST, json.dumps(manifest, indent=2) + "\n")
 
 
-def image_folder(checkpoint: Stage2Checkpoint, ns: argparse.Namespace) -> Path:
-    """``--images``, else the split's ``leftImg8bit/<split>`` of ``--data`` (the checkpoint's root by default)."""
-    if ns.images is not None:
+def image_specs(checkpoint: Stage2Checkpoint, ns: argparse.Namespace) -> list[str | Path]:
+    """``--images``, else the split's image folder under ``--data`` (the checkpoint's root by default)."""
+    if ns.images:
         if ns.data is not None or ns.split is not None:
-            raise ConfigError("give either --images FOLDER or --data/--split, not both")
-        return ns.images
+            raise ConfigError("give either --images or --data/--split, not both")
+        return list(ns.images)
     split = ns.split or checkpoint.data.get("val_split") or "val"
-    return data_root(checkpoint, ns.data) / "leftImg8bit" / split
+    return [checkpoint.image_folder(data_root(checkpoint, ns.data), split)]
 
 
 def run_predict(ns: argparse.Namespace) -> Path:
     checkpoint = load_stage2(ns.checkpoint)
-    if checkpoint.task.hparams.num_classes != NUM_CLASSES:
-        raise ConfigError(f"{ns.checkpoint} predicts {checkpoint.task.hparams.num_classes} classes, not Cityscapes' 19")
+    classes = checkpoint.classes
     configure(checkpoint, ns)
-    folder = image_folder(checkpoint, ns)
-    images = FrameImages(folder)
-    out = ns.out or checkpoint.run_folder / "predictions" / f"{ns.checkpoint.stem}-{folder.name}"
+    specs = image_specs(checkpoint, ns)
+    images = FrameImages(image_files(specs))
+    name = images_name(specs)
+    out = ns.out or checkpoint.run_folder / "predictions" / f"{ns.checkpoint.stem}-{name}"
     hp = checkpoint.task.hparams
     manifest = {
         "checkpoint": str(ns.checkpoint.resolve()),
-        "images": str(folder.resolve()),
+        "images": " ".join(str(Path(spec).resolve()) for spec in specs),
         "crop": hp.eval_crop,
         "flip": hp.eval_flip,
         "scales": list(hp.eval_scales),
         "overlay": ns.overlay,
     }
     claim_folder(out, manifest, ns.overwrite)
-    writer = PredictionWriter(out, images, ns.overlay)
+    writer = PredictionWriter(out, images, ns.overlay, classes, checkpoint.own_data)
     loader = make_loader(images, 1, False, ns.num_workers)
     inference_trainer(callbacks=[writer]).predict(checkpoint.task, loader, return_predictions=False)
-    parts = "labelIds/, color/" + (" and overlay/" if ns.overlay else "")
-    print(f"Wrote {writer.written} predictions of {folder} to {out} ({parts}); evaluate {out / 'labelIds'}")
+    masks = MASKS if checkpoint.own_data else "labelIds"
+    parts = f"{masks}/, color/" + (" and overlay/" if ns.overlay else "")
+    what = ", ".join(map(str, specs))
+    evaluate = "" if checkpoint.own_data else f"; evaluate {out / 'labelIds'}"
+    plural = "" if writer.written == 1 else "s"
+    print(f"Wrote {writer.written} prediction{plural} of {what} to {out} ({parts}){evaluate}")
     return out
+
+
+class Segmenter:
+    """A stage-2 checkpoint ready to predict images in Python: ``load(checkpoint)`` makes one.
+
+    ``predict(image)`` gives the H x W class map (uint8 class indices 0..K-1, in the order of ``class_names``) of
+    an image of any size, by the sliding-window protocol of ``python -m mabn test`` with the options ``load``
+    was given (the checkpoint's by default): the class map ``test`` scores for that image. ``colorize`` and
+    ``to_mask`` turn a class map into the colour image and the mask PNG that ``python -m mabn predict`` writes.
+    """
+
+    def __init__(self, checkpoint: Stage2Checkpoint, device: torch.device) -> None:
+        self.checkpoint = checkpoint
+        self.classes = checkpoint.classes
+        self.device = device
+        self.task = checkpoint.task.to(device).eval()
+        self._normalize = A.Normalize(mean=IMAGENET_MEAN, std=IMAGENET_STD, max_pixel_value=255.0)
+
+    @property
+    def class_names(self) -> tuple[str, ...]:
+        return self.classes.names
+
+    @property
+    def colors(self) -> np.ndarray:
+        """K x 3 uint8: the colour of each class."""
+        return self.classes.palette
+
+    @staticmethod
+    def rgb(image: np.ndarray | Image.Image | str | Path) -> np.ndarray:
+        """``image`` as H x W x 3 uint8 RGB, converted as the datasets convert their files: a path is read, a PIL
+        image of any mode and a uint8 array H x W (grey), H x W x 1, x 3 (RGB) or x 4 (RGBA) are converted."""
+        if isinstance(image, str | Path):
+            with Image.open(image) as img:
+                return np.asarray(img.convert("RGB"))
+        if isinstance(image, Image.Image):
+            return np.asarray(image.convert("RGB"))
+        array = np.asarray(image)
+        if array.dtype != np.uint8:
+            raise ValueError(f"expected uint8 pixels (0..255), got dtype {array.dtype}")
+        if array.ndim == 3 and array.shape[2] == 1:
+            array = array[..., 0]
+        if not (array.ndim == 2 or (array.ndim == 3 and array.shape[2] in (3, 4))):
+            raise ValueError(f"expected an image H x W, H x W x 3 or H x W x 4, got shape {array.shape}")
+        return np.asarray(Image.fromarray(array).convert("RGB"))
+
+    @torch.no_grad()
+    def predict(self, image: np.ndarray | Image.Image | str | Path) -> np.ndarray:
+        """The H x W uint8 class map of ``image`` (see ``rgb`` for what it takes)."""
+        pixels = self._normalize(image=self.rgb(image))["image"]
+        batch = torch.from_numpy(np.ascontiguousarray(pixels.transpose(2, 0, 1)))[None].to(self.device)
+        return self.task.predict_classes(batch)[0].to(torch.uint8).cpu().numpy()
+
+    def colorize(self, class_map: np.ndarray) -> np.ndarray:
+        """H x W x 3 uint8: each class in its colour (``predict``'s ``color/`` files)."""
+        return self.classes.palette[class_map]
+
+    def to_mask(self, class_map: np.ndarray) -> np.ndarray:
+        """The class map in the dataset's mask values: labelIds for Cityscapes, the values of ``classes.yaml``
+        (each class's first) for a dataset of the user's own (``predict``'s ``labelIds/`` or ``masks/`` files)."""
+        return self.classes.class_values[class_map]
+
+
+def load(
+    checkpoint: str | Path,
+    crop: int | None = None,
+    flip: bool | None = None,
+    scales: list[float] | tuple[float, ...] | None = None,
+    device: str | torch.device | None = None,
+) -> Segmenter:
+    """A ``Segmenter`` of a stage-2 checkpoint (of ``make cityscapes`` or ``make segment``), loaded once: read
+    weights-only, without the fit's backbone file. ``crop``, ``flip`` and ``scales`` are ``test``'s options
+    (default: the checkpoint's); ``device`` defaults to the GPU when there is one. ``ConfigError`` naming the
+    file when it is not such a checkpoint."""
+    loaded = load_stage2(Path(checkpoint))
+    configure(loaded, argparse.Namespace(crop=crop, flip=flip, scales=scales))
+    where = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return Segmenter(loaded, where)
 
 
 def parser() -> argparse.ArgumentParser:
     parser = eval_parser("predict", __doc__)
-    parser.add_argument("--images", type=Path, help="a folder of images to predict (searched recursively)")
-    parser.add_argument("--split", help="the split under leftImg8bit/ (default: the checkpoint's val split)")
-    parser.add_argument("--out", type=Path, help="output folder (default: <run>/predictions/<ckpt>-<split>)")
+    parser.add_argument(
+        "--images",
+        nargs="+",
+        metavar="PATH",
+        help="folders (searched recursively), image files or quoted glob patterns ('photos/*.jpg') to predict",
+    )
+    parser.add_argument(
+        "--split", help="the split under leftImg8bit/ (or images/) of --data (default: the checkpoint's val split)"
+    )
+    parser.add_argument("--out", type=Path, help="output folder (default: <run>/predictions/<ckpt>-<images>)")
     parser.add_argument("--overlay", action="store_true", help="also write the colours blended over each image")
     parser.add_argument("--overwrite", action="store_true", help="write into a folder holding another run's files")
     return parser

@@ -28,6 +28,8 @@ __all__ = [
     "CLASS_NAMES",
     "IGNORE_INDEX",
     "NUM_CLASSES",
+    "TRAIN_ID_COLORS",
+    "TRAIN_TO_LABEL_ID",
     "CityscapesDataModule",
     "CityscapesDataset",
     "CityscapesSample",
@@ -64,6 +66,20 @@ def _train_id_table() -> tuple[np.ndarray, tuple[str, ...]]:
 TRAIN_ID_LUT, CLASS_NAMES = _train_id_table()
 MAX_LABEL_ID = max(cls.id for cls in Cityscapes.classes)  # 33: labelIds above it are in no Cityscapes table
 NUM_CLASSES = len(CLASS_NAMES)
+
+
+def _train_id_tables() -> tuple[np.ndarray, np.ndarray]:
+    """trainId -> labelId and trainId -> RGB colour (uint8) for the 19 evaluated classes."""
+    label_ids = np.zeros(NUM_CLASSES, dtype=np.uint8)
+    colors = np.zeros((NUM_CLASSES, 3), dtype=np.uint8)
+    for cls in Cityscapes.classes:
+        if 0 <= cls.train_id < IGNORE_INDEX:
+            label_ids[cls.train_id] = cls.id
+            colors[cls.train_id] = cls.color
+    return label_ids, colors
+
+
+TRAIN_TO_LABEL_ID, TRAIN_ID_COLORS = _train_id_tables()
 
 
 def label_ids_to_train_ids(label: np.ndarray) -> np.ndarray:
@@ -295,13 +311,21 @@ class CityscapesDataModule(pl.LightningDataModule):
             norm_batch = module.hparams.get("norm_batch_size") if module is not None else None
             self.batch_size = device_batch(self.global_batch_size, world, norm_batch)
         if stage in (None, "fit"):
-            # Seeded from torch so that seed_everything also fixes the augmentations with num_workers=0.
-            transform = train_transform(
-                self.crop_size, self.scale_range, self.rotate_limit, self.blur_p, seed=augmentation_seed(rank())
-            )
-            self.train_set = CityscapesDataset(self.data_dir, self.train_split, transform)
+            self.train_set = self.make_dataset(self.train_split, train=True)
         if stage in (None, "fit", "validate"):
-            self.val_set = CityscapesDataset(self.data_dir, self.val_split)
+            self.val_set = self.make_dataset(self.val_split, train=False)
+
+    def make_dataset(self, split: str, train: bool) -> CityscapesDataset:
+        """The dataset of ``split``: with the training augmentation (``train_transform`` at ``crop_size``) when
+        ``train``, full images otherwise. Data modules of other layouts override this."""
+        return CityscapesDataset(self.data_dir, split, self.augmentation() if train else None)
+
+    def augmentation(self) -> A.Compose:
+        """``train_transform`` with this module's settings, seeded from torch so that seed_everything also fixes
+        the augmentations with num_workers=0."""
+        return train_transform(
+            self.crop_size, self.scale_range, self.rotate_limit, self.blur_p, seed=augmentation_seed(rank())
+        )
 
     @staticmethod
     def train_samples(args: Mapping[str, Any]) -> int:

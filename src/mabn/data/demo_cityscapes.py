@@ -16,14 +16,14 @@ lines on sidewalks, blotchy foliage, smooth sky, lane marks on the road).
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import cv2
 import numpy as np
 from PIL import Image
 
-from .errors import DatasetError
+from .once import MARKER as MARKER  # the marker launch waits for on other nodes
+from .once import write_marked
 
 LABEL_IDS = {
     "unlabeled": 0,
@@ -38,8 +38,6 @@ LABEL_IDS = {
 }
 CITIES = {"train": ("demoburg", "synthville"), "val": ("mockton", "fakeford")}
 FRAME = 19  # Cityscapes annotates frame 19 of each 30-frame snippet
-MARKER = ".complete"
-IN_PROGRESS = ".generating"
 GENERATOR = "mabn.data.demo_cityscapes/1"  # bump when the rendering changes, so old sets are rewritten
 
 # Mean RGB (0..1) per class: close to each other and greyish, so colour alone is ambiguous.
@@ -227,13 +225,6 @@ def _demo_files(root: Path) -> list[Path]:
     return found
 
 
-def _read_marker(path: Path) -> dict | None:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-
-
 def generate(
     root: str | Path, n_train: int = 48, n_val: int = 12, size: tuple[int, int] = (128, 256), seed: int = 0
 ) -> Path:
@@ -244,40 +235,22 @@ def generate(
     by ``root/.generating``) or one with other parameters is rewritten, deleting only the demo's own files.
     A non-empty ``root`` without either marker is refused with a ``DatasetError``.
     """
-    root = Path(root)
     height, width = size
     params = {"generator": GENERATOR, "n_train": n_train, "n_val": n_val, "size": [height, width], "seed": seed}
-    done, busy = root / MARKER, root / IN_PROGRESS
-    previous = _read_marker(done) if done.is_file() else _read_marker(busy) if busy.is_file() else None
-    if previous == params and done.is_file():
-        print(f"Demo Cityscapes set already complete at {root}")
-        return root
-    if root.exists() and not root.is_dir():
-        raise DatasetError(f"demo data root {root} exists and is not a folder")
-    if root.is_dir() and any(root.iterdir()) and (previous is None or previous.get("generator") != GENERATOR):
-        raise DatasetError(
-            f"{root} is not empty and holds no marker of this demo generator ({MARKER} or {IN_PROGRESS}); "
-            "refusing to write into it: pick an empty or new folder"
-        )
 
-    root.mkdir(parents=True, exist_ok=True)
-    busy.write_text(json.dumps(params))  # before removing .complete, so a crash always leaves a marker
-    done.unlink(missing_ok=True)
-    for path in _demo_files(root):
-        path.unlink()
-    for split_index, (split, count) in enumerate((("train", n_train), ("val", n_val))):
-        cities = CITIES[split]
-        for i in range(count):
-            city = cities[i % len(cities)]
-            image, label = render(np.random.default_rng([seed, split_index, i]), height, width)
-            stem = f"{city}_{i:06d}_{FRAME:06d}"
-            image_dir = root / "leftImg8bit" / split / city
-            label_dir = root / "gtFine" / split / city
-            image_dir.mkdir(parents=True, exist_ok=True)
-            label_dir.mkdir(parents=True, exist_ok=True)
-            Image.fromarray(image).save(image_dir / f"{stem}_leftImg8bit.png")
-            Image.fromarray(label).save(label_dir / f"{stem}_gtFine_labelIds.png")
-    done.write_text(json.dumps(params))
-    busy.unlink()
-    print(f"Wrote the demo Cityscapes set ({n_train} train + {n_val} val images, {height}x{width})")
-    return root
+    def write(root: Path) -> None:
+        for split_index, (split, count) in enumerate((("train", n_train), ("val", n_val))):
+            cities = CITIES[split]
+            for i in range(count):
+                city = cities[i % len(cities)]
+                image, label = render(np.random.default_rng([seed, split_index, i]), height, width)
+                stem = f"{city}_{i:06d}_{FRAME:06d}"
+                image_dir = root / "leftImg8bit" / split / city
+                label_dir = root / "gtFine" / split / city
+                image_dir.mkdir(parents=True, exist_ok=True)
+                label_dir.mkdir(parents=True, exist_ok=True)
+                Image.fromarray(image).save(image_dir / f"{stem}_leftImg8bit.png")
+                Image.fromarray(label).save(label_dir / f"{stem}_gtFine_labelIds.png")
+        print(f"Wrote the demo Cityscapes set ({n_train} train + {n_val} val images, {height}x{width})")
+
+    return write_marked(root, params, _demo_files, write, "Demo Cityscapes set")

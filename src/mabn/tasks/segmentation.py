@@ -160,6 +160,16 @@ class SegmentationTask(NormTask):
     def eval_crop(self) -> int:
         return self.hparams.eval_crop or self.trainer.datamodule.crop_size
 
+    def class_names(self) -> tuple[str, ...]:
+        """The classes' names in index order, for the validation tables and the logged masks: the data module's
+        ``class_names`` when it has one per class (a dataset of the user's own: its ``classes.yaml``), else
+        Cityscapes' for 19 classes, else ``class 0``, ``class 1``, ..."""
+        n = self.hparams.num_classes
+        names = getattr(self._trainer.datamodule if self._trainer is not None else None, "class_names", None)
+        if names is not None and len(names) == n:
+            return tuple(names)
+        return CLASS_NAMES if n == len(CLASS_NAMES) else tuple(f"class {i}" for i in range(n))
+
     def predict_classes(self, images: torch.Tensor) -> torch.Tensor:
         """Class ids (N, H, W) of full images by the sliding-window protocol (``eval_crop``, ``eval_flip``,
         ``eval_scales``): what validation, ``python -m mabn test`` and ``python -m mabn predict`` score."""
@@ -207,8 +217,7 @@ class SegmentationTask(NormTask):
         """The first images of the batch with their predicted and true classes as wandb masks."""
         import wandb  # only reached with a WandbLogger, which has imported it already
 
-        n, count = self.hparams.num_classes, self.hparams.num_logged_predictions
-        names = CLASS_NAMES if n == len(CLASS_NAMES) else tuple(f"class {i}" for i in range(n))
+        count, names = self.hparams.num_logged_predictions, self.class_names()
         samples = [
             wandb.Image(
                 display_image(image),
@@ -229,13 +238,13 @@ class SegmentationTask(NormTask):
         self.log("val/miou", result["miou"].float(), prog_bar=True)
         self.log("val/pixel_acc", result["pixel_accuracy"].float())
         self.log("val/majority_miou", result["majority_miou"].float())
-        per_class = result["per_class_iou"]
-        for name, iou in zip(CLASS_NAMES, per_class.tolist()):
+        per_class, names = result["per_class_iou"], self.class_names()
+        for name, iou in zip(names, per_class.tolist()):
             if not math.isnan(iou):
                 self.log(f"val/iou/{name}", iou)
         if not self.trainer.sanity_checking:
             rank_zero_info(
-                f"\nValidation at step {self.global_step}:\n{format_iou_table(per_class, CLASS_NAMES)}\n"
+                f"\nValidation at step {self.global_step}:\n{format_iou_table(per_class, names)}\n"
                 f"(predicting the majority class everywhere: mIoU {100 * result['majority_miou'].item():.2f})"
             )
 

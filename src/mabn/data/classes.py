@@ -1,0 +1,248 @@
+"""The classes of a segmentation dataset: names, colours, and how mask values map to class indices.
+
+A dataset of the user's own (``mabn.data.folder``) describes its classes in ``classes.yaml``::
+
+    classes: [background, road, car]   # required: the names, in class-index order (at most 255)
+    colors: [[0, 0, 0], [128, 64, 128], [0, 0, 142]]   # optional: [R, G, B] per class (default: PASCAL VOC's)
+    ignore_index: 255                  # optional: the mask value of unlabelled pixels (default 255; null: none)
+    mask_values: {0: background, 7: road, 26: car}   # optional: mask value -> class (name or index);
+                                                     # default: value i is class i
+
+Several mask values may map to one class; every class needs at least one (``predict`` writes the smallest).
+Inside the product a class is its index 0..K-1 and an ignored pixel is 255 (``IGNORE_INDEX``), whatever the
+file says, so the loss, the metrics and the sliding-window evaluation are those of Cityscapes. A mask value that
+is neither a class's nor ``ignore_index`` is an error (``FolderDataset`` names the file).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import yaml
+
+from .cityscapes import CLASS_NAMES, IGNORE_INDEX, TRAIN_ID_COLORS, TRAIN_TO_LABEL_ID
+from .errors import DatasetError
+
+__all__ = ["CLASSES_FILE", "ClassTable", "voc_palette"]
+
+CLASSES_FILE = "classes.yaml"
+KEYS = ("classes", "colors", "ignore_index", "mask_values")
+MAX_CLASSES = IGNORE_INDEX  # class indices 0..254: 255 is the ignored pixel inside the product
+MAX_MASK_VALUE = 65535  # a 16-bit PNG's largest value
+_UNKNOWN = -1  # in the lookup table: a mask value of no class, not ignored
+
+
+def voc_palette(count: int) -> list[tuple[int, int, int]]:
+    """The PASCAL VOC colour map's first ``count`` colours (class 0 black), the default colours of a class table."""
+    colors = []
+    for index in range(count):
+        r = g = b = 0
+        c = index
+        for bit in range(8):
+            r |= (c & 1) << (7 - bit)
+            g |= ((c >> 1) & 1) << (7 - bit)
+            b |= ((c >> 2) & 1) << (7 - bit)
+            c >>= 3
+        colors.append((r, g, b))
+    return colors
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _yaml_problem(err: yaml.YAMLError) -> str:
+    """YAML's complaint in one line, with where it is."""
+    problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+    mark = getattr(err, "problem_mark", None)
+    return f"{problem} (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else problem
+
+
+def _values_text(values: list[int]) -> str:
+    """``0..7`` for a run of values, else the values (the first 8)."""
+    if len(values) > 2 and values == list(range(values[0], values[-1] + 1)):
+        return f"{values[0]}..{values[-1]}"
+    shown = ", ".join(map(str, values[:8]))
+    return shown + (", ..." if len(values) > 8 else "")
+
+
+@dataclass(frozen=True)
+class ClassTable:
+    """The classes of a dataset: ``names`` in class-index order, a colour per class, the mask value of unlabelled
+    pixels (``ignore_index``, or None) and the (mask value, class index) pairs, sorted by value. ``source`` names
+    where it came from, for messages."""
+
+    names: tuple[str, ...]
+    colors: tuple[tuple[int, int, int], ...]
+    ignore_index: int | None
+    mask_values: tuple[tuple[int, int], ...]
+    source: str = CLASSES_FILE
+
+    @classmethod
+    def read(cls, path: str | Path) -> ClassTable:
+        """The table of a ``classes.yaml``; a ``DatasetError`` naming the file when it cannot be read or parsed."""
+        path = Path(path)
+        try:
+            text = path.read_text()
+        except OSError as err:
+            raise DatasetError(f"cannot read classes file {path}: {err.strerror or err}") from err
+        try:
+            raw = yaml.safe_load(text)
+        except yaml.YAMLError as err:
+            raise DatasetError(f"classes file {path} is not valid YAML: {_yaml_problem(err)}") from err
+        return cls.parse(raw, str(path))
+
+    @classmethod
+    def parse(cls, raw: Any, source: str = CLASSES_FILE) -> ClassTable:
+        """The table of a parsed ``classes.yaml`` (see the module's docstring); ``DatasetError`` naming ``source``."""
+
+        def bad(why: str) -> DatasetError:
+            return DatasetError(f"classes file {source}: {why}")
+
+        if not isinstance(raw, Mapping) or "classes" not in raw:
+            raise bad("expected a mapping with the class names, e.g. classes: [background, road, car]")
+        unknown = [key for key in raw if key not in KEYS]
+        if unknown:
+            raise bad(f"unknown key {unknown[0]!r} (the keys are {', '.join(KEYS)})")
+        names = raw["classes"]
+        if not isinstance(names, list) or not names or not all(isinstance(n, str) and n.strip() for n in names):
+            raise bad(f"classes must be a list of class names (text), e.g. [background, road, car]; got {names!r}")
+        repeated = sorted({n for n in names if names.count(n) > 1})
+        if repeated:
+            raise bad(f"class {repeated[0]!r} is named twice")
+        if len(names) > MAX_CLASSES:
+            raise bad(f"{len(names)} classes: at most {MAX_CLASSES}")
+        count = len(names)
+
+        colors = raw.get("colors")
+        if colors is None:
+            colors = voc_palette(count)
+        elif not (
+            isinstance(colors, list)
+            and len(colors) == count
+            and all(
+                isinstance(c, list) and len(c) == 3 and all(_is_int(v) and 0 <= v <= 255 for v in c) for c in colors
+            )
+        ):
+            raise bad(f"colors must hold one [R, G, B] (each 0..255) per class, {count} in all; got {colors!r}")
+
+        ignore = raw.get("ignore_index", IGNORE_INDEX)
+        if ignore is not None and not (_is_int(ignore) and 0 <= ignore <= MAX_MASK_VALUE):
+            raise bad(f"ignore_index={ignore!r}: a mask value 0..{MAX_MASK_VALUE}, or null (no pixel is ignored)")
+
+        given = raw.get("mask_values")
+        if given is None:
+            if ignore is not None and ignore < count:
+                raise bad(
+                    f"ignore_index {ignore} is also the mask value of class {names[ignore]!r} (without mask_values, "
+                    "value i is class i): give mask_values, or another ignore_index"
+                )
+            pairs = [(index, index) for index in range(count)]
+        else:
+            if not isinstance(given, Mapping) or not given:
+                raise bad(f"mask_values must map mask values to classes, e.g. {{0: sky, 7: road}}; got {given!r}")
+            pairs = []
+            for value, target in given.items():
+                value = int(value) if isinstance(value, str) and value.isdigit() else value  # "7": 7
+                if not (_is_int(value) and 0 <= value <= MAX_MASK_VALUE):
+                    raise bad(f"mask_values: {value!r} is not a mask value (0..{MAX_MASK_VALUE})")
+                if value == ignore:
+                    raise bad(f"mask_values: {value} is also the ignore_index")
+                if isinstance(target, str) and target in names:
+                    pairs.append((value, names.index(target)))
+                elif _is_int(target) and 0 <= target < count:
+                    pairs.append((value, target))
+                else:
+                    raise bad(f"mask_values: {value} maps to {target!r}, not a class name or index 0..{count - 1}")
+            missing = [names[i] for i in range(count) if i not in {index for _, index in pairs}]
+            if missing:
+                raise bad(f"class {missing[0]!r} has no mask value in mask_values")
+        return cls(
+            tuple(names),
+            tuple(tuple(c) for c in colors),
+            ignore,
+            tuple(sorted(pairs)),
+            source,  # type: ignore[misc]
+        )
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> ClassTable:
+        """The table ``as_dict`` wrote (into a checkpoint's data module hyperparameters)."""
+        return cls(
+            tuple(data["names"]),
+            tuple(tuple(c) for c in data["colors"]),
+            data["ignore_index"],
+            tuple(sorted((int(v), int(c)) for v, c in data["mask_values"].items())),
+            data.get("source", CLASSES_FILE),
+        )
+
+    def as_dict(self) -> dict[str, Any]:
+        """Plain values (a checkpoint is read weights-only): names, colors, ignore_index, mask_values, source."""
+        return {
+            "names": list(self.names),
+            "colors": [list(c) for c in self.colors],
+            "ignore_index": self.ignore_index,
+            "mask_values": dict(self.mask_values),
+            "source": self.source,
+        }
+
+    @classmethod
+    def cityscapes(cls) -> ClassTable:
+        """Cityscapes' 19 evaluated classes: trainIds, their colours and labelIds (every other labelId ignored)."""
+        pairs = tuple((int(label_id), index) for index, label_id in enumerate(TRAIN_TO_LABEL_ID.tolist()))
+        colors = tuple(tuple(c) for c in TRAIN_ID_COLORS.tolist())
+        return cls(CLASS_NAMES, colors, None, tuple(sorted(pairs)), "Cityscapes")  # type: ignore[arg-type]
+
+    @property
+    def palette(self) -> np.ndarray:
+        """The colours as a K x 3 uint8 array: ``palette[class_map]`` is the colour image of a class map."""
+        return np.asarray(self.colors, dtype=np.uint8).reshape(len(self.names), 3)
+
+    @cached_property
+    def class_values(self) -> np.ndarray:
+        """The mask value of each class (the smallest that maps to it): ``class_values[class_map]`` is a mask in
+        the dataset's own values, uint8 when they fit, else uint16."""
+        values = np.zeros(len(self.names), dtype=np.int64)
+        for value, index in reversed(self.mask_values):
+            values[index] = value
+        return values.astype(np.uint8 if values.max() <= 255 else np.uint16)
+
+    @cached_property
+    def _lookup(self) -> np.ndarray:
+        lut = np.full(MAX_MASK_VALUE + 1, _UNKNOWN, dtype=np.int16)
+        for value, index in self.mask_values:
+            lut[value] = index
+        if self.ignore_index is not None:
+            lut[self.ignore_index] = IGNORE_INDEX
+        return lut
+
+    def classes_of(self, mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(the uint8 class map of ``mask``, with ignored pixels ``IGNORE_INDEX``; the sorted mask values that are
+        neither a class's nor ignored, empty when there is none). Those pixels are ``IGNORE_INDEX`` in the map."""
+        mask = np.asarray(mask)
+        if mask.dtype == np.bool_:
+            mask = mask.astype(np.uint8)
+        if not np.issubdtype(mask.dtype, np.integer):
+            raise TypeError(f"mask values must be integers, got dtype {mask.dtype}")
+        if mask.dtype in (np.uint8, np.uint16):
+            mapped = self._lookup[mask]
+        else:
+            inside = (mask >= 0) & (mask <= MAX_MASK_VALUE)
+            mapped = np.full(mask.shape, _UNKNOWN, dtype=np.int16)
+            mapped[inside] = self._lookup[mask[inside]]
+        unknown = mapped == _UNKNOWN
+        if unknown.any():
+            mapped = np.where(unknown, IGNORE_INDEX, mapped)
+            return mapped.astype(np.uint8), np.unique(mask[unknown])
+        return mapped.astype(np.uint8), np.empty(0, dtype=mask.dtype)
+
+    def describe_values(self) -> str:
+        """The mask values of the classes and the ignored one, for messages: ``mask values 7, 8, 11, ..., ignore_index
+        0``."""
+        ignore = "no ignore_index" if self.ignore_index is None else f"ignore_index {self.ignore_index}"
+        return f"class mask values {_values_text([v for v, _ in self.mask_values])}, {ignore}"

@@ -1,0 +1,239 @@
+"""A segmentation dataset of the user's own, in one folder: what ``python -m mabn segment --data DIR`` trains on
+(docs/your-data.md).
+
+Layout::
+
+    DIR/classes.yaml                    the classes (``mabn.data.classes``)
+    DIR/images/<split>/<name>.<ext>     .png, .jpg, .jpeg, .bmp, .tif, .tiff or .webp, any mode (read as RGB)
+    DIR/masks/<split>/<name>.png        one single-channel PNG of mask values per image, of the image's size
+
+for the splits ``train`` and ``val``. An image and its mask pair by their path below the split folder without
+the suffix (``images/val/a/x.jpg`` and ``masks/val/a/x.png``). The recipe is stage 2's (``CityscapesDataModule``'s
+augmentation, batches and loaders); the crop is the configured ``crop_size`` unless a training image is smaller:
+then the smallest side of the training images (``fitting_crop``).
+
+What is checked when: ``classes.yaml`` when the data module is made (``--dry-run`` included); that every image
+has its mask and the reverse, and their sizes (from the files' headers, no pixel decoded), when a split is
+indexed; a mask's values when the mask is first read, and then the whole split is scanned to say how many masks
+hold values of no class.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+import albumentations as A
+import numpy as np
+from PIL import Image
+
+from ..process import say
+from .cityscapes import (
+    IMAGENET_MEAN,
+    IMAGENET_STD,
+    CityscapesDataModule,
+    CityscapesDataset,
+    CityscapesSample,
+    _read_png,
+)
+from .classes import CLASSES_FILE, ClassTable
+from .errors import DatasetError
+
+__all__ = ["FolderDataModule", "FolderDataset", "find_pairs", "fitting_crop"]
+
+IMAGES, MASKS = "images", "masks"
+IMAGE_TYPES = (".png", ".jpg", ".jpeg", ".bmp", ".tif", ".tiff", ".webp")
+MASK_TYPE = ".png"
+LAYOUT = f"DIR/{IMAGES}/<split>/<name>.<png|jpg|...> with masks DIR/{MASKS}/<split>/<name>.png and DIR/{CLASSES_FILE}"
+
+
+def _files(folder: Path, suffixes: tuple[str, ...]) -> dict[str, Path]:
+    """The files below ``folder`` with one of ``suffixes`` (any case; hidden files left out), by their path
+    below ``folder`` without the suffix; two files of one such name are an error."""
+    found: dict[str, Path] = {}
+    for path in sorted(folder.rglob("*")):
+        if path.suffix.lower() not in suffixes or path.name.startswith(".") or not path.is_file():
+            continue
+        key = path.relative_to(folder).with_suffix("").as_posix()
+        if key in found:
+            raise DatasetError(f"{found[key]} and {path} have the same name: one mask pairs with one image")
+        found[key] = path
+    return found
+
+
+def find_pairs(root: str | Path, split: str) -> list[CityscapesSample]:
+    """The image/mask pairs of ``split`` in sorted order, as ``(name, image, mask)``; ``DatasetError`` naming the
+    folder or the first file for a missing split folder, a split without images, an image without its mask or a
+    mask without its image (with how many)."""
+    root = Path(root)
+    image_dir, mask_dir = root / IMAGES / split, root / MASKS / split
+    for folder in (image_dir, mask_dir):
+        if not folder.is_dir():
+            raise DatasetError(f"missing folder {folder}; expected {LAYOUT}")
+    images, masks = _files(image_dir, IMAGE_TYPES), _files(mask_dir, (MASK_TYPE,))
+    if not images:
+        raise DatasetError(f"no images ({', '.join(IMAGE_TYPES)}) in {image_dir}; expected {LAYOUT}")
+    unmasked, orphans = sorted(images.keys() - masks.keys()), sorted(masks.keys() - images.keys())
+    if unmasked:
+        key = unmasked[0]
+        raise DatasetError(
+            f"image {images[key]} has no mask {mask_dir / (key + MASK_TYPE)} "
+            f"({len(unmasked)} image(s) without masks in {image_dir})"
+        )
+    if orphans:
+        key = orphans[0]
+        raise DatasetError(
+            f"mask {masks[key]} has no image {image_dir / key}.<{'|'.join(s[1:] for s in IMAGE_TYPES)}> "
+            f"({len(orphans)} mask(s) without images in {mask_dir})"
+        )
+    return [CityscapesSample(Path(key).name, images[key], masks[key]) for key in sorted(images)]
+
+
+def _size(path: Path, kind: str) -> tuple[int, int]:
+    """(width, height) from the file's header."""
+    try:
+        with Image.open(path) as img:
+            return img.size
+    except (OSError, SyntaxError, ValueError) as err:
+        raise DatasetError(f"cannot read {kind} file {path}: {err}") from err
+
+
+def pair_sizes(samples: list[CityscapesSample], image_dir: Path) -> list[tuple[int, int]]:
+    """The (width, height) of each pair's image, read from the headers; ``DatasetError`` naming the first pair
+    whose mask has another size, and how many do."""
+    sizes, mismatched = [], []
+    for sample in samples:
+        image, mask = _size(sample.image, "image"), _size(sample.label, "mask")
+        sizes.append(image)
+        if image != mask:
+            mismatched.append((sample, image, mask))
+    if mismatched:
+        sample, (iw, ih), (mw, mh) = mismatched[0]
+        raise DatasetError(
+            f"size mismatch: image {sample.image} is {iw}x{ih} but mask {sample.label} is {mw}x{mh} (WxH) "
+            f"({len(mismatched)} of the {len(samples)} pairs in {image_dir} differ)"
+        )
+    return sizes
+
+
+def fitting_crop(crop_size: int, dataset: FolderDataset) -> tuple[int, str | None]:
+    """The training crop: ``crop_size``, or the smallest side of the training images when that is smaller, with
+    the line that says so (None when the crop is ``crop_size``)."""
+    index = min(range(len(dataset.sizes)), key=lambda i: min(dataset.sizes[i]))
+    width, height = dataset.sizes[index]
+    side = min(width, height)
+    if side >= crop_size:
+        return crop_size, None
+    return side, (
+        f"Crop {side} instead of crop_size {crop_size}: the smallest side of the training images "
+        f"({dataset.samples[index].image} is {width}x{height}, WxH)"
+    )
+
+
+class FolderDataset(CityscapesDataset):
+    """The ``split`` of a dataset in the layout of this module under ``root``, yielding normalized images and class
+    maps: items as ``CityscapesDataset``'s (3xHxW float32, HxW int64 class indices with 255 for ignored pixels),
+    the mask values mapped to classes by ``classes`` (``ClassTable.classes_of``). ``sizes[i]`` is item ``i``'s
+    (width, height)."""
+
+    def __init__(
+        self,
+        root: str | Path,
+        split: str,
+        classes: ClassTable,
+        transform: A.BasicTransform | A.Compose | None = None,
+    ) -> None:
+        self.root, self.split, self.classes, self.transform = Path(root), split, classes, transform
+        self.samples = find_pairs(self.root, split)
+        self.sizes = pair_sizes(self.samples, self.root / IMAGES / split)
+        self._normalize = A.Normalize(mean=IMAGENET_MEAN, std=IMAGENET_STD, max_pixel_value=255.0)
+
+    def read_mask(self, path: Path) -> np.ndarray:
+        mask = _read_png(path, "mask")
+        if mask.ndim != 2:
+            raise DatasetError(
+                f"mask file {path} has shape {mask.shape}; expected a single-channel PNG of mask values "
+                "(greyscale or palette), not a colour image"
+            )
+        return mask
+
+    def read_pair(self, index: int) -> tuple[np.ndarray, np.ndarray]:
+        """The raw item: uint8 RGB image HxWx3 and uint8 class map HxW."""
+        sample = self.samples[index]
+        image = _read_png(sample.image, "image", mode="RGB")
+        mask = self.read_mask(sample.label)
+        if image.shape[:2] != mask.shape:  # the files changed since they were indexed
+            (ih, iw), (mh, mw) = image.shape[:2], mask.shape
+            raise DatasetError(
+                f"size mismatch: image {sample.image} is {iw}x{ih} but mask {sample.label} is {mw}x{mh} (WxH)"
+            )
+        classes, unknown = self.classes.classes_of(mask)
+        if unknown.size:
+            raise self.unknown_values()
+        return image, classes
+
+    def unknown_values(self) -> DatasetError:
+        """The error for mask values of no class: the first mask of the split (in sorted order) that holds one,
+        its values, and how many of the split's masks do (a scan of the whole split, on this error only)."""
+        first, count = None, 0
+        for sample in self.samples:
+            _, unknown = self.classes.classes_of(self.read_mask(sample.label))
+            if unknown.size:
+                count += 1
+                first = first or (sample.label, unknown)
+        assert first is not None, "called without a mask holding an unknown value"
+        path, values = first
+        shown = ", ".join(map(str, values[:5].tolist())) + (", ..." if len(values) > 5 else "")
+        return DatasetError(
+            f"mask {path} holds value{'s' if len(values) > 1 else ''} {shown}, neither a class nor ignored by "
+            f"{self.classes.source} ({self.classes.describe_values()}); {count} of the {len(self.samples)} masks in "
+            f"{self.root / MASKS / self.split} hold such values"
+        )
+
+
+class FolderDataModule(CityscapesDataModule):
+    """Stage 2 on a dataset in the layout of this module under ``data_dir``, with the Cityscapes recipe: the same
+    arguments, augmentation (``train_transform``), batches over devices and loaders as ``CityscapesDataModule``.
+
+    The classes come from ``data_dir/classes.yaml``: ``num_classes`` (linked to the model's) and ``class_names``
+    (the validation tables) are read from it when the module is made. The crop of a fit is ``crop_size``, or the
+    smallest side of the training images when that is smaller (``fitting_crop``, said in one line). The class
+    table and the crop trained with are kept in the module's hyperparameters (``classes``, ``crop_size``), which
+    Lightning writes into every checkpoint: what ``python -m mabn test`` and ``predict`` read.
+    """
+
+    @cached_property
+    def classes(self) -> ClassTable:
+        return ClassTable.read(Path(self.data_dir) / CLASSES_FILE)
+
+    @property
+    def num_classes(self) -> int:  # type: ignore[override]
+        return len(self.classes.names)
+
+    @property
+    def class_names(self) -> tuple[str, ...]:  # type: ignore[override]
+        return self.classes.names
+
+    def setup(self, stage: str | None = None) -> None:
+        self.hparams["classes"] = self.classes.as_dict()
+        super().setup(stage)
+
+    def make_dataset(self, split: str, train: bool) -> FolderDataset:
+        dataset = FolderDataset(self.data_dir, split, self.classes)
+        if train:
+            crop, line = fitting_crop(self.hparams_initial.get("crop_size", self.crop_size), dataset)
+            if line is not None and crop != self.crop_size:
+                say(line)
+            self.crop_size = self.hparams["crop_size"] = crop
+            dataset.transform = self.augmentation()
+        return dataset
+
+    @staticmethod
+    def train_samples(args: Mapping[str, Any]) -> int:
+        """The size of the training split, from file names alone; the classes file is parsed too, so that
+        ``--dry-run`` and the check before a run refuse one that does not parse."""
+        root = Path(args["data_dir"])
+        ClassTable.read(root / CLASSES_FILE)
+        return len(find_pairs(root, args.get("train_split") or "train"))

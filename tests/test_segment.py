@@ -1,0 +1,250 @@
+"""Stage 2 on a dataset of the user's own (``python -m mabn segment --data DIR``, docs/your-data.md): the layout and
+``classes.yaml``, a short fit whose tables name the dataset's classes, ``test`` and ``predict`` on its checkpoint,
+and one image predicted by ``predict``, by the Python API (``mabn.predict.load``) and by ``test``: one class map.
+The bad-data cases run through the entry point in tests/test_bad_input.py."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import yaml
+from PIL import Image
+
+from mabn import evaluate, launch, predict
+from mabn.data import demo_segment
+from mabn.data.classes import ClassTable, voc_palette
+from mabn.data.errors import DatasetError
+from mabn.data.folder import FolderDataset, find_pairs, fitting_crop
+from mabn.tasks import SegmentationTask
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+NAMES = tuple(demo_segment.COLORS)
+TINY = [
+    "--trainer.max_steps", "2", "--trainer.check_val_every_n_epoch", "2", "--trainer.num_sanity_val_steps", "0",
+    "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false",
+    "--data.init_args.global_batch_size", "4", "--data.init_args.num_workers", "0",
+    "--model.init_args.arch", "resnet18", "--model.init_args.log_predictions_every_n_epochs", "0",
+]  # fmt: skip
+
+
+class _Lines(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+@pytest.fixture(scope="module")
+def fitted(tmp_path_factory) -> tuple[Path, Path, str]:
+    """(data root, last checkpoint, what the run printed) of ``python -m mabn segment`` on the generated example
+    (4 train and 3 val images of 32x64), 2 steps of a PSPNet on ResNet-18 with the config's crop 713."""
+    root = tmp_path_factory.mktemp("segment")
+    data = demo_segment.generate(root / "my-data", n_train=4, n_val=3, size=(32, 64), seed=5)
+    folder = root / "runs" / "segment" / "mabn"
+    logged, printed = _Lines(), io.StringIO()
+    logger = logging.getLogger("pytorch_lightning")
+    logger.addHandler(logged)
+    try:
+        with warnings.catch_warnings(), contextlib.redirect_stdout(printed):
+            warnings.simplefilter("ignore")
+            launch.main(["segment", "--data", str(data), "--backbone", "none", "--run-dir", str(folder), "--", *TINY])
+    finally:
+        logger.removeHandler(logged)
+    return data, folder / "checkpoints" / "last.ckpt", printed.getvalue() + "\n".join(logged.lines)
+
+
+def _run(main, argv: list[str], capsys) -> tuple[int, str, list[str]]:
+    capsys.readouterr()
+    try:
+        main(argv)
+        code = 0
+    except SystemExit as exit_info:
+        code = exit_info.code
+    out = capsys.readouterr()
+    return code, out.out, out.err.strip().splitlines()
+
+
+def test_segment_trains_on_the_layout_and_names_its_classes(fitted):
+    data, ckpt, output = fitted
+    table = output[output.index("Validation at step 2:") :]
+    assert [line.split(" | ")[0].removeprefix("| ") for line in table.splitlines()[3:11]] == list(NAMES)
+    assert "| wall |" not in table and "| **mIoU** |" in table  # the dataset's 8 classes, not Cityscapes' 19
+    # The crop: the config's 713, lowered to the smallest side of the training images (32x64).
+    assert f"Crop 32 instead of crop_size 713: the smallest side of the training images ({data}/images/train/" in output
+    saved = torch.load(ckpt, map_location="cpu", weights_only=True)
+    assert saved["hyper_parameters"]["num_classes"] == 8
+    hp = saved["datamodule_hyper_parameters"]
+    assert hp["crop_size"] == 32 and hp["data_dir"] == str(data)
+    assert ClassTable.from_dict(hp["classes"]) == ClassTable.read(data / "classes.yaml")
+
+
+def test_test_and_predict_read_the_class_table_from_the_checkpoint(fitted, tmp_path, monkeypatch, capsys):
+    data, ckpt, _ = fitted
+    monkeypatch.chdir(tmp_path)
+    code, out, err = _run(evaluate.main, [str(ckpt), "--num-workers", "0"], capsys)
+    assert code == 0, err
+    assert f"on {data} split val (3 images): crop 32" in out
+    assert all(f"| {name} |" in out for name in NAMES) and "| wall |" not in out
+
+    out_dir = tmp_path / "val"
+    code, out, err = _run(predict.main, [str(ckpt), "--num-workers", "0", "--out", str(out_dir), "--overlay"], capsys)
+    assert code == 0, err
+    frames = [f"scene{i:03d}" for i in range(3)]
+    assert sorted(p.name for p in (out_dir / "masks").iterdir()) == [f"{f}.png" for f in frames]
+    assert sorted(p.name for p in (out_dir / "overlay").iterdir()) == [f"{f}_overlay.png" for f in frames]
+    mask = np.asarray(Image.open(out_dir / "masks" / "scene000.png"))
+    colors = np.asarray(Image.open(out_dir / "color" / "scene000_color.png"))
+    table = ClassTable.read(data / "classes.yaml")
+    assert set(np.unique(mask)) <= {value for value, _ in table.mask_values}  # the dataset's own values
+    for value, index in table.mask_values:  # in the dataset's own colours
+        assert (colors[mask == value] == demo_segment.COLORS[NAMES[index]]).all()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["val"]  # test wrote nothing, predict only --out
+
+
+def test_one_image_by_predict_by_the_python_api_and_by_test_is_one_class_map(fitted, tmp_path, monkeypatch, capsys):
+    data, ckpt, _ = fitted
+    monkeypatch.chdir(tmp_path)
+    image = data / "images" / "val" / "scene001.jpg"
+    options = ["--crop", "24", "--flip"]  # windows of 24 over 32x64, each with its mirror
+
+    tested: list[np.ndarray] = []  # the class maps test scores, in the order of the split
+    predict_classes = SegmentationTask.predict_classes
+
+    def recording(self, images):
+        classes = predict_classes(self, images)
+        tested.extend(classes.cpu().numpy())
+        return classes
+
+    monkeypatch.setattr(SegmentationTask, "predict_classes", recording)
+    evaluate.run_test(evaluate.parser().parse_args([str(ckpt), "--num-workers", "0", *options]))
+    monkeypatch.setattr(SegmentationTask, "predict_classes", predict_classes)
+    by_test = tested[1]
+
+    code, _, err = _run(predict.main, [str(ckpt), "--images", str(image), "--num-workers", "0", *options], capsys)
+    assert code == 0, err
+    written = ckpt.parent.parent / "predictions" / "last-scene001" / "masks" / "scene001.png"
+    table = ClassTable.read(data / "classes.yaml")
+    by_cli, unknown = table.classes_of(np.asarray(Image.open(written)))
+    assert unknown.size == 0
+
+    segmenter = predict.load(ckpt, crop=24, flip=True, device="cpu")
+    pixels = np.asarray(Image.open(image))
+    by_api = segmenter.predict(pixels)
+    assert by_api.shape == pixels.shape[:2] and by_api.dtype == np.uint8
+    assert segmenter.class_names == NAMES
+    np.testing.assert_array_equal(by_api, by_test)
+    np.testing.assert_array_equal(by_cli, by_test)
+    np.testing.assert_array_equal(segmenter.predict(Image.open(image)), by_test)  # a PIL image, a path
+    np.testing.assert_array_equal(segmenter.predict(image), by_test)
+    np.testing.assert_array_equal(segmenter.to_mask(by_api), np.asarray(Image.open(written)))
+    assert segmenter.predict(np.zeros((20, 100), np.uint8)).shape == (20, 100)  # any size, grey
+
+
+def test_predict_takes_a_glob(fitted, tmp_path, monkeypatch, capsys):
+    data, ckpt, _ = fitted
+    monkeypatch.chdir(tmp_path)
+    pattern = str(data / "images" / "*" / "scene00[12].jpg")
+    code, out, err = _run(predict.main, [str(ckpt), "--images", pattern, "--out", "out", "--num-workers", "0"], capsys)
+    assert code == 2 and err[-1].startswith("error: images ") and "are both frame scene001" in err[-1]  # train, val
+    pattern = str(data / "images" / "val" / "scene00[12].jpg")
+    code, out, err = _run(predict.main, [str(ckpt), "--images", pattern, "--out", "out", "--num-workers", "0"], capsys)
+    assert code == 0, err
+    assert sorted(p.name for p in Path("out/masks").iterdir()) == ["scene001.png", "scene002.png"]
+    assert predict.images_name([pattern]) == "val" and predict.images_name([data / "images"]) == "images"
+    code, _, err = _run(predict.main, [str(ckpt), "--images", "nothing/*.png", "--num-workers", "0"], capsys)
+    assert code == 2 and err == ["error: no .png/.jpg/.jpeg/.bmp/.tif/.tiff/.webp images match nothing/*.png"]
+
+
+def test_the_example_layout_pairs_by_name_and_maps_mask_values(tmp_path):
+    data = demo_segment.generate(tmp_path / "d", n_train=2, n_val=1, size=(16, 24))
+    assert demo_segment.generate(tmp_path / "d", n_train=2, n_val=1, size=(16, 24)) == data  # once
+    pairs = find_pairs(data, "train")
+    assert [(p.name, p.image.name, p.label.name) for p in pairs] == [
+        ("scene000", "scene000.jpg", "scene000.png"),
+        ("scene001", "scene001.jpg", "scene001.png"),
+    ]
+    table = ClassTable.read(data / "classes.yaml")
+    assert table.names == NAMES and table.ignore_index == 0
+    classes, unknown = table.classes_of(np.array([[7, 26, 0], [23, 8, 8]], np.uint8))
+    assert classes.tolist() == [[0, 7, 255], [5, 1, 1]] and unknown.size == 0
+    classes, unknown = table.classes_of(np.array([[7, 99, 3]], np.uint16))
+    assert unknown.tolist() == [3, 99] and classes.tolist() == [[0, 255, 255]]
+    assert table.class_values.tolist() == [7, 8, 11, 17, 21, 23, 24, 26]
+    dataset = FolderDataset(data, "val", table)
+    image, label = dataset[0]
+    assert image.shape == (3, 16, 24) and label.shape == (16, 24) and set(label.unique().tolist()) <= {*range(8), 255}
+    assert fitting_crop(713, dataset)[0] == 16 and fitting_crop(8, dataset) == (8, None)
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("a user's file")
+    with pytest.raises(DatasetError, match="is not empty and holds no marker"):
+        demo_segment.generate(tmp_path / "mine")
+
+
+def test_the_documented_classes_file_is_the_examples():
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "your-data.md").read_text()
+    shown = doc.split("```yaml\n", 1)[1].split("```", 1)[0]
+    assert ClassTable.parse(yaml.safe_load(shown)) == ClassTable.parse(yaml.safe_load(demo_segment.classes_yaml()))
+
+
+def test_classes_file_defaults_and_names():
+    table = ClassTable.parse({"classes": ["background", "cat"]})
+    assert table.ignore_index == 255 and table.mask_values == ((0, 0), (1, 1))
+    assert table.colors == ((0, 0, 0), (128, 0, 0)) and voc_palette(3)[2] == (0, 128, 0)
+    table = ClassTable.parse({"classes": ["a", "b"], "ignore_index": None, "mask_values": {10: "b", 20: 0, "30": 1}})
+    assert table.class_values.tolist() == [20, 10] and table.classes_of(np.array([30]))[0].tolist() == [1]
+    assert ClassTable.parse({"classes": ["a"], "mask_values": {300: "a"}}).class_values.dtype == np.uint16
+    assert ClassTable.cityscapes().class_values.tolist() == predict.TRAIN_TO_LABEL_ID.tolist()
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("classes: [road, car\n", "is not valid YAML: "),
+        ("- road\n- car\n", "expected a mapping with the class names"),
+        ("classes: [road, car]\ncolours: []\n", "unknown key 'colours' (the keys are classes, colors, ignore_index"),
+        ("classes: [road, road]\n", "class 'road' is named twice"),
+        ("classes: [road, 7]\n", "classes must be a list of class names"),
+        ("classes: [road, car]\ncolors: [[1, 2, 3]]\n", "colors must hold one [R, G, B] (each 0..255) per class, 2"),
+        ("classes: [road, car]\nignore_index: 0\n", "ignore_index 0 is also the mask value of class 'road'"),
+        ("classes: [road, car]\nmask_values: {7: road}\n", "class 'car' has no mask value in mask_values"),
+        ("classes: [road, car]\nmask_values: {7: road, 8: bus}\n", "8 maps to 'bus', not a class name or index"),
+        ("classes: [road]\nmask_values: {255: road}\n", "mask_values: 255 is also the ignore_index"),
+    ],
+)
+def test_a_classes_file_that_does_not_parse_is_one_line_naming_it(tmp_path, text, message):
+    path = tmp_path / "classes.yaml"
+    path.write_text(text)
+    with pytest.raises(DatasetError) as err:
+        ClassTable.read(path)
+    assert str(err.value).startswith(f"classes file {path}") and message in str(err.value), err.value
+    assert "\n" not in str(err.value)
+    if "YAML" in message:
+        with pytest.raises(yaml.YAMLError):
+            yaml.safe_load(text)
+
+
+def test_the_segment_stage_reads_both_recipes_and_needs_the_layout(tmp_path, capsys):
+    profile = launch.PROFILES["segment"]
+    (tmp_path / "images").mkdir()
+    (tmp_path / "masks").mkdir()
+    with pytest.raises(launch.LaunchError, match=f"missing file {tmp_path / 'classes.yaml'} "):
+        profile.resolve(tmp_path)
+    (tmp_path / "classes.yaml").write_text("classes: [a]\n")
+    assert profile.resolve(tmp_path) == (["cityscapes.yaml", "segment.yaml"], tmp_path)
+    configs, root = profile.resolve(None)
+    assert configs == ["cityscapes.yaml", "segment.yaml", "demo/cityscapes.yaml"] and root == Path("data/demo-segment")
+    assert capsys.readouterr().out.startswith("No dataset given (DATA=...)")
+    with pytest.raises(launch.LaunchError, match="no stage-1 backbone pretrain/resnet101-mabn.pt"):
+        launch.build_args("segment", tmp_path, "mabn", 0, 1, [])  # the stage-2 rule: a backbone, or none
+    args = launch.build_args("segment", tmp_path, "mabn", 0, 1, [], backbone="none")
+    assert args[args.index("--trainer.default_root_dir") + 1] == str(Path("runs/segment/mabn"))
