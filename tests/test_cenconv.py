@@ -105,14 +105,14 @@ def test_centring_after_sgd_steps_follows_the_forward_centring(sgd):
 
     from mabn.ablation.model import SmallResNet
     from mabn.norm import convert_norm
-    from mabn.norm.cenconv import centre_after_sgd_steps
+    from mabn.norm.cenconv import keep_centred
 
     torch.manual_seed(0)
     options = {"warmup_iters": 2, "renorm_warmup_iters": 3, "buffer_size": 2, "norm_batch_size": 2}
     reference = convert_norm(SmallResNet(3, widths=(4, 8), blocks=(1, 1)), "mabn", **options).double().train()
     model = copy.deepcopy(reference)
     optimizers = [torch.optim.SGD(m.parameters(), lr=0.2, **sgd) for m in (reference, model)]
-    handle = centre_after_sgd_steps(model, optimizers[1])
+    handle = keep_centred(model, optimizers[1])
     convs = [m for m in model.modules() if isinstance(m, CenConv2d)]
     ref_convs = [m for m in reference.modules() if isinstance(m, CenConv2d)]
     assert handle is not None and len(convs) == 6 and all(c.centred_in_place for c in convs)
@@ -130,5 +130,5 @@ def test_centring_after_sgd_steps_follows_the_forward_centring(sgd):
             torch.testing.assert_close(conv.weight, ref.centered_weight(), rtol=1e-9, atol=1e-11)
     handle.remove()
     assert not any(c.centred_in_place for c in convs)
-    assert centre_after_sgd_steps(model, torch.optim.Adam(model.parameters())) is None
+    assert keep_centred(model, torch.optim.Adam(model.parameters())) is None
     assert not any(c.centred_in_place for c in convs)

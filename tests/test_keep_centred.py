@@ -90,7 +90,7 @@ def test_keep_centred_is_public_and_what_the_stages_call():
     from mabn.tasks import base
 
     assert "keep_centred" in mabn.__all__ and mabn.keep_centred is cenconv.keep_centred
-    assert base.centre_after_sgd_steps is keep_centred
+    assert base.keep_centred is keep_centred  # the one function, under the one name
     plain = torchvision.models.resnet18()  # no CenConv2d: nothing to keep centred, nothing to say
     with warnings.catch_warnings():
         warnings.simplefilter("error")

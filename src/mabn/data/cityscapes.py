@@ -21,7 +21,7 @@ from torchvision.datasets import Cityscapes
 
 from ..process import rank
 from ..scaling import device_batch
-from .errors import DatasetError
+from .errors import DatasetError, require_pairs
 from .loading import augmentation_seed, make_loader
 
 __all__ = [
@@ -127,19 +127,18 @@ def find_samples(root: str | Path, split: str) -> list[CityscapesSample]:
     }
     if not images:
         raise DatasetError(f"no images matching <city>/*{IMAGE_SUFFIX} in {image_dir}; expected {LAYOUT}")
-    unlabeled, orphans = sorted(images.keys() - labels.keys()), sorted(labels.keys() - images.keys())
-    if unlabeled:
-        key = unlabeled[0]
-        raise DatasetError(
+    require_pairs(
+        images,
+        labels,
+        lambda key, n: (
             f"image {images[key]} has no label file {label_dir / (key + LABEL_SUFFIX)} "
-            f"({len(unlabeled)} image(s) without labels in {image_dir})"
-        )
-    if orphans:
-        key = orphans[0]
-        raise DatasetError(
+            f"({n} image(s) without labels in {image_dir})"
+        ),
+        lambda key, n: (
             f"label {labels[key]} has no image file {image_dir / (key + IMAGE_SUFFIX)} "
-            f"({len(orphans)} label(s) without images in {label_dir})"
-        )
+            f"({n} label(s) without images in {label_dir})"
+        ),
+    )
     return [CityscapesSample(Path(key).name, images[key], labels[key]) for key in sorted(images)]
 
 

@@ -39,7 +39,7 @@ from .cityscapes import (
     _read_png,
 )
 from .classes import CLASSES_FILE, ClassTable
-from .errors import DatasetError
+from .errors import DatasetError, require_pairs
 
 __all__ = ["FolderDataModule", "FolderDataset", "find_pairs", "fitting_crop"]
 
@@ -75,19 +75,18 @@ def find_pairs(root: str | Path, split: str) -> list[CityscapesSample]:
     images, masks = _files(image_dir, IMAGE_TYPES), _files(mask_dir, (MASK_TYPE,))
     if not images:
         raise DatasetError(f"no images ({', '.join(IMAGE_TYPES)}) in {image_dir}; expected {LAYOUT}")
-    unmasked, orphans = sorted(images.keys() - masks.keys()), sorted(masks.keys() - images.keys())
-    if unmasked:
-        key = unmasked[0]
-        raise DatasetError(
+    require_pairs(
+        images,
+        masks,
+        lambda key, n: (
             f"image {images[key]} has no mask {mask_dir / (key + MASK_TYPE)} "
-            f"({len(unmasked)} image(s) without masks in {image_dir})"
-        )
-    if orphans:
-        key = orphans[0]
-        raise DatasetError(
-            f"mask {masks[key]} has no image {image_dir / key}.<{'|'.join(s[1:] for s in IMAGE_TYPES)}> "
-            f"({len(orphans)} mask(s) without images in {mask_dir})"
-        )
+            f"({n} image(s) without masks in {image_dir})"
+        ),
+        lambda key, n: (
+            f"mask {masks[key]} has no image {image_dir / key}.<{'|'.join(t[1:] for t in IMAGE_TYPES)}> "
+            f"({n} mask(s) without images in {mask_dir})"
+        ),
+    )
     return [CityscapesSample(Path(key).name, images[key], masks[key]) for key in sorted(images)]
 
 

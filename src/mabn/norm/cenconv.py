@@ -187,9 +187,6 @@ def keep_centred(model: nn.Module, optimizer: torch.optim.Optimizer) -> SGDCentr
     return SGDCentring(convs, hook)
 
 
-centre_after_sgd_steps = keep_centred  # the name the stages (``NormTask.on_train_start``) import
-
-
 def conv_like(cls: type[nn.Conv2d], conv: nn.Conv2d, bias: bool) -> nn.Conv2d:
     """A new ``cls`` (fresh parameters) with ``conv``'s configuration, device and dtype."""
     return cls(

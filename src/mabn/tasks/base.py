@@ -17,7 +17,7 @@ from ..cudagraph import check_capturable, training_call, why_not_capturable
 from ..errors import ConfigError
 from ..models import ARCHS, DEFAULT_ARCH
 from ..norm import NORM_PRESETS
-from ..norm.cenconv import SGDCentring, centre_after_sgd_steps
+from ..norm.cenconv import SGDCentring, keep_centred
 from ..scaling import RunShape, iterations_per_epoch
 
 
@@ -150,7 +150,7 @@ class NormTask(pl.LightningModule):
     def on_train_start(self) -> None:
         # After the checkpoint's weights and optimizer state are restored: they are centred once, here.
         if not self.trainer.gradient_clip_val:
-            handles = (centre_after_sgd_steps(self.model, opt) for opt in self.trainer.optimizers)
+            handles = (keep_centred(self.model, opt) for opt in self.trainer.optimizers)
             self._centring = [h for h in handles if h is not None]
 
     def on_train_end(self) -> None:
@@ -190,10 +190,17 @@ class NormTask(pl.LightningModule):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.model(x)
 
-    def run_shape(self, per_device: int) -> RunShape:
-        """The fit's batch over its devices and its length, as the Trainer runs it (call from
-        ``configure_optimizers``: it loads the train loader)."""
+    @classmethod
+    def plan_lines(cls, hp: Mapping[str, Any], shape: RunShape) -> list[str]:
+        """The run's batch, lr and schedule, said at the start of fit and by ``--dry-run``; each stage adds its lr
+        and schedule to the batch and length lines."""
+        return shape.lines()
+
+    def run_shape(self) -> RunShape:
+        """The fit's batch over its devices and its length, as the Trainer runs it, said in the task's
+        ``plan_lines`` (call from ``configure_optimizers``: it loads the train loader)."""
         trainer = self.trainer
+        per_device = trainer.datamodule.batch_size
         total = trainer.estimated_stepping_batches
         if trainer.train_dataloader is None:  # a run bounded by max_steps alone: the estimate read no data
             trainer.fit_loop.setup_data()
@@ -201,7 +208,7 @@ class NormTask(pl.LightningModule):
         if math.isinf(trainer.num_training_batches):
             raise ConfigError("the schedule is in epochs: the training data loader must have a length")
         samples = len(loader.dataset) if loader is not None and hasattr(loader.dataset, "__len__") else None
-        return RunShape(
+        shape = RunShape(
             per_device=per_device,
             devices=trainer.world_size,
             accumulate=trainer.accumulate_grad_batches,
@@ -210,3 +217,5 @@ class NormTask(pl.LightningModule):
             iterations_per_epoch=iterations_per_epoch(trainer.num_training_batches, trainer.accumulate_grad_batches),
             total_iterations=int(total),
         )
+        rank_zero_info("\n".join(self.plan_lines(self.hparams, shape)))
+        return shape

@@ -116,8 +116,7 @@ class ClassificationTask(NormTask):
 
     def configure_optimizers(self) -> dict[str, Any]:
         hp = self.hparams
-        shape = self.run_shape(self.trainer.datamodule.batch_size)
-        rank_zero_info("\n".join(self.plan_lines(hp, shape)))
+        shape = self.run_shape()
         lr = shape.lr(hp.base_lr, hp.base_batch_size)
         optimizer = torch.optim.SGD(self.parameters(), lr=lr, momentum=hp.momentum, weight_decay=hp.weight_decay)
         factor = partial(

@@ -250,8 +250,7 @@ class SegmentationTask(NormTask):
 
     def configure_optimizers(self) -> dict[str, Any]:
         hp = self.hparams
-        shape = self.run_shape(self.trainer.datamodule.batch_size)
-        rank_zero_info("\n".join(self.plan_lines(hp, shape)))
+        shape = self.run_shape()
         lr = shape.lr(hp.base_lr, hp.base_batch_size)
         heads = list(self.model.heads().parameters())
         head_ids = {id(p) for p in heads}
