@@ -17,14 +17,13 @@ from mabn.data import demo_cityscapes, once
 from mabn.data.cityscapes import (
     CLASS_NAMES,
     IGNORE_INDEX,
-    IMAGENET_MEAN,
-    IMAGENET_STD,
     CityscapesDataModule,
     CityscapesDataset,
     DatasetError,
     label_ids_to_train_ids,
     train_transform,
 )
+from mabn.data.images import IMAGENET_MEAN, IMAGENET_STD
 from mabn.data.loading import seed_transform_worker
 
 # The official labelId -> trainId table over ids 0..33 (cityscapesscripts 2.3.0 `labels`); everything else is 255.

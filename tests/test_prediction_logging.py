@@ -11,7 +11,8 @@ import torch
 from PIL import Image
 
 from mabn.data import demo_cityscapes
-from mabn.data.cityscapes import CLASS_NAMES, IGNORE_INDEX, IMAGENET_MEAN, IMAGENET_STD, CityscapesDataModule
+from mabn.data.cityscapes import CLASS_NAMES, IGNORE_INDEX, CityscapesDataModule
+from mabn.data.images import IMAGENET_MEAN, IMAGENET_STD
 from mabn.inference import sliding_window_logits
 from mabn.loggers import WandbLogger
 from mabn.tasks import SegmentationTask

@@ -28,7 +28,6 @@ import re
 from pathlib import Path
 from typing import Any
 
-import albumentations as A
 import numpy as np
 import torch
 from PIL import Image
@@ -36,10 +35,11 @@ from pytorch_lightning.callbacks import BasePredictionWriter
 from torch.utils.data import Dataset
 
 from . import cli
-from .data.cityscapes import IMAGE_SUFFIX, IMAGENET_MEAN, IMAGENET_STD, TRAIN_ID_COLORS, TRAIN_TO_LABEL_ID
+from .data.cityscapes import IMAGE_SUFFIX, TRAIN_ID_COLORS, TRAIN_TO_LABEL_ID
 from .data.classes import ClassTable
 from .data.errors import DatasetError
 from .data.folder import IMAGE_TYPES, MASKS
+from .data.images import imagenet_normalize, read_image
 from .data.loading import make_loader
 from .errors import ConfigError
 from .evaluate import Stage2Checkpoint, configure, data_root, eval_parser, inference_trainer, load_stage2
@@ -113,17 +113,13 @@ class FrameImages(Dataset):
             if name in seen:  # their predictions would share one file name
                 raise DatasetError(f"images {seen[name]} and {path} are both frame {name}: predict them separately")
             seen[name] = path
-        self._normalize = A.Normalize(mean=IMAGENET_MEAN, std=IMAGENET_STD, max_pixel_value=255.0)
+        self._normalize = imagenet_normalize()
 
     def __len__(self) -> int:
         return len(self.files)
 
     def read_rgb(self, index: int) -> np.ndarray:
-        try:
-            with Image.open(self.files[index]) as img:
-                return np.asarray(img.convert("RGB"))
-        except (OSError, SyntaxError, ValueError) as err:
-            raise DatasetError(f"cannot read image file {self.files[index]}: {err}") from err
+        return read_image(self.files[index])
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
         image = self._normalize(image=self.read_rgb(index))["image"]
@@ -241,7 +237,7 @@ class Segmenter:
         self.classes = checkpoint.classes
         self.device = device
         self.task = checkpoint.task.to(device).eval()
-        self._normalize = A.Normalize(mean=IMAGENET_MEAN, std=IMAGENET_STD, max_pixel_value=255.0)
+        self._normalize = imagenet_normalize()
 
     @property
     def class_names(self) -> tuple[str, ...]:
@@ -257,8 +253,7 @@ class Segmenter:
         """``image`` as H x W x 3 uint8 RGB, converted as the datasets convert their files: a path is read, a PIL
         image of any mode and a uint8 array H x W (grey), H x W x 1, x 3 (RGB) or x 4 (RGBA) are converted."""
         if isinstance(image, str | Path):
-            with Image.open(image) as img:
-                return np.asarray(img.convert("RGB"))
+            return read_image(image)
         if isinstance(image, Image.Image):
             return np.asarray(image.convert("RGB"))
         array = np.asarray(image)

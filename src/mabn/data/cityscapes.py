@@ -15,13 +15,13 @@ import cv2
 import numpy as np
 import pytorch_lightning as pl
 import torch
-from PIL import Image
 from torch.utils.data import DataLoader, Dataset
 from torchvision.datasets import Cityscapes
 
 from ..process import rank
 from ..scaling import device_batch
 from .errors import DatasetError, require_pairs
+from .images import IMAGENET_MEAN, imagenet_normalize, read_image
 from .loading import augmentation_seed, make_loader
 
 __all__ = [
@@ -39,8 +39,6 @@ __all__ = [
 ]
 
 IGNORE_INDEX = 255
-IMAGENET_MEAN = (0.485, 0.456, 0.406)
-IMAGENET_STD = (0.229, 0.224, 0.225)
 # Padding the uint8 image with the mean pixel makes padded areas exactly 0 after normalization (as hszhao pads).
 MEAN_PIXEL = tuple(255.0 * m for m in IMAGENET_MEAN)
 IMAGE_SUFFIX = "_leftImg8bit.png"
@@ -51,35 +49,18 @@ LAYOUT = (
 )
 
 
-def _train_id_table() -> tuple[np.ndarray, tuple[str, ...]]:
-    """The labelId -> trainId lookup table and the trainId-ordered class names, from torchvision's class list."""
-    lut = np.full(256, IGNORE_INDEX, dtype=np.uint8)
-    names: dict[int, str] = {}
-    for cls in Cityscapes.classes:
-        # train_id 255 marks classes ignored in evaluation, -1 the license plate (id -1): both stay ignore.
-        if 0 <= cls.train_id < IGNORE_INDEX:
-            lut[cls.id] = cls.train_id
-            names[cls.train_id] = cls.name
-    return lut, tuple(names[i] for i in range(len(names)))
-
-
-TRAIN_ID_LUT, CLASS_NAMES = _train_id_table()
-MAX_LABEL_ID = max(cls.id for cls in Cityscapes.classes)  # 33: labelIds above it are in no Cityscapes table
+# The one Cityscapes table (torchvision's list of the 34 labelIds): every name, id, trainId and colour below is
+# read from it. trainId 255 marks the classes ignored in evaluation, -1 the license plate (labelId -1).
+LABEL_IDS = {cls.name: cls.id for cls in Cityscapes.classes}
+_EVALUATED = sorted((cls for cls in Cityscapes.classes if 0 <= cls.train_id < IGNORE_INDEX), key=lambda c: c.train_id)
+CLASS_NAMES = tuple(cls.name for cls in _EVALUATED)
 NUM_CLASSES = len(CLASS_NAMES)
-
-
-def _train_id_tables() -> tuple[np.ndarray, np.ndarray]:
-    """trainId -> labelId and trainId -> RGB colour (uint8) for the 19 evaluated classes."""
-    label_ids = np.zeros(NUM_CLASSES, dtype=np.uint8)
-    colors = np.zeros((NUM_CLASSES, 3), dtype=np.uint8)
-    for cls in Cityscapes.classes:
-        if 0 <= cls.train_id < IGNORE_INDEX:
-            label_ids[cls.train_id] = cls.id
-            colors[cls.train_id] = cls.color
-    return label_ids, colors
-
-
-TRAIN_TO_LABEL_ID, TRAIN_ID_COLORS = _train_id_tables()
+MAX_LABEL_ID = max(cls.id for cls in Cityscapes.classes)  # 33: labelIds above it are in no Cityscapes table
+TRAIN_TO_LABEL_ID = np.array([cls.id for cls in _EVALUATED], dtype=np.uint8)
+TRAIN_ID_COLORS = np.array([cls.color for cls in _EVALUATED], dtype=np.uint8)
+# labelId -> trainId for every uint8 value; any id but the 19 evaluated classes' is ignored.
+TRAIN_ID_LUT = np.full(256, IGNORE_INDEX, dtype=np.uint8)
+TRAIN_ID_LUT[TRAIN_TO_LABEL_ID] = np.arange(NUM_CLASSES, dtype=np.uint8)
 
 
 def label_ids_to_train_ids(label: np.ndarray) -> np.ndarray:
@@ -142,17 +123,6 @@ def find_samples(root: str | Path, split: str) -> list[CityscapesSample]:
     return [CityscapesSample(Path(key).name, images[key], labels[key]) for key in sorted(images)]
 
 
-def _read_png(path: Path, kind: str, mode: str | None = None) -> np.ndarray:
-    """The pixels of the image file at ``path`` (converted to ``mode`` if given), or a ``DatasetError`` naming it."""
-    try:
-        with Image.open(path) as img:
-            return np.asarray(img if mode is None else img.convert(mode))
-    # PIL reports undecodable files as OSError (UnidentifiedImageError, truncated data) or, for corrupt
-    # PNG chunks, as SyntaxError.
-    except (OSError, SyntaxError, ValueError) as err:
-        raise DatasetError(f"cannot read {kind} file {path}: {err}") from err
-
-
 class CityscapesDataset(Dataset):
     """Cityscapes ``split`` under ``root`` in the official layout, yielding normalized images and trainIds.
 
@@ -168,7 +138,7 @@ class CityscapesDataset(Dataset):
         self.split = split
         self.transform = transform
         self.samples = find_samples(self.root, split)
-        self._normalize = A.Normalize(mean=IMAGENET_MEAN, std=IMAGENET_STD, max_pixel_value=255.0)
+        self._normalize = imagenet_normalize()
 
     def __len__(self) -> int:
         return len(self.samples)
@@ -176,8 +146,8 @@ class CityscapesDataset(Dataset):
     def read_pair(self, index: int) -> tuple[np.ndarray, np.ndarray]:
         """The raw item: uint8 RGB image HxWx3 and uint8 trainId label HxW, checked to have the same size."""
         sample = self.samples[index]
-        image = _read_png(sample.image, "image", mode="RGB")
-        label = _read_png(sample.label, "label")
+        image = read_image(sample.image)
+        label = read_image(sample.label, "label", mode=None)
         if label.ndim != 2:
             raise DatasetError(
                 f"label file {sample.label} has shape {label.shape}; expected a single-channel labelIds PNG"

@@ -22,20 +22,10 @@ import cv2
 import numpy as np
 from PIL import Image
 
+from .cityscapes import LABEL_IDS
 from .once import MARKER as MARKER  # the marker launch waits for on other nodes
 from .once import write_marked
 
-LABEL_IDS = {
-    "unlabeled": 0,
-    "road": 7,
-    "sidewalk": 8,
-    "building": 11,
-    "pole": 17,
-    "vegetation": 21,
-    "sky": 23,
-    "person": 24,
-    "car": 26,
-}
 CITIES = {"train": ("demoburg", "synthville"), "val": ("mockton", "fakeford")}
 FRAME = 19  # Cityscapes annotates frame 19 of each 30-frame snippet
 GENERATOR = "mabn.data.demo_cityscapes/1"  # bump when the rendering changes, so old sets are rewritten

@@ -16,15 +16,16 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
+from .cityscapes import LABEL_IDS
 from .classes import CLASSES_FILE
-from .demo_cityscapes import LABEL_IDS, render
+from .demo_cityscapes import render
 from .folder import IMAGES, MASKS
 from .once import MARKER as MARKER  # the marker launch waits for on other nodes
 from .once import write_marked
 
 GENERATOR = "mabn.data.demo_segment/1"  # bump when the files change, so old sets are rewritten
 JPEG_QUALITY = 95
-# The example's classes, their Cityscapes colours; the masks hold the labelIds of demo_cityscapes.LABEL_IDS.
+# The example's classes, their Cityscapes colours; the masks hold their Cityscapes labelIds (cityscapes.LABEL_IDS).
 COLORS = {
     "road": (128, 64, 128),
     "sidewalk": (244, 35, 232),

@@ -27,19 +27,16 @@ from typing import Any
 
 import albumentations as A
 import numpy as np
-from PIL import Image
 
 from ..process import say
 from .cityscapes import (
-    IMAGENET_MEAN,
-    IMAGENET_STD,
     CityscapesDataModule,
     CityscapesDataset,
     CityscapesSample,
-    _read_png,
 )
 from .classes import CLASSES_FILE, ClassTable
 from .errors import DatasetError, require_pairs
+from .images import image_size, imagenet_normalize, read_image
 
 __all__ = ["FolderDataModule", "FolderDataset", "find_pairs", "fitting_crop"]
 
@@ -90,21 +87,12 @@ def find_pairs(root: str | Path, split: str) -> list[CityscapesSample]:
     return [CityscapesSample(Path(key).name, images[key], masks[key]) for key in sorted(images)]
 
 
-def _size(path: Path, kind: str) -> tuple[int, int]:
-    """(width, height) from the file's header."""
-    try:
-        with Image.open(path) as img:
-            return img.size
-    except (OSError, SyntaxError, ValueError) as err:
-        raise DatasetError(f"cannot read {kind} file {path}: {err}") from err
-
-
 def pair_sizes(samples: list[CityscapesSample], image_dir: Path) -> list[tuple[int, int]]:
     """The (width, height) of each pair's image, read from the headers; ``DatasetError`` naming the first pair
     whose mask has another size, and how many do."""
     sizes, mismatched = [], []
     for sample in samples:
-        image, mask = _size(sample.image, "image"), _size(sample.label, "mask")
+        image, mask = image_size(sample.image), image_size(sample.label, "mask")
         sizes.append(image)
         if image != mask:
             mismatched.append((sample, image, mask))
@@ -147,10 +135,10 @@ class FolderDataset(CityscapesDataset):
         self.root, self.split, self.classes, self.transform = Path(root), split, classes, transform
         self.samples = find_pairs(self.root, split)
         self.sizes = pair_sizes(self.samples, self.root / IMAGES / split)
-        self._normalize = A.Normalize(mean=IMAGENET_MEAN, std=IMAGENET_STD, max_pixel_value=255.0)
+        self._normalize = imagenet_normalize()
 
     def read_mask(self, path: Path) -> np.ndarray:
-        mask = _read_png(path, "mask")
+        mask = read_image(path, "mask", mode=None)
         if mask.ndim != 2:
             raise DatasetError(
                 f"mask file {path} has shape {mask.shape}; expected a single-channel PNG of mask values "
@@ -161,7 +149,7 @@ class FolderDataset(CityscapesDataset):
     def read_pair(self, index: int) -> tuple[np.ndarray, np.ndarray]:
         """The raw item: uint8 RGB image HxWx3 and uint8 class map HxW."""
         sample = self.samples[index]
-        image = _read_png(sample.image, "image", mode="RGB")
+        image = read_image(sample.image)
         mask = self.read_mask(sample.label)
         if image.shape[:2] != mask.shape:  # the files changed since they were indexed
             (ih, iw), (mh, mw) = image.shape[:2], mask.shape

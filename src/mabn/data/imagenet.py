@@ -8,30 +8,18 @@ from pathlib import Path
 from typing import Any
 
 import albumentations as A
-import numpy as np
 import pytorch_lightning as pl
 import torch
 from albumentations.pytorch import ToTensorV2
-from PIL import Image
 from torch.utils.data import DataLoader, Dataset
 
 from ..process import rank
 from .errors import DatasetError
+from .images import imagenet_normalize, read_image
 from .loading import augmentation_seed, make_loader
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".webp")
-IMAGENET_MEAN = (0.485, 0.456, 0.406)
-IMAGENET_STD = (0.229, 0.224, 0.225)
 LAYOUT = "<data_dir>/train/<class>/<image> and <data_dir>/val/<class>/<image>"
-
-
-def read_rgb(path: str | Path) -> np.ndarray:
-    """An image file as an HxWx3 uint8 array, or a DatasetError naming the file."""
-    try:
-        with Image.open(path) as img:
-            return np.asarray(img.convert("RGB"))
-    except (OSError, ValueError) as err:
-        raise DatasetError(f"cannot read image {path}: {err}") from err
 
 
 def class_names(split_dir: Path) -> list[str]:
@@ -64,7 +52,7 @@ class ImageFolder(Dataset):
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
         path, label = self.samples[index]
-        return self.transform(image=read_rgb(path))["image"], label
+        return self.transform(image=read_image(path))["image"], label
 
 
 class ImageFolderDataModule(pl.LightningDataModule):
@@ -98,7 +86,7 @@ class ImageFolderDataModule(pl.LightningDataModule):
                 f"class folders differ between {self.root / 'train'} and {self.root / 'val'}: "
                 f"only in train {only_train}, only in val {only_val}"
             )
-        normalize = [A.Normalize(IMAGENET_MEAN, IMAGENET_STD), ToTensorV2()]
+        normalize = [imagenet_normalize(), ToTensorV2()]
         self.train_transform = A.Compose(
             [A.RandomResizedCrop((image_size, image_size), scale=crop_scale), A.HorizontalFlip(), *normalize]
         )

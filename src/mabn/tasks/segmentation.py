@@ -14,7 +14,8 @@ import torch.nn.functional as F
 from pytorch_lightning.loggers import WandbLogger
 from pytorch_lightning.utilities import rank_zero_info, rank_zero_warn
 
-from ..data.cityscapes import CLASS_NAMES, IGNORE_INDEX, IMAGENET_MEAN, IMAGENET_STD
+from ..data.cityscapes import CLASS_NAMES, IGNORE_INDEX
+from ..data.images import IMAGENET_MEAN, IMAGENET_STD
 from ..inference import sliding_window_logits
 from ..metrics import SegmentationMetric, format_iou_table
 from ..models import (
