@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from mabn.ablation.model import SmallResNet
 from mabn.norm import MABN2d, convert_norm
-from mabn.norm._managed import ManagedNorm, raise_if_any_nonfinite
+from mabn.norm.managed import ManagedNorm, raise_if_any_nonfinite
 from mabn.tasks.base import NormTask
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -33,12 +33,11 @@ from pytorch_lightning.cli import LightningCLI, SaveConfigCallback
 
 from . import runlock, runs
 from .callbacks import AgreedRequeue, FailFast, OutOfMemoryReport, RandomStateCallback
-from .callbacks.distributed import end_process_group_at_exit
 from .data.errors import DatasetError
 from .errors import ConfigError, explained, own_message
 from .files import AtomicCheckpointIO, write_text_atomic
 from .models import DEFAULT_ARCH, BackboneError
-from .process import first_process
+from .process import end_process_group_at_exit, first_process
 from .scaling import RunShape, device_batch, iterations_per_epoch, loader_batches, total_iterations
 from .tasks.classification import backbone_path
 

@@ -1,5 +1,5 @@
 """The records a MABN2d training step passes between its statistic maths, its autograd Function and its Triton
-kernels (``mabn.py``, ``_mabn_kernels.py``): named, so that no caller unpacks a tuple by position."""
+kernels (``mabn.py``, ``mabn_kernels.py``): named, so that no caller unpacks a tuple by position."""
 
 from __future__ import annotations
 

@@ -11,18 +11,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ._common import (
-    all_gather_stacked,
-    all_reduce_sum_,
-    check_input,
-    check_norm_args,
-    per_sample,
-    per_sample_bn_backward,
-    stat_dtype,
-    sync_group,
-    values_before_update,
-)
-from ._managed import ManagedNorm
+from ..process import all_gather_stacked, all_reduce_sum_, sync_group
+from ._checks import check_input, check_norm_args
+from ._steps import per_sample, per_sample_bn_backward, stat_dtype, values_before_update
+from .managed import ManagedNorm
 
 
 def _ramp(t: Tensor, start: float, end: float, low: float, high: float) -> Tensor:

@@ -25,19 +25,12 @@ from types import ModuleType
 import torch
 from torch import Tensor, nn
 
-from ._common import (
-    all_reduce_sum_,
-    check_input,
-    check_norm_args,
-    per_sample,
-    per_sample_bn_backward,
-    stat_dtype,
-    sync_group,
-    values_before_update,
-)
+from ..process import all_reduce_sum_, sync_group
+from ._checks import check_input, check_norm_args
 from ._mabn_types import EMA_STARTS, STATS, BackwardStats, ForwardStats, NativeBackward, StepConfig
-from ._managed import ManagedNorm
-from ._triton import kernels_for
+from ._steps import per_sample, per_sample_bn_backward, stat_dtype, values_before_update
+from .fused import kernels_for
+from .managed import ManagedNorm
 
 
 class MABN2d(ManagedNorm):
@@ -299,10 +292,10 @@ class _MABNFunction(torch.autograd.Function):
 
 
 def _fused_kernels(x: Tensor) -> ModuleType | None:
-    """The one-launch Triton statistic steps (``_mabn_kernels``) for ``x``, or None for the torch-op steps
+    """The one-launch Triton statistic steps (``mabn_kernels``) for ``x``, or None for the torch-op steps
     below: on the CPU, without Triton, with MABN_FUSED=0, and inside a region ``torch.compile`` traces (there
     the compiler fuses the torch-op steps itself, with the ops around them)."""
-    return None if torch.compiler.is_compiling() else kernels_for(x, "_mabn_kernels")
+    return None if torch.compiler.is_compiling() else kernels_for(x, "mabn_kernels")
 
 
 # -- the statistic steps: the semantics, and the path for the CPU, sync_stats and torch.compile ---------------

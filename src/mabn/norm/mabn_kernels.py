@@ -20,7 +20,7 @@ import triton.language as tl
 from torch import Tensor, nn
 
 from ._mabn_types import BackwardStats, ForwardStats, NativeBackward, StepConfig
-from ._triton import Launcher, aligned, key_of
+from .fused import Launcher, aligned, key_of
 
 STATS_CODE = {"batch": 0, "sma": 1, "ema": 2}
 
