@@ -26,6 +26,11 @@ class StepConfig(NamedTuple):
     warmup_iters: int
     renorm_warmup_iters: int
 
+    def first_steps(self) -> tuple[int, int]:
+        """The layer's own timeline as ``phase``'s first steps (moving statistics, renormalization): the moving
+        statistics from forward ``warmup_iters``, r = 1 for the first ``renorm_warmup_iters`` forwards."""
+        return self.warmup_iters, self.renorm_warmup_iters + 1
+
 
 class ForwardStats(NamedTuple):
     """A training forward's statistics, per normalization group (G) and channel (C), in the statistics' dtype."""

@@ -31,6 +31,7 @@ from ._mabn_types import EMA_STARTS, STATS, BackwardStats, ForwardStats, NativeB
 from ._steps import per_sample, per_sample_bn_backward, stat_dtype, values_before_update
 from .fused import kernels_for
 from .managed import ManagedNorm
+from .phase import phase
 
 
 class MABN2d(ManagedNorm):
@@ -334,7 +335,7 @@ def _phase(t: Tensor, cfg: StepConfig) -> tuple[Tensor, Tensor]:
     check): the callback's policy (``MABN2d.policy_flags``) when one is set, else the layer's own timeline."""
     if cfg.policy is not None:
         return cfg.policy[0] != 0, cfg.policy[1] != 0
-    return t >= cfg.warmup_iters, t > max(cfg.renorm_warmup_iters, cfg.warmup_iters)
+    return phase(t, *cfg.first_steps())
 
 
 def _group_chi2(norm: Tensor, groups: int, hw: int) -> Tensor:
