@@ -17,7 +17,7 @@ from mabn.ablation.probes import BatchNormProbe, MABNProbe
 from mabn.ablation.rows import KEY_ROWS, ROWS, ROWS_BY_KEY, layer_options, select
 from mabn.ablation.train import TrainConfig, build_model, lr_factor, train_run
 from mabn.data import demo_imagenet
-from mabn.norm import BatchRenorm2d, CenConv2d, MABN2d
+from mabn.norm import BatchRenorm2d, CenConv2d, GhostBatchNorm2d, MABN2d
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +33,7 @@ def _norms(model: nn.Module) -> list[nn.Module]:
     ("key", "layer", "groups_of", "centred"),
     [
         ("bn32", nn.BatchNorm2d, None, False),
-        ("bn2", BatchRenorm2d, 2, False),
+        ("bn2", GhostBatchNorm2d, 2, False),
         ("brn2", BatchRenorm2d, 2, False),
         ("mbn32", MABN2d, 32, True),
         ("mabn2", MABN2d, 2, True),

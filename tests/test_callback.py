@@ -72,8 +72,8 @@ def _trainer(tmp_path, **kwargs):
 
 POLICY = {
     "groups": {
-        "encoder": {"prefixes": ["model.encoder"], "moving_stats_from": 2, "renorm_from": 4},
-        "head": {"prefixes": ["model.head"], "moving_stats_from": 5, "renorm_from": 6},
+        "encoder": {"prefixes": ["model.encoder"], "moving_stats_first_step": 2, "renorm_first_step": 5},
+        "head": {"prefixes": ["model.head"], "moving_stats_first_step": 5, "renorm_first_step": 7},
     },
     "log_every_n_steps": 1,
     "log_layers": ["model.encoder.1", "model.head.1"],
@@ -107,10 +107,10 @@ def test_groups_must_match_layers(tmp_path):
             "norm_policy has no setting 'log_every_n_step' (did you mean 'log_every_n_steps'?",
         ),
         (
-            {"groups": {"encoder": {"prefixes": ["model.encoder"], "renorm_form": 4}}},
-            "norm_policy.groups.encoder has no setting 'renorm_form' (did you mean 'renorm_from'?",
+            {"groups": {"encoder": {"prefixes": ["model.encoder"], "renorm_frist_step": 4}}},
+            "norm_policy.groups.encoder has no setting 'renorm_frist_step' (did you mean 'renorm_first_step'?",
         ),
-        ({"groups": {"encoder": {"moving_stats_from": 2}}}, "norm_policy.groups.encoder needs 'prefixes'"),
+        ({"groups": {"encoder": {"moving_stats_first_step": 2}}}, "norm_policy.groups.encoder needs 'prefixes'"),
     ],
     ids=["policy-key", "group-key", "group-without-prefixes"],
 )
@@ -264,7 +264,7 @@ def test_callback_rule_switches_at_the_layers_own_forward_numbers(warmup, renorm
     kw = dict(buffer_size=2, momentum=0.5, renorm_clip=1.2)
     own = MABN2d(3, warmup_iters=warmup, renorm_warmup_iters=renorm, **kw).double()
     driven = MABN2d(3, warmup_iters=10**6, renorm_warmup_iters=10**6, **kw).double()  # only the policy decides
-    rule = PhaseRule(prefixes=["x"], moving_stats_from=warmup, renorm_from=renorm)
+    rule = PhaseRule(prefixes=["x"], moving_stats_first_step=warmup, renorm_first_step=renorm + 1)
     switched = []
     for step in range(renorm + 4):
         driven.policy = rule.phase(step)

@@ -127,7 +127,7 @@ def test_centring_after_sgd_steps_follows_the_forward_centring(sgd):
             outs.append(out)
         torch.testing.assert_close(outs[1], outs[0], rtol=1e-9, atol=1e-11, msg=f"step {step}")
         for ref, conv in zip(ref_convs, convs):
-            torch.testing.assert_close(conv.weight, ref.centered_weight(), rtol=1e-9, atol=1e-11)
+            torch.testing.assert_close(conv.weight, ref.centred_weight(), rtol=1e-9, atol=1e-11)
     handle.remove()
     assert not any(c.centred_in_place for c in convs)
     assert keep_centred(model, torch.optim.Adam(model.parameters())) is None

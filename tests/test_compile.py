@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from mabn.ablation.model import SmallResNet
 from mabn.norm import MABN2d, convert_norm
-from mabn.norm._managed import ManagedNorm, raise_if_any_nonfinite
+from mabn.norm.managed import ManagedNorm, raise_if_any_nonfinite
 from mabn.tasks.base import NormTask
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -132,7 +132,7 @@ def test_compiled_training_steps_match_eager(norm, device):
 class _Task(NormTask):
     """The smallest NormTask: the tiny ResNet with MABN, phases and statistics logging by MABNCallback."""
 
-    RULE = {"prefixes": ["model.layer"], "moving_stats_from": 1, "renorm_from": 2}
+    RULE = {"prefixes": ["model.layer"], "moving_stats_first_step": 1, "renorm_first_step": 3}
 
     def __init__(
         self,

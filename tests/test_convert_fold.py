@@ -95,7 +95,7 @@ def test_unknown_norm_and_misplaced_arguments_are_named():
 def test_presets_build_the_ablation_layers():
     for name, preset in NORM_PRESETS.items():
         model = convert_norm(nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8)), name)
-        assert isinstance(model[0], CenConv2d) == preset.centralize_weights, name
+        assert isinstance(model[0], CenConv2d) == preset.centre_weights, name
         for key, value in preset.layer_kwargs.items():
             assert getattr(model[1], key) == value, (name, key)
 

@@ -131,7 +131,7 @@ class GraphTask(NormTask):
         return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-4)
 
 
-POLICY = {"groups": {"all": {"prefixes": ["model."], "moving_stats_from": 2, "renorm_from": 4}},
+POLICY = {"groups": {"all": {"prefixes": ["model."], "moving_stats_first_step": 2, "renorm_first_step": 5}},
           "log_every_n_steps": 2, "log_layers": ["model.1"]}  # fmt: skip
 
 

@@ -43,8 +43,8 @@ def _train_side_by_side(reference, model, optimizers, steps: int = 5) -> None:
             outs.append(out)
         torch.testing.assert_close(outs[1], outs[0], rtol=1e-10, atol=1e-12, msg=f"step {n}")
         for ref, conv in zip(ref_convs, convs):
-            used = conv.weight if conv.centred_in_place else conv.centered_weight()
-            torch.testing.assert_close(used, ref.centered_weight(), rtol=1e-10, atol=1e-12, msg=f"step {n}")
+            used = conv.weight if conv.centred_in_place else conv.centred_weight()
+            torch.testing.assert_close(used, ref.centred_weight(), rtol=1e-10, atol=1e-12, msg=f"step {n}")
         conv_weights = {id(c.weight) for c in convs} | {id(c.weight) for c in ref_convs}
         for (name, p), q in zip(model.named_parameters(), reference.parameters()):
             if id(p) not in conv_weights:

@@ -14,12 +14,12 @@ import torch
 
 import mabn.norm.mabn as mabn_module
 from mabn.norm import MABN2d
-from mabn.norm._triton import load
+from mabn.norm.fused import load
 from test_norm_reference import BATCH_IDS, BATCHES, check_mabn_against_reference
 
 
 def _kernels():
-    kernels = load("_mabn_kernels")
+    kernels = load("mabn_kernels")
     assert kernels is not None, "Triton is not importable (or MABN_FUSED=0): the CUDA fast path cannot run"
     return kernels
 

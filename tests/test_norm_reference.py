@@ -336,9 +336,9 @@ def test_stage1_mabn_follows_the_official_imagenet_code(path, monkeypatch, devic
     interpreter runs the fused kernels through the start of the timeline only (0.7 s a step); on a GPU they run
     all of it."""
     import mabn.norm.mabn as mabn_module
-    from mabn.norm._triton import load
+    from mabn.norm.fused import load
 
-    kernels = load("_mabn_kernels") if path == "fused" else None
+    kernels = load("mabn_kernels") if path == "fused" else None
     if path == "fused":
         assert kernels is not None, "Triton (or its interpreter) is not importable"
     monkeypatch.setattr(mabn_module, "_fused_kernels", lambda x: kernels)

@@ -182,7 +182,7 @@ def test_unreadable_image_is_named_also_from_a_worker(tiny_data, tmp_path, monke
 
 @pytest.mark.parametrize(
     "norm, timeline",
-    [("mabn", (2, 99, "first")), ("mabn-det", (100, 1000, "one"))],
+    [("mabn", (2, 100, "first")), ("mabn-det", (100, 1001, "one"))],
     ids=["imagenet-timeline", "detection-timeline"],
 )
 @pytest.mark.parametrize("demo", [False, True], ids=["recipe", "demo"])
@@ -197,8 +197,8 @@ def test_stage1_mabn_timelines(norm, timeline, demo, tiny_data, tmp_path, monkey
     (rule,) = NormPolicy.parse(model.hparams.norm_policy).groups.values()
     moving, renorm, ema_start = timeline
     if demo and norm == "mabn-det":
-        moving, renorm = 20, 100
-    assert (rule.moving_stats_from, rule.renorm_from) == (moving, renorm)
+        moving, renorm = 20, 101
+    assert (rule.moving_stats_first_step, rule.renorm_first_step) == (moving, renorm)
     layers = [m for m in model.modules() if isinstance(m, MABN2d)]
     assert layers and all(m.ema_start == ema_start and m.norm_batch_size == 2 for m in layers)
     assert model.hparams.label_smoothing == 0.1

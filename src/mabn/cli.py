@@ -33,14 +33,14 @@ from pytorch_lightning.cli import LightningCLI, SaveConfigCallback
 
 from . import runlock, runs
 from .callbacks import AgreedRequeue, FailFast, OutOfMemoryReport, RandomStateCallback
-from .callbacks.distributed import end_process_group_at_exit
 from .data.errors import DatasetError
 from .errors import ConfigError, explained, own_message
 from .files import AtomicCheckpointIO, write_text_atomic
 from .models import DEFAULT_ARCH, BackboneError
-from .process import first_process
+from .process import end_process_group_at_exit, first_process
 from .scaling import RunShape, device_batch, iterations_per_epoch, loader_batches, total_iterations
 from .tasks.classification import backbone_path
+from .tasks.restore import task_hparams
 
 CHECKPOINT_CALLBACK = "pytorch_lightning.callbacks.ModelCheckpoint"
 
@@ -220,7 +220,15 @@ class MabnCLI(LightningCLI):
             report = (lambda _: None) if quiet else runs.say_once
             self.plan = runs.plan(folder, config.get("ckpt_path"), identity, first_process(), report)
             config.ckpt_path = None if self.plan.resume is None else str(self.plan.resume.path)
-        super()._parse_ckpt_path()
+        # Lightning's own merge, with the task's settings under the keys the task takes (task_hparams).
+        subcommand = self.config.get("subcommand")
+        ckpt_path = subcommand and self.config[subcommand].get("ckpt_path")
+        if ckpt_path and Path(ckpt_path).is_file():
+            hparams = task_hparams(torch.load(ckpt_path, weights_only=True, map_location="cpu")["hyper_parameters"])
+            hparams.pop("_instantiator", None)
+            if "_class_path" in hparams:
+                hparams = {"class_path": hparams.pop("_class_path"), "dict_kwargs": hparams}
+            self.config = self.parser.parse_object({subcommand: {"model": hparams}}, self.config)
 
     def before_instantiate_classes(self) -> None:
         if self.subcommand != "fit":

@@ -26,8 +26,7 @@ import torch
 from torch import Tensor, nn
 
 from .norm import BatchRenorm2d, MABN2d
-from .norm._common import sync_group
-from .process import has_process_group
+from .process import has_process_group, sync_group
 
 
 def _blocking_layers(model: nn.Module) -> list[tuple[str, str]]:

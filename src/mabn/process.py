@@ -1,11 +1,25 @@
-"""Which process of a launch this is: before any process group exists (the launcher's variables) and inside the
-default process group once there is one; printing once per launch."""
+"""Which process of a launch this is, and what the processes of a launch do together: the launcher's variables
+before any process group exists, the default process group once there is one, printing once per launch, and the
+collectives over that group (the norm layers' statistics and buffers, agreed flags, on any backend).
+
+Every collective here must be called by all processes, in the same order, with tensors of the same shapes and
+dtypes (the same model on every device). Without a process group of two or more the helpers that combine
+tensors return at once, so single-device runs pay nothing.
+"""
 
 from __future__ import annotations
 
+import atexit
+import functools
 import os
+from collections import defaultdict
+from collections.abc import Mapping
 
+import torch
 import torch.distributed as dist
+from torch import Tensor
+
+# -- which process this is ----------------------------------------------------------------------------------
 
 
 def launch_rank() -> int:
@@ -42,3 +56,107 @@ def world_size() -> int:
 def rank() -> int:
     """This process's rank in the default process group; 0 without one."""
     return dist.get_rank() if has_process_group() else 0
+
+
+def sync_group() -> bool:
+    """Whether statistics can be combined across processes: a default process group of two or more.
+
+    Without one (a single process, or ``torch.distributed`` not initialized) a layer built with
+    ``sync_stats=True`` normalizes over its own batch, exactly like one built without it.
+    """
+    return world_size() > 1
+
+
+def _end_process_group() -> None:
+    if has_process_group():
+        dist.destroy_process_group()
+
+
+@functools.cache  # once per process
+def end_process_group_at_exit() -> None:
+    """End this process's process group before interpreter shutdown. Lightning leaves it alive after fit;
+    destroyed only while Python tears down, a gloo group can abort a finished worker ("terminate called
+    without an active exception"), turning a successful run into a failed exit code. Not a collective."""
+    atexit.register(_end_process_group)
+
+
+# -- the norm layers' collectives, inside a forward or backward -----------------------------------------------
+
+
+def all_reduce_sum_(t: Tensor) -> Tensor:
+    """Sum ``t`` over every process of the default group, in place; returns ``t``.
+
+    Every process must call this in the same order (once per layer and direction), as with SyncBatchNorm:
+    a layer skipped on one device leaves the others waiting.
+    """
+    dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return t
+
+
+def all_gather_stacked(t: Tensor) -> Tensor:
+    """``t`` of every process of the default group, stacked along a new first dimension (rank order)."""
+    parts = [torch.empty_like(t) for _ in range(world_size())]
+    dist.all_gather(parts, t.contiguous())
+    return torch.stack(parts)
+
+
+# -- the callbacks' collectives: buffers, checkpoints, agreed flags -------------------------------------------
+
+
+def _by_kind(tensors: Mapping[str, Tensor]) -> dict[tuple[torch.dtype, torch.device], list[str]]:
+    """Names grouped by (dtype, device), so each group travels as one flat tensor: one collective per
+    group instead of one per buffer."""
+    groups: dict[tuple[torch.dtype, torch.device], list[str]] = defaultdict(list)
+    for name, t in tensors.items():
+        groups[(t.dtype, t.device)].append(name)
+    return groups
+
+
+def device_mean(tensors: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """The mean over the devices of each tensor, as new tensors (the inputs are left as they are)."""
+    world = world_size()
+    if world == 1:
+        return {name: t.clone() for name, t in tensors.items()}
+    out: dict[str, Tensor] = {}
+    for names in _by_kind(tensors).values():
+        flat = torch.cat([tensors[n].detach().reshape(-1) for n in names])
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+        flat /= world
+        for name, part in zip(names, flat.split([tensors[n].numel() for n in names])):
+            out[name] = part.view_as(tensors[name]).clone()
+    return out
+
+
+def gather_to_cpu(tensors: Mapping[str, Tensor]) -> list[dict[str, Tensor]]:
+    """Every device's copy of ``tensors``, by rank, on the CPU (for a checkpoint)."""
+    world = world_size()
+    if world == 1:
+        return [{name: t.detach().cpu().clone() for name, t in tensors.items()}]
+    per_rank: list[dict[str, Tensor]] = [{} for _ in range(world)]
+    for names in _by_kind(tensors).values():
+        flat = torch.cat([tensors[n].detach().reshape(-1) for n in names])
+        parts = [torch.empty_like(flat) for _ in range(world)]
+        dist.all_gather(parts, flat)
+        for r, part in enumerate(parts):
+            pieces = part.cpu().split([tensors[n].numel() for n in names])
+            for name, piece in zip(names, pieces):
+                per_rank[r][name] = piece.view_as(tensors[name]).clone()
+    return per_rank
+
+
+def any_device(flag: bool, device: torch.device) -> bool:
+    """Whether ``flag`` is set on any device (each device passes its own ``flag``)."""
+    if world_size() == 1:
+        return flag
+    value = torch.tensor([int(flag)], device=device)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return bool(value.item())
+
+
+def gather_objects(obj: object) -> list[object]:
+    """Every process's ``obj`` (picklable), by rank."""
+    if world_size() == 1:
+        return [obj]
+    out: list[object] = [None] * world_size()
+    dist.all_gather_object(out, obj)
+    return out

@@ -8,7 +8,7 @@ its arithmetic. These are counted on any machine:
   such as ``promote_types`` included, in ``layer(x)`` and in ``out.backward(grad)`` with the parameters' gradients
   None, as after ``zero_grad()``, so no gradient accumulation is counted. Operators inside a Triton launch are left
   out: Triton's interpreter moves tensors there, and on a GPU a launch issues none.
-- Triton launches: the calls of the norms' kernel launcher (``mabn.norm._triton.Launcher``).
+- Triton launches: the calls of the norms' kernel launcher (``mabn.norm.fused.Launcher``).
 - Host time: the median of interleaved repeats of one forward and backward of a tiny input, where on the CPU the
   time is all overhead.
 
@@ -34,7 +34,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..norm import MABN2d
 from ..norm import mabn as mabn_module
-from ..norm._triton import Launcher, load
+from ..norm.fused import Launcher, load
 from .measure import environment, median_times
 
 SHAPE = (2, 64, 8, 8)  # a layer of PSPNet's batch of 2, small enough that the host time is all overhead
@@ -76,7 +76,7 @@ def statistic_paths(
     """Inside it a MABN2d training forward takes the Triton path for an input in ``triton_inputs`` (on any device, as
     a CUDA tensor selects it) and the torch-op path for any other. Without ``run_kernels`` a launch only packs its
     arguments. ``counter`` counts the launches and leaves the operators inside them out."""
-    kernels = load("_mabn_kernels") if triton_inputs else None
+    kernels = load("mabn_kernels") if triton_inputs else None
     if triton_inputs and kernels is None:
         raise RuntimeError("Triton is not importable (or MABN_FUSED=0): MABN2d has no Triton path here")
     launch_kernel = Launcher.__call__
@@ -135,7 +135,7 @@ def _layers(c: int) -> dict[str, tuple[nn.Module, bool]]:
     """Row name -> (layer, on MABN's Triton path). MABN in its steady state from the second step: moving averages and
     renormalization on (its counts are the same in every phase)."""
     rows: dict[str, tuple[nn.Module, bool]] = {"bn": (nn.BatchNorm2d(c), False)}
-    if load("_mabn_kernels") is not None:
+    if load("mabn_kernels") is not None:
         rows["mabn"] = (MABN2d(c, warmup_iters=1, renorm_warmup_iters=1), True)
     rows["mabn torch ops"] = (MABN2d(c, warmup_iters=1, renorm_warmup_iters=1), False)
     return rows

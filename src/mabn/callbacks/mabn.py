@@ -26,7 +26,7 @@ from torch import Tensor, nn
 
 from ..models import logged_norms
 from ..norm import MABN2d
-from ..norm._managed import ManagedNorm, managed_norms, raise_if_any_nonfinite
+from ..norm.managed import ManagedNorm, managed_norms, raise_if_any_nonfinite
 from .policy import NormPolicy, PhaseRule
 from .streams import PerDeviceStreams
 from .syncbn import SyncBatchNormCheck, has_sync_batchnorm

@@ -23,7 +23,7 @@ from typing import Any
 import pytorch_lightning as pl
 from lightning_fabric.plugins.environments import SLURMEnvironment
 
-from .distributed import any_device
+from ..process import any_device
 
 log = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .distributed import gather_objects
+from ..process import gather_objects
 from .perdevice import PerDeviceState
 
 RNG_KEY = "rng_states"

@@ -88,7 +88,7 @@ def save_backbone(
         "version": VERSION,
         "arch": check_arch(arch),
         "norm": norm,
-        "centralized": NORM_PRESETS[norm].centralize_weights,
+        "centralized": NORM_PRESETS[norm].centre_weights,
         "state_dict": backbone_state(model),
         "config": config,
         "val_top1": val_top1,
@@ -158,7 +158,7 @@ def _refusal(backbone: Backbone, norm: str) -> str | None:
     target, source = NORM_PRESETS[norm], NORM_PRESETS[backbone.norm]
     if backbone.norm == norm:
         return None
-    if target.centralize_weights and not backbone.centralized:
+    if target.centre_weights and not backbone.centralized:
         return (
             f"{norm} centres each conv's weights, which changes what every conv computes, so uncentred weights do "
             f"not carry over; pre-train with make pretrain NORM={norm}"

@@ -1,8 +1,19 @@
-"""Normalization layers: MABN and the norms it is compared with, conversion and folding."""
+"""Normalization layers: MABN and the norms it is compared with, the norms by name, conversion and folding."""
 
-from .batchrenorm import BatchRenorm2d
+from .batchrenorm import BatchRenorm2d, GhostBatchNorm2d
 from .cenconv import CenConv2d
-from .convert import NORM_PRESETS, NormPreset, convert_norm, fold_norms
+from .convert import convert_norm, fold_norms
+from .factory import NORM_PRESETS, NormPreset, create_norm
 from .mabn import MABN2d
 
-__all__ = ["MABN2d", "CenConv2d", "BatchRenorm2d", "convert_norm", "fold_norms", "NORM_PRESETS", "NormPreset"]
+__all__ = [
+    "MABN2d",
+    "CenConv2d",
+    "BatchRenorm2d",
+    "GhostBatchNorm2d",
+    "create_norm",
+    "convert_norm",
+    "fold_norms",
+    "NORM_PRESETS",
+    "NormPreset",
+]

@@ -1,5 +1,5 @@
 """The records a MABN2d training step passes between its statistic maths, its autograd Function and its Triton
-kernels (``mabn.py``, ``_mabn_kernels.py``): named, so that no caller unpacks a tuple by position."""
+kernels (``mabn.py``, ``mabn_kernels.py``): named, so that no caller unpacks a tuple by position."""
 
 from __future__ import annotations
 
@@ -25,6 +25,11 @@ class StepConfig(NamedTuple):
     policy: Tensor | None
     warmup_iters: int
     renorm_warmup_iters: int
+
+    def first_steps(self) -> tuple[int, int]:
+        """The layer's own timeline as ``phase``'s first steps (moving statistics, renormalization): the moving
+        statistics from forward ``warmup_iters``, r = 1 for the first ``renorm_warmup_iters`` forwards."""
+        return self.warmup_iters, self.renorm_warmup_iters + 1
 
 
 class ForwardStats(NamedTuple):

@@ -11,18 +11,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ._common import (
-    all_gather_stacked,
-    all_reduce_sum_,
-    check_input,
-    check_norm_args,
-    per_sample,
-    per_sample_bn_backward,
-    stat_dtype,
-    sync_group,
-    values_before_update,
-)
-from ._managed import ManagedNorm
+from ..process import all_gather_stacked, all_reduce_sum_, sync_group
+from ._checks import check_input, check_norm_args
+from ._steps import per_sample, per_sample_bn_backward, stat_dtype, values_before_update
+from .managed import ManagedNorm
 
 
 def _ramp(t: Tensor, start: float, end: float, low: float, high: float) -> Tensor:
@@ -114,7 +106,7 @@ class BatchRenorm2d(ManagedNorm):
     d = clip((mu_B - mu) / sigma, -dmax, dmax) held constant in backward. rmax ramps 1 -> r_max over
     training forwards r_ramp, dmax 0 -> d_max over d_ramp (Ioffe's schedule by default).
     ``momentum`` uses the paper's convention: stat = momentum * stat + (1 - momentum) * batch_stat.
-    With r_max=1 and d_max=0 this is plain BN, which gives ghost-batch BN through norm_batch_size.
+    With r_max=1 and d_max=0 this is plain BN over each normalization batch: ``GhostBatchNorm2d``.
     Inference: weight * (x - running_mean) / running_std + bias.
     ``sync_stats``: under ``torch.distributed`` with two or more processes, normalize group k of every
     device as one batch (its mean and second moment combined over the devices, and BN's gradient through
@@ -255,3 +247,31 @@ class BatchRenorm2d(ManagedNorm):
             "rmax": rmax,
             "dmax": dmax,
         }
+
+
+class GhostBatchNorm2d(BatchRenorm2d):
+    """Ghost-batch BatchNorm: each batch normalized in groups of ``norm_batch_size`` samples with their own statistics
+    and BN's exact gradient, the running mean and std (with eps) averaged over the groups, as ``BatchRenorm2d``
+    with r = 1 and d = 0 throughout; its buffers and state dict are BatchRenorm2d's.
+
+    ``momentum`` uses the paper's convention (the weight of the old value); ``sync_stats`` as in BatchRenorm2d.
+    """
+
+    def __init__(
+        self,
+        num_features: int,
+        eps: float = 1e-5,
+        momentum: float = 0.99,
+        norm_batch_size: int | None = None,
+        sync_stats: bool = False,
+    ) -> None:
+        super().__init__(
+            num_features, eps=eps, momentum=momentum, r_max=1.0, d_max=0.0, norm_batch_size=norm_batch_size,
+            sync_stats=sync_stats,
+        )  # fmt: skip
+
+    def extra_repr(self) -> str:
+        return (
+            f"{self.num_features}, eps={self.eps}, momentum={self.momentum}, norm_batch_size={self.norm_batch_size}"
+            + (", sync_stats=True" if self.sync_stats else "")
+        )

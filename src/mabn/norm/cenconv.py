@@ -1,4 +1,4 @@
-"""Weight-centralized convolution (MABN paper, section 4.2).
+"""Convolution with centred weights, the paper's "weight centralization" (MABN paper, section 4.2).
 
 A CenConv2d centres its filters in every training forward (and projects the weight gradient back), which is
 the definition and works with any optimizer. With SGD (any momentum, dampening, Nesterov and weight decay, no
@@ -103,7 +103,7 @@ class CenConv2d(nn.Conv2d):
 
     centred_in_place = False
 
-    def centered_weight(self) -> Tensor:
+    def centred_weight(self) -> Tensor:
         return _centred(self.weight)
 
     def forward(self, x: Tensor) -> Tensor:
@@ -121,7 +121,7 @@ class CenConv2d(nn.Conv2d):
             dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
             conf = (list(self.stride), list(self.padding), list(self.dilation), self.groups)
             return _CentredConv2d.apply(x, self.weight, self.bias, conf, dtype)
-        return self._conv_forward(x, self.centered_weight(), self.bias)
+        return self._conv_forward(x, self.centred_weight(), self.bias)
 
     @classmethod
     def from_conv(cls, conv: nn.Conv2d) -> CenConv2d:

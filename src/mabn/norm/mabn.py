@@ -25,19 +25,13 @@ from types import ModuleType
 import torch
 from torch import Tensor, nn
 
-from ._common import (
-    all_reduce_sum_,
-    check_input,
-    check_norm_args,
-    per_sample,
-    per_sample_bn_backward,
-    stat_dtype,
-    sync_group,
-    values_before_update,
-)
+from ..process import all_reduce_sum_, sync_group
+from ._checks import check_input, check_norm_args
 from ._mabn_types import EMA_STARTS, STATS, BackwardStats, ForwardStats, NativeBackward, StepConfig
-from ._managed import ManagedNorm
-from ._triton import kernels_for
+from ._steps import per_sample, per_sample_bn_backward, stat_dtype, values_before_update
+from .fused import kernels_for
+from .managed import ManagedNorm
+from .phase import phase
 
 
 class MABN2d(ManagedNorm):
@@ -299,10 +293,10 @@ class _MABNFunction(torch.autograd.Function):
 
 
 def _fused_kernels(x: Tensor) -> ModuleType | None:
-    """The one-launch Triton statistic steps (``_mabn_kernels``) for ``x``, or None for the torch-op steps
+    """The one-launch Triton statistic steps (``mabn_kernels``) for ``x``, or None for the torch-op steps
     below: on the CPU, without Triton, with MABN_FUSED=0, and inside a region ``torch.compile`` traces (there
     the compiler fuses the torch-op steps itself, with the ops around them)."""
-    return None if torch.compiler.is_compiling() else kernels_for(x, "_mabn_kernels")
+    return None if torch.compiler.is_compiling() else kernels_for(x, "mabn_kernels")
 
 
 # -- the statistic steps: the semantics, and the path for the CPU, sync_stats and torch.compile ---------------
@@ -341,7 +335,7 @@ def _phase(t: Tensor, cfg: StepConfig) -> tuple[Tensor, Tensor]:
     check): the callback's policy (``MABN2d.policy_flags``) when one is set, else the layer's own timeline."""
     if cfg.policy is not None:
         return cfg.policy[0] != 0, cfg.policy[1] != 0
-    return t >= cfg.warmup_iters, t > max(cfg.renorm_warmup_iters, cfg.warmup_iters)
+    return phase(t, *cfg.first_steps())
 
 
 def _group_chi2(norm: Tensor, groups: int, hw: int) -> Tensor:

@@ -9,6 +9,7 @@ from typing import Any
 
 from torch import Tensor
 
+from ..callbacks import NormPolicy
 from ..errors import ConfigError
 from ..files import first_line, load_weights_file
 from ..models import key_differences
@@ -54,6 +55,15 @@ def _mismatch(expected: dict[str, Tensor], given: dict[str, Tensor]) -> str | No
     return ", ".join(problems) or None
 
 
+def task_hparams(hparams: dict[str, Any]) -> dict[str, Any]:
+    """A checkpoint's ``hyper_parameters`` with the task's settings under the keys the task takes: a ``norm_policy``
+    rule may name its first steps by older keys (``NormPolicy.from_checkpoint`` translates them)."""
+    out = dict(hparams)
+    if out.get("norm_policy") is not None:
+        out["norm_policy"] = NormPolicy.from_checkpoint(out["norm_policy"]).as_dict()
+    return out
+
+
 def load_task(path: str | Path, error: type[Exception] = ConfigError) -> Restored:
     """Rebuild the task of a Lightning checkpoint from its hyperparameters and load its weights; ``error`` with one
     line naming the file when it is missing, unreadable, of another task, or holds weights that do not fit.
@@ -72,7 +82,7 @@ def load_task(path: str | Path, error: type[Exception] = ConfigError) -> Restore
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="No backbone given")  # the weights come next
-            task = TASKS[name](**kwargs)
+            task = TASKS[name](**task_hparams(kwargs))
     except (TypeError, ValueError) as err:
         raise error(f"{path}: cannot rebuild {name} from its hyper_parameters: {first_line(err)}") from err
     state = {k.removeprefix("model."): v for k, v in ckpt["state_dict"].items() if k.startswith("model.")}

@@ -1,4 +1,6 @@
-"""Input checks and ghost-batch bookkeeping shared by the batch-statistic norms."""
+"""The torch-op pieces that the batch-statistic norms' statistic steps share: the statistics' dtype, per-group
+values spread over the samples of each ghost batch, PyTorch's native BN backward per sample, and the buffers' values
+before a step updates them."""
 
 from __future__ import annotations
 
@@ -6,48 +8,6 @@ import functools
 
 import torch
 from torch import Tensor
-
-from ..process import world_size
-
-
-def check_input(layer: str, x: Tensor, num_features: int, norm_batch_size: int | None, training: bool) -> int:
-    """Validate a 4-D NCHW input and return G, the number of normalization groups in it.
-
-    Runs before any state is touched, so a rejected batch leaves every buffer as it was. Only a
-    training forward takes statistics, so only it needs a non-empty batch split into whole groups.
-    """
-    if x.dim() != 4:
-        raise ValueError(f"{layer} expects 4-D input (N, C, H, W), got shape {tuple(x.shape)}")
-    n, c, h, w = x.shape
-    if c != num_features:
-        raise ValueError(f"{layer} was built for {num_features} channels, got input with {c} (shape {tuple(x.shape)})")
-    if not training:
-        return 1
-    if n * h * w == 0:
-        raise ValueError(f"{layer} got an empty batch (shape {tuple(x.shape)}): statistics of nothing are undefined")
-    b = norm_batch_size or n
-    if n % b != 0:
-        raise ValueError(
-            f"{layer}: batch of {n} samples is not divisible by norm_batch_size={b}; "
-            "use a batch size that is a multiple of it (e.g. drop_last=True in the data loader)"
-        )
-    return n // b
-
-
-def check_norm_args(layer: str, momentum: float, norm_batch_size: int | None) -> None:
-    """The constructor checks that MABN2d and BatchRenorm2d share."""
-    if not 0.0 <= momentum < 1.0:
-        raise ValueError(f"{layer}: momentum must be in [0, 1), got {momentum}")
-    if norm_batch_size is not None and norm_batch_size < 1:
-        raise ValueError(f"{layer}: norm_batch_size must be >= 1 or None, got {norm_batch_size}")
-
-
-def nonfinite_error(layer: str, what: str) -> FloatingPointError:
-    """The error for a non-finite statistic, which the layer refused to store."""
-    return FloatingPointError(
-        f"{layer}: non-finite {what} (input or gradient holds NaN/inf or overflows); buffers left unchanged"
-    )
-
 
 # torch.promote_types goes through the dispatcher, an operator call that an eager step would pay in every layer: the
 # answers for the float dtypes are looked up instead.
@@ -101,32 +61,6 @@ def _no_statistics(dtype: torch.dtype, device: torch.device) -> Tensor:
     """The native backward's saved batch statistics, none: inference mode reads the running ones, but CUDA needs
     tensors. One per dtype and device, made once: an allocation is an operator call on the host at every backward."""
     return torch.empty(0, dtype=dtype, device=device)
-
-
-def sync_group() -> bool:
-    """Whether statistics can be combined across processes: a default process group of two or more.
-
-    Without one (a single process, or ``torch.distributed`` not initialized) a layer built with
-    ``sync_stats=True`` normalizes over its own batch, exactly like one built without it.
-    """
-    return world_size() > 1
-
-
-def all_reduce_sum_(t: Tensor) -> Tensor:
-    """Sum ``t`` over every process of the default group, in place; returns ``t``.
-
-    Every process must call this in the same order (once per layer and direction), as with SyncBatchNorm:
-    a layer skipped on one device leaves the others waiting.
-    """
-    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.SUM)
-    return t
-
-
-def all_gather_stacked(t: Tensor) -> Tensor:
-    """``t`` of every process of the default group, stacked along a new first dimension (rank order)."""
-    parts = [torch.empty_like(t) for _ in range(world_size())]
-    torch.distributed.all_gather(parts, t.contiguous())
-    return torch.stack(parts)
 
 
 @torch.library.custom_op("mabn::snapshot", mutates_args=())

@@ -13,6 +13,7 @@ roots and divisions use the correctly rounded forms (``sqrt_rn``, ``div_rn``), a
 
 # No "from __future__ import annotations": Triton reads the tl.float64 annotations as objects.
 import functools
+import types
 
 import torch
 import triton
@@ -20,9 +21,14 @@ import triton.language as tl
 from torch import Tensor, nn
 
 from ._mabn_types import BackwardStats, ForwardStats, NativeBackward, StepConfig
-from ._triton import Launcher, aligned, key_of
+from .fused import Launcher, aligned, key_of
+from .phase import phase
 
 STATS_CODE = {"batch": 0, "sma": 1, "ema": 2}
+
+# The one phase rule, compiled into the kernel. Rebound to this module's globals: Triton's interpreter (the CPU tests)
+# runs a jit function with the triton.language of its module, which phase.py, importable without Triton, lacks.
+_phase = triton.jit(types.FunctionType(phase.__code__, globals(), "phase"))
 
 
 @triton.jit
@@ -119,8 +125,8 @@ def forward_kernel(
     momentum_: tl.float64,
     eps_: tl.float64,
     clip_: tl.float64,
-    warmup,
-    renorm_start,
+    moving_first,
+    renorm_first,
     M: tl.constexpr,
     STATS: tl.constexpr,
     RENORM: tl.constexpr,
@@ -153,8 +159,7 @@ def forward_kernel(
         moving = tl.load(policy_ptr) != 0
         renorm_on = tl.load(policy_ptr + 1) != 0
     else:
-        moving = t >= warmup
-        renorm_on = t > renorm_start
+        moving, renorm_on = _phase(t, moving_first, renorm_first)
     for k in range(G):
         tl.store(active_ptr + k, (moving & (count + k >= M) & (STATS != 0)).to(active_ptr.dtype.element_ty))
     tl.debug_barrier()  # chi^2 and the active flags are read back below
@@ -308,7 +313,7 @@ def forward_stats(
     chi2, var, r, ema, weight_flat, var_flat, mean_flat, active = outs
     scale = torch.empty(n, c, 1, 1, dtype=x_dtype, device=norm.device)
     ints = (c, groups, n // groups)
-    timeline = (cfg.warmup_iters, max(cfg.renorm_warmup_iters, cfg.warmup_iters))
+    first_steps = cfg.first_steps()
     consts = dict(
         M=cfg.buffer_size,
         STATS=STATS_CODE[cfg.stats],
@@ -318,14 +323,14 @@ def forward_stats(
         BLOCK=_block(c),
     )
     history = layer.buffer_x2  # a module attribute lookup costs host time too: once
-    key = key_of(norm, x_dtype, weight.dtype, history.dtype, aligned(weight), *ints, *timeline, *consts.values())
+    key = key_of(norm, x_dtype, weight.dtype, history.dtype, aligned(weight), *ints, *first_steps, *consts.values())
     _forward(
         key,
         (
             *(norm, weight, history, layer.running_var, layer.iters, layer.count_x2),
             *(chi2, var, r, active, ema, scale, weight_flat, var_flat, mean_flat),
             *(layer.nonfinite_flags(norm.device), layer.policy_flags(norm.device)),
-            *(*ints, float(hw), cfg.momentum, cfg.eps, cfg.renorm_clip, *timeline),
+            *(*ints, float(hw), cfg.momentum, cfg.eps, cfg.renorm_clip, *first_steps),
         ),
         consts,
     )

@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import Tensor, nn
 
-from ._common import nonfinite_error
+from ._checks import nonfinite_error
 
 
 def _static(t: Tensor) -> Tensor:
