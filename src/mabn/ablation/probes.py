@@ -24,8 +24,8 @@ class BatchNormProbe:
     first normalization batch, ``<stat>_regular`` of the whole gradient batch (y still normalized per
     normalization batch, as the network sees it).
 
-    For ``nn.BatchNorm2d`` and ghost-batch BN (``BatchRenorm2d`` with r_max=1, d_max=0, so r = 1 and
-    out = gamma * y + beta, hence dL/dy = gamma * dL/dout). BRN proper scales y by r != 1: refused.
+    For ``nn.BatchNorm2d`` and ghost-batch BN (``GhostBatchNorm2d``, or any ``BatchRenorm2d`` with r_max=1,
+    d_max=0: r = 1 and out = gamma * y + beta, hence dL/dy = gamma * dL/dout). BRN proper scales y by r != 1: refused.
     """
 
     def __init__(self, layer: nn.Module) -> None:
