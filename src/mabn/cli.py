@@ -36,7 +36,7 @@ from typing import Any
 import pytorch_lightning as pl
 import torch
 from jsonargparse import ArgumentParser, DefaultHelpFormatter, Namespace
-from pytorch_lightning.cli import LightningCLI, SaveConfigCallback
+from pytorch_lightning.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
 
 from . import runlock, runs
 from .callbacks import AgreedRequeue, FailFast, OutOfMemoryReport, RandomStateCallback
@@ -192,6 +192,18 @@ class ArgumentMistake(UserError):
 class PlainHelpFormatter(PlainTextHelp, DefaultHelpFormatter):
     """jsonargparse's help (types, defaults) in plain text: the help of Lightning's and the tasks' arguments comes
     from their docstrings."""
+
+
+class MabnArgumentParser(LightningArgumentParser):
+    """The LightningCLI's parsers, and the ones jsonargparse makes for a class's help (``--model.help``): named
+    ``python -m mabn``, help in plain text, and a parse error raised (``MabnCLI.parse_arguments`` turns it into
+    one line) instead of printing the whole usage."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("prog", PROG)
+        kwargs.setdefault("formatter_class", PlainHelpFormatter)
+        kwargs.setdefault("exit_on_error", False)
+        super().__init__(*args, **kwargs)
 
 
 def _type_names(text: str) -> str:
@@ -380,8 +392,7 @@ def run_cli(
         subclass_mode_data=True,
         save_config_callback=AtomicSaveConfig,
         save_config_kwargs={"overwrite": True},
-        # Parse errors raise (``parse_arguments`` turns them into one line); the subcommands inherit both settings.
-        parser_kwargs={"prog": PROG, "exit_on_error": False, "formatter_class": PlainHelpFormatter},
+        parser_class=MabnArgumentParser,
         args=args,
         run=run,
         dry_run=dry_run,
