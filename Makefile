@@ -59,12 +59,13 @@ GPU_TESTS = tests/test_mabn_kernels.py tests/test_norm_reference.py tests/test_n
 test-gpu: $(STAMP)
 	MABN_TEST_DEVICE=cuda $(PY) -m pytest -q $(GPU_TESTS)
 
-# The first thing to run whenever a GPU is at hand, its report in docs/bench-cuda.md, rewritten as each part ends:
+# The first thing to run whenever a GPU is at hand, its report in runs/bench/bench-cuda.md (OUT=docs: the docs'
+# docs/bench-cuda.md), rewritten as each part ends:
 # the chain of a real stage-2 run (fit killed and resumed on the default path under DDP, test, predict, export, two
 # ranks over gloo with CUDA graphs), then the PSPNet-101 step at crop 713 (CUDA graphs, eager, bf16-mixed, compiled).
 # make test-gpu after it. A GPU machine without this checkout's packages: docs/testing.md#on-a-gpu.
 gpu-check: $(STAMP)
-	$(PY) -m mabn bench check
+	$(PY) -m mabn bench check $(if $(OUT),--out "$(OUT)")
 
 # The wheels a lent GPU machine lacks (smp, albumentations, jsonargparse, ...) into .gpu-wheels/, to carry there.
 gpu-wheels: $(STAMP)
@@ -120,12 +121,13 @@ OUT ?=
 plots: $(STAMP)
 	$(PY) -m mabn plots "$(RUN)" $(if $(OUT),--out "$(OUT)")
 
-# The cost table (norm layers, PSPNet-101 training step, inference) on CUDA when present, else the CPU.
+# The cost table (norm layers, PSPNet-101 training step, inference) on CUDA when present, else the CPU; reports in
+# runs/bench/ (OUT=docs: in docs/, the reports the docs quote); ARGS: further options of python -m mabn bench.
 bench: $(STAMP)
-	$(PY) -m mabn bench all $(ARGS)
+	$(PY) -m mabn bench all $(if $(OUT),--out "$(OUT)") $(ARGS)
 
 bench-norm: $(STAMP)
-	$(PY) -m mabn bench norm --out docs/bench-norm-$$($(PY) -c "import torch; print('cuda' if torch.cuda.is_available() else 'cpu')").md
+	$(PY) -m mabn bench norm --out "$(or $(OUT),runs/bench)" $(ARGS)
 
 # The paper's ImageNet ablation (Tables 2 and 6) at small scale: the key rows BN(32), BN(2), BRN(2), modified
 # BN(2) and MABN(2) x 8 paired seeds of a small ResNet, with paired t-tests against BN(32); table and figures

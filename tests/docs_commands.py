@@ -4,7 +4,7 @@ What counts as a command (``extract``):
 
 - in a fenced block marked ``bash``, ``sh``, ``shell``, ``console`` or unmarked, and in an indented (4-space)
   code block: every line that starts a command of this product: ``make``, ``python``/``python3`` (``-m mabn``,
-  ``-m mabn.<module>``, ``-m pytest``, ``-c "..."``, a script), ``scripts/...``, ``sbatch``, ``srun``,
+  ``-m pytest``, ``-c "..."``, a script), ``scripts/...``, ``sbatch``, ``srun``,
   ``torchrun``, each possibly after ``NAME=value`` environment words. Backslash continuations are joined, a
   quoted argument that spans lines (``python -c "..."`` over several lines) is kept whole with its newlines,
   and a trailing ``# comment`` is removed. ``git``, ``cd``, ``wandb``, ``csEval...`` and other tools' commands
@@ -296,12 +296,11 @@ def make_targets(argv: list[str]) -> list[str]:
 
 
 def mabn_command(argv: list[str]) -> tuple[str | None, list[str]] | None:
-    """For ``python -m mabn[.<module>] ...``: (the command, its arguments); None for another python command."""
-    if len(argv) < 3 or argv[1] != "-m" or not (argv[2] == "mabn" or argv[2].startswith("mabn.")):
+    """For ``python -m mabn ...``: (the command, its arguments); None for another python command (a module of the
+    package run on its own is no entry point of the product)."""
+    if len(argv) < 3 or argv[1] != "-m" or argv[2] != "mabn":
         return None
-    if argv[2] == "mabn":
-        return (argv[3] if len(argv) > 3 else None), argv[4:]
-    return argv[2].removeprefix("mabn."), argv[3:]
+    return (argv[3] if len(argv) > 3 else None), argv[4:]
 
 
 def classify(command: Command) -> str:

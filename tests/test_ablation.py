@@ -11,11 +11,11 @@ import pytest
 import torch
 from torch import nn
 
-from mabn.ablation import __main__ as ablation
 from mabn.ablation import train
 from mabn.ablation.probes import BatchNormProbe, MABNProbe
 from mabn.ablation.rows import KEY_ROWS, ROWS, ROWS_BY_KEY, layer_options, select
 from mabn.ablation.train import TrainConfig, build_model, lr_factor, train_run
+from mabn.commands import ablation
 from mabn.data import demo_imagenet
 from mabn.norm import BatchRenorm2d, CenConv2d, GhostBatchNorm2d, MABN2d
 

@@ -13,6 +13,7 @@ import torchvision
 from torch import nn
 
 from mabn import cli, launch
+from mabn.commands import stage
 from mabn.data import demo_cityscapes, demo_imagenet
 from mabn.models import (
     BackboneError,
@@ -224,7 +225,7 @@ def test_which_stage1_norm_starts_which_encoder(source, centralized, target, rea
 def _launch(argv: list[str], capsys) -> tuple[int, str, str]:
     capsys.readouterr()
     try:
-        launch.main(argv)
+        stage.main(argv)
         code = 0
     except SystemExit as exit_info:
         code = exit_info.code

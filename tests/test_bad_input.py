@@ -20,6 +20,7 @@ import torch
 from PIL import Image
 
 from mabn import launch
+from mabn.commands import stage
 from mabn.data import demo_cityscapes, demo_imagenet, demo_segment
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -213,7 +214,7 @@ def test_grayscale_and_rgba_images_train(work, capsys):
     Image.open(rgba).convert("RGBA").save(rgba)
     pictures = work / "imagenet/train"
     Image.open(_first(pictures, "*.png")).convert("L").save(_first(pictures, "*.png"))
-    launch.main([CS, "--data", str(work / "cityscapes"), "--norm", "gn", "--backbone", "none", "--", *CITYSCAPES_FIT])
+    stage.main([CS, "--data", str(work / "cityscapes"), "--norm", "gn", "--backbone", "none", "--", *CITYSCAPES_FIT])
     assert (work / "runs/cityscapes/gn/checkpoints/last.ckpt").is_file()
-    launch.main(["pretrain", "--data", str(work / "imagenet"), "--norm", "gn", "--", *IMAGENET_FIT])
+    stage.main(["pretrain", "--data", str(work / "imagenet"), "--norm", "gn", "--", *IMAGENET_FIT])
     assert (work / "runs/pretrain/gn/checkpoints/last.ckpt").is_file()

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from mabn.bench import chain, infer, report, step
-from mabn.bench.__main__ import main, run_check
+from mabn.commands.bench import main, run_check
 from mabn.models import PSPNet
 
 CPU = torch.device("cpu")
@@ -50,7 +50,7 @@ def test_step_and_infer_report_one_row_per_norm_with_finite_positive_ratios(meas
     _, step_rows, infer_rows = measured
     sections = [step.table(step_rows, 2, 32, 2), infer.table(infer_rows, 2, (32, 64))]
     env = report.header(CPU)
-    md, png = report.write(tmp_path / "bench.md", CPU, "python -m mabn.bench all", sections, step_rows, infer_rows, env)
+    md, png = report.write(tmp_path / "bench.md", CPU, "python -m mabn bench all", sections, step_rows, infer_rows, env)
     text = md.read_text()
     assert png == tmp_path / "bench.png" and png.read_bytes().startswith(b"\x89PNG")
     assert "![ratios to BN](bench.png)" in text
@@ -169,7 +169,7 @@ def test_check_saves_each_section_as_it_ends(monkeypatch, tmp_path):
     out, sections = tmp_path / "bench-cuda.md", []
 
     def save(chart):
-        return report.write(out, CPU, "python -m mabn.bench check", sections, chart, [], "env")
+        return report.write(out, CPU, "python -m mabn bench check", sections, chart, [], "env")
 
     with pytest.raises(RuntimeError, match="cut short"):
         run_check(CPU, 1, 2, "reduce-overhead", sections, save)

@@ -168,7 +168,7 @@ def assets(tmp_path_factory) -> Assets:
 def _tiny_fit(stage: str, data: Path, work: Path) -> Path:
     """The run folder of a two-step MABN fit of PSPNet on ResNet-18 at crop 32 of ``stage`` on ``data``, its
     norm statistics logged at every step (for plots)."""
-    from mabn import launch
+    from mabn.commands.stage import main as run_stage
 
     folder = work / "runs" / stage / "mabn"
     extra = [
@@ -181,8 +181,8 @@ def _tiny_fit(stage: str, data: Path, work: Path) -> Path:
     cwd = Path.cwd()
     os.chdir(work)
     try:
-        launch.main([stage, "--data", str(data), "--norm", "mabn", "--backbone", "none", "--run-dir", str(folder),
-                     "--", *extra])  # fmt: skip
+        run_stage([stage, "--data", str(data), "--norm", "mabn", "--backbone", "none", "--run-dir", str(folder),
+                   "--", *extra])  # fmt: skip
     finally:
         os.chdir(cwd)
     assert (folder / "checkpoints" / "last.ckpt").is_file() and (folder / "metrics.csv").is_file()
@@ -427,8 +427,8 @@ def _run_folder(folder: Path, case: Case, checkpoint: Path | None = None) -> Non
 def _ablation_results(code: str, case: Case) -> None:
     """The results.json files a snippet reads, written by the ablation's writer for the rows of their command."""
     from mabn.ablation import report
-    from mabn.ablation.__main__ import DEFAULT_SEEDS, DEFAULT_STEPS
     from mabn.ablation.train import RunResult
+    from mabn.commands.ablation import DEFAULT_SEEDS, DEFAULT_STEPS
 
     for folder in sorted(set(re.findall(r"(runs/ablation[\w-]*)/results\.json", code))):
         assert folder in ABLATION_RUNS, f"{folder}: which rows? add them to ABLATION_RUNS"
@@ -439,7 +439,7 @@ def _ablation_results(code: str, case: Case) -> None:
         ]  # fmt: skip
         path = case.sandbox / folder / "results.json"
         if not path.exists():
-            report.write_results(path, {"command": f"python -m mabn.ablation --out {folder}"}, results)
+            report.write_results(path, {"command": f"python -m mabn ablation --out {folder}"}, results)
             case.created |= {path, path.parent}
 
 
@@ -483,7 +483,7 @@ def _mabn(argv: list[str], call: Call, case: Case) -> int:
     """``python -m mabn <argv>`` in this process, as the case's kind runs it."""
     from mabn import cli
     from mabn.__main__ import main
-    from mabn.errors import ConfigError
+    from mabn.errors import UserError
 
     sub = argv[0] if argv else None
     if sub in dc.STAGES:
@@ -499,7 +499,7 @@ def _mabn(argv: list[str], call: Call, case: Case) -> int:
         def check() -> int:
             try:
                 print("\n".join(cli.check(argv) or []))
-            except ConfigError as err:
+            except UserError as err:
                 print(f"error: {err}", file=sys.stderr)
                 return 2
             return 0
@@ -580,9 +580,8 @@ def _check_launcher(case: Case, start: int, code: int, name: str) -> int:
 def _replay(call: Call, case: Case) -> int:
     argv, start = call.argv, len(case.output)
     if call.program in ("python", "python3"):
-        if argv[:1] == ["-m"] and (argv[1] == "mabn" or argv[1].startswith("mabn.")):
-            rest = argv[2:] if argv[1] == "mabn" else [argv[1].removeprefix("mabn."), *argv[2:]]
-            code = _mabn(rest, call, case)
+        if argv[:2] == ["-m", "mabn"]:
+            code = _mabn(argv[2:], call, case)
             return _check_launcher(case, start, code, "SLURMEnvironment") if "SLURM_JOB_ID" in call.env else code
         if argv[:2] == ["-m", "pytest"]:
             return _pytest(argv[2:], call, case)

@@ -116,7 +116,7 @@ def test_step_bench_has_the_plain_loop_rows_for_resnet50(monkeypatch, capsys):
     text = step.table(rows, 1, 32, 2, model="resnet50")
     assert f"| {step.PLAIN} |" in text and '`convert_norm(model, "mabn")` (the whole batch)' in text
 
-    from mabn.bench.__main__ import main
+    from mabn.commands.bench import main
 
     capsys.readouterr()
     main(["step", "--model", "resnet50", "--batch", "8", "--crop", "160", "--dry-run"])

@@ -68,18 +68,3 @@ def test_stage2_demo_reads_only_the_demo_backbone(tmp_path, monkeypatch):
     Path("pretrain/demo/resnet101-gn.pt").write_bytes(b"demo")
     demo = launch.build_args("cityscapes", None, "gn", 0, 1, [])
     assert _value(demo, "--model.init_args.backbone") == str(Path("pretrain/demo/resnet101-gn.pt"))
-
-
-def test_one_entry_point_lists_every_command_and_each_has_help(capsys):
-    from mabn.__main__ import COMMANDS, main
-
-    assert main(["--help"]) == 0
-    listing = capsys.readouterr().out
-    for name in COMMANDS:
-        assert name in listing, name
-    for name in COMMANDS:
-        with pytest.raises(SystemExit) as exit_info:
-            main([name, "--help"])
-        assert exit_info.value.code == 0, name
-        assert "usage" in capsys.readouterr().out.lower(), name
-    assert main(["no-such-command"]) == 2

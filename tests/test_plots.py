@@ -10,8 +10,8 @@ import pytest
 import pytorch_lightning as pl
 from PIL import Image
 
+from mabn.commands.plots import main
 from mabn.plots import Series, figures, find_metrics, layer_statistics, read_metrics
-from mabn.plots.__main__ import main
 
 MABN_KEYS = ("chi2_batch", "chi2_sma", "chi2_ema", "psi_batch", "psi_bar", "r_mean", "r_clipped", "phase")
 BRN_KEYS = ("mu_batch", "mu_ema", "sigma_batch", "sigma_ema", "r_mean", "r_clipped", "d_abs_mean", "rmax", "dmax")

@@ -14,7 +14,9 @@ import pytest
 import torch
 from PIL import Image
 
-from mabn import cli, evaluate, launch, predict
+from mabn import cli, launch, predict
+from mabn.commands import test as evaluate
+from mabn.commands.predict import main as predict_main
 from mabn.data import demo_cityscapes
 from mabn.data.cityscapes import CLASS_NAMES
 
@@ -80,7 +82,7 @@ def test_official_evaluator_on_predict_pngs_gives_the_miou_of_test(fitted, tmp_p
     result = evaluate.run_test(evaluate.parser().parse_args(options))  # the same run, for its float64 numbers
     assert f"| **mIoU** | **{100 * result['miou'].item():.2f}** |" in out
 
-    code, out, err = _run(predict.main, [*options, "--overlay"], capsys)
+    code, out, err = _run(predict_main, [*options, "--overlay"], capsys)
     assert code == 0, err
     folder = ckpt.parent.parent / "predictions" / f"{ckpt.stem}-val"
     frames = sorted(p.name[: -len("_gtFine_labelIds.png")] for p in (data / "gtFine" / "val").rglob("*labelIds.png"))
@@ -129,7 +131,7 @@ def test_predict_never_writes_into_another_runs_folder(fitted, tmp_path, monkeyp
     mine = out / "notes.txt"
     mine.write_text("a user's file")
     argv = [str(ckpt), "--images", str(images), "--out", str(out), "--num-workers", "0"]
-    code, _, err = _run(predict.main, argv, capsys)
+    code, _, err = _run(predict_main, argv, capsys)
     assert code == 2 and len(err) == 1, err
     assert (
         err[0].startswith(f"error: {out} already holds files of another run (no predict.json)")
@@ -139,13 +141,13 @@ def test_predict_never_writes_into_another_runs_folder(fitted, tmp_path, monkeyp
 
     fresh = tmp_path / "fresh"
     argv[argv.index(str(out))] = str(fresh)
-    assert _run(predict.main, argv, capsys)[0] == 0
+    assert _run(predict_main, argv, capsys)[0] == 0
     written = (fresh / "labelIds" / "street_labelIds.png").stat().st_mtime_ns
-    assert _run(predict.main, argv, capsys)[0] == 0  # the same run again continues in its folder
+    assert _run(predict_main, argv, capsys)[0] == 0  # the same run again continues in its folder
     assert (fresh / "labelIds" / "street_labelIds.png").stat().st_mtime_ns >= written
-    code, _, err = _run(predict.main, [*argv, "--flip"], capsys)  # other options: another run
+    code, _, err = _run(predict_main, [*argv, "--flip"], capsys)  # other options: another run
     assert code == 2 and "checkpoint " in err[0]
-    assert _run(predict.main, [*argv, "--flip", "--overwrite"], capsys)[0] == 0
+    assert _run(predict_main, [*argv, "--flip", "--overwrite"], capsys)[0] == 0
     assert json.loads((fresh / predict.MANIFEST).read_text())["flip"] is True
     assert not list(fresh.rglob("*.tmp"))
 

@@ -12,6 +12,7 @@ import torch
 
 from mabn import MABN2d, cli, convert_norm, launch
 from mabn.callbacks.policy import NormPolicy
+from mabn.commands import fit
 from mabn.data import demo_imagenet
 from mabn.models import BackboneError, load_backbone, load_backbone_into, norm_kwargs_for
 from mabn.tasks import ClassificationTask
@@ -138,7 +139,7 @@ def _copy_tree(src: Path, dst: Path) -> Path:
 
 def _expect_error(capsys, args, *fragments):
     with pytest.raises(SystemExit) as exit_info:
-        cli.main(args)
+        fit.main(args)
     assert exit_info.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: "), err

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from mabn import launch, scaling
+from mabn import scaling
+from mabn.commands import stage as stage_command
 from mabn.errors import ConfigError
 
 LAYOUTS = [(1, 1), (8, 1), (8, 2), (8, 4), (8, 8)]  # GPUs per node x nodes, as the users run them
@@ -44,7 +45,7 @@ def layouts(tmp_path_factory) -> dict[str, Path]:
 
 def _dry_run(capsys, stage: str, data: Path, gpus: int, nodes: int, *more: str) -> dict[str, str]:
     capsys.readouterr()
-    launch.main([stage, "--data", str(data), "--gpus", str(gpus), "--nodes", str(nodes), "--dry-run", *more])
+    stage_command.main([stage, "--data", str(data), "--gpus", str(gpus), "--nodes", str(nodes), "--dry-run", *more])
     lines = capsys.readouterr().out.splitlines()
     said = {line.split(":", 1)[0]: line.split(":", 1)[1].strip() for line in lines if ":" in line}
     return said | {"command": next(line for line in lines if line.startswith("python -m mabn fit"))}

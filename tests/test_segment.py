@@ -17,7 +17,10 @@ import torch
 import yaml
 from PIL import Image
 
-from mabn import evaluate, launch, predict
+from mabn import launch, predict
+from mabn.commands import stage
+from mabn.commands import test as evaluate
+from mabn.commands.predict import main as predict_main
 from mabn.data import demo_segment
 from mabn.data.classes import ClassTable, voc_palette
 from mabn.data.errors import DatasetError
@@ -57,7 +60,7 @@ def fitted(tmp_path_factory) -> tuple[Path, Path, str]:
     try:
         with warnings.catch_warnings(), contextlib.redirect_stdout(printed):
             warnings.simplefilter("ignore")
-            launch.main(["segment", "--data", str(data), "--backbone", "none", "--run-dir", str(folder), "--", *TINY])
+            stage.main(["segment", "--data", str(data), "--backbone", "none", "--run-dir", str(folder), "--", *TINY])
     finally:
         logger.removeHandler(logged)
     return data, folder / "checkpoints" / "last.ckpt", printed.getvalue() + "\n".join(logged.lines)
@@ -97,7 +100,7 @@ def test_test_and_predict_read_the_class_table_from_the_checkpoint(fitted, tmp_p
     assert all(f"| {name} |" in out for name in NAMES) and "| wall |" not in out
 
     out_dir = tmp_path / "val"
-    code, out, err = _run(predict.main, [str(ckpt), "--num-workers", "0", "--out", str(out_dir), "--overlay"], capsys)
+    code, out, err = _run(predict_main, [str(ckpt), "--num-workers", "0", "--out", str(out_dir), "--overlay"], capsys)
     assert code == 0, err
     frames = [f"scene{i:03d}" for i in range(3)]
     assert sorted(p.name for p in (out_dir / "masks").iterdir()) == [f"{f}.png" for f in frames]
@@ -130,7 +133,7 @@ def test_one_image_by_predict_by_the_python_api_and_by_test_is_one_class_map(fit
     monkeypatch.setattr(SegmentationTask, "predict_classes", predict_classes)
     by_test = tested[1]
 
-    code, _, err = _run(predict.main, [str(ckpt), "--images", str(image), "--num-workers", "0", *options], capsys)
+    code, _, err = _run(predict_main, [str(ckpt), "--images", str(image), "--num-workers", "0", *options], capsys)
     assert code == 0, err
     written = ckpt.parent.parent / "predictions" / "last-scene001" / "masks" / "scene001.png"
     table = ClassTable.read(data / "classes.yaml")
@@ -154,14 +157,14 @@ def test_predict_takes_a_glob(fitted, tmp_path, monkeypatch, capsys):
     data, ckpt, _ = fitted
     monkeypatch.chdir(tmp_path)
     pattern = str(data / "images" / "*" / "scene00[12].jpg")
-    code, out, err = _run(predict.main, [str(ckpt), "--images", pattern, "--out", "out", "--num-workers", "0"], capsys)
+    code, out, err = _run(predict_main, [str(ckpt), "--images", pattern, "--out", "out", "--num-workers", "0"], capsys)
     assert code == 2 and err[-1].startswith("error: images ") and "are both frame scene001" in err[-1]  # train, val
     pattern = str(data / "images" / "val" / "scene00[12].jpg")
-    code, out, err = _run(predict.main, [str(ckpt), "--images", pattern, "--out", "out", "--num-workers", "0"], capsys)
+    code, out, err = _run(predict_main, [str(ckpt), "--images", pattern, "--out", "out", "--num-workers", "0"], capsys)
     assert code == 0, err
     assert sorted(p.name for p in Path("out/masks").iterdir()) == ["scene001.png", "scene002.png"]
     assert predict.images_name([pattern]) == "val" and predict.images_name([data / "images"]) == "images"
-    code, _, err = _run(predict.main, [str(ckpt), "--images", "nothing/*.png", "--num-workers", "0"], capsys)
+    code, _, err = _run(predict_main, [str(ckpt), "--images", "nothing/*.png", "--num-workers", "0"], capsys)
     assert code == 2 and err == ["error: no .png/.jpg/.jpeg/.bmp/.tif/.tiff/.webp images match nothing/*.png"]
 
 

@@ -1,9 +1,11 @@
-"""``python -m mabn <command>``: the one entry point of the product (``python -m mabn --help`` lists them)."""
+"""``python -m mabn <command>``: the one entry point of the product; each command lives in ``mabn.commands``,
+imported only when it runs (``python -m mabn --help`` lists them)."""
 
 from __future__ import annotations
 
+import difflib
+import importlib
 import sys
-from collections.abc import Callable
 
 USAGE = """usage: python -m mabn <command> [arguments]   (python -m mabn <command> --help for each)
 
@@ -12,7 +14,8 @@ stages (the recipes of configs/, the demo profile without --data):
   cityscapes    stage 2: fine-tune PSPNet-101 on Cityscapes from a stage-1 backbone
   segment       stage 2 on a dataset of your own (--data DIR: images/, masks/, classes.yaml)
 LightningCLI (--config configs/<stage>.yaml ...):
-  fit, validate
+  fit           train
+  validate      score the validation split
 stage-2 checkpoints:
   test          score a checkpoint on a split (sliding windows, flip and scales as options): per-class IoU
   predict       a checkpoint's predictions of a split, a folder, an image or a glob: mask PNGs, colour masks
@@ -24,78 +27,36 @@ results:
   demo-data     generate the demo data sets the stages use without --data (pretrain, cityscapes, segment)
 """
 
-
-def _stage(name: str) -> Callable[[list[str]], object]:
-    def run(argv: list[str]) -> object:
-        from . import launch
-
-        return launch.main([name, *argv])
-
-    return run
-
-
-def _lightning(argv: list[str]) -> object:
-    from . import cli
-
-    return cli.main(argv)
-
-
-def _module(module: str) -> Callable[[list[str]], object]:
-    """A command whose code lives in ``mabn.<module>``, imported only when it runs (export pulls in the ONNX
-    exporters, bench and ablation their own models)."""
-
-    def run(argv: list[str]) -> object:
-        import importlib
-
-        return importlib.import_module(f"{__package__}.{module}").main(argv)
-
-    return run
-
-
-def _demo_data(argv: list[str]) -> object:
-    import argparse
-
-    from . import launch
-
-    parser = argparse.ArgumentParser(
-        prog="python -m mabn demo-data", description="Generate the demo data sets the stages use without --data."
-    )
-    parser.add_argument("stages", nargs="*", help=f"any of {', '.join(sorted(launch.PROFILES))} (default: all)")
-    stages = parser.parse_args(argv).stages or sorted(launch.PROFILES)
-    for stage in stages:
-        if stage not in launch.PROFILES:
-            parser.error(f"unknown stage {stage!r}: choose from {', '.join(sorted(launch.PROFILES))}")
-    for stage in stages:
-        profile = launch.PROFILES[stage]
-        profile.generate_demo(launch.DEMO_DATA / profile.demo.replace("_", "-"))
-    return 0
-
-
-COMMANDS: dict[str, Callable[[list[str]], object]] = {
-    "pretrain": _stage("pretrain"),
-    "cityscapes": _stage("cityscapes"),
-    "segment": _stage("segment"),
-    **{name: _lightning for name in ("fit", "validate")},
-    "test": _module("evaluate"),
-    "predict": _module("predict"),
-    "export": _module("export"),
-    "plots": _module("plots.__main__"),
-    "bench": _module("bench.__main__"),
-    "ablation": _module("ablation.__main__"),
-    "demo-data": _demo_data,
+# Each command's module in mabn.commands.
+COMMANDS = {
+    "pretrain": "stage",
+    "cityscapes": "stage",
+    "segment": "stage",
+    "fit": "fit",
+    "validate": "fit",
+    "test": "test",
+    "predict": "predict",
+    "export": "export",
+    "plots": "plots",
+    "bench": "bench",
+    "ablation": "ablation",
+    "demo-data": "demo_data",
 }
+NAMED = {"stage", "fit"}  # the modules that serve several commands: they get the command's name first
 
 
 def main(argv: list[str]) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE, end="")
         return 0 if argv else 2
-    command = COMMANDS.get(argv[0])
-    if command is None:
-        print(f"error: unknown command {argv[0]!r}\n{USAGE}", file=sys.stderr, end="")
+    module = COMMANDS.get(argv[0])
+    if module is None:
+        close = difflib.get_close_matches(argv[0], COMMANDS, n=1)
+        hint = f" (did you mean {close[0]}?)" if close else ""
+        print(f"error: unknown command {argv[0]!r}{hint}; python -m mabn --help lists the commands", file=sys.stderr)
         return 2
-    result = command(argv if argv[0] in ("fit", "validate") else argv[1:])
-    return result if isinstance(result, int) else 0
+    command = importlib.import_module(f"{__package__}.commands.{module}")
+    return command.main(argv if module in NAMED else argv[1:])
 
 
 if __name__ == "__main__":

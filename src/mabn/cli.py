@@ -1,6 +1,10 @@
-"""``python -m mabn fit|validate --config ...``: the LightningCLI that drives both stages.
+"""The LightningCLI that drives both stages (``python -m mabn fit|validate --config ...``, and the stage launches).
 
-Beyond LightningCLI, for ``fit``:
+Beyond LightningCLI:
+- a mistake in an argument (an unknown name, a value of the wrong type) is one ``error:`` line naming the
+  argument, with the closest known name when there is one, and help texts are plain text;
+
+For ``fit``:
 - the configuration is checked before anything is built or read (``check_fit_config``), and a mistake stops
   with one ``error:`` line naming the value;
 - the run lives in one experiment folder, the Trainer's ``default_root_dir`` (``mabn.runs``), which one run at a
@@ -10,6 +14,7 @@ Beyond LightningCLI, for ``fit``:
   none, so a killed or requeued job restarts with the very same command;
 - checkpoints and the saved config are written atomically and loaded weights-only (``AtomicCheckpointIO``); a
   full disk, a quota or a read-only folder is one line naming the file (``mabn.errors.WriteError``);
+- a dry run (``check``) stops after the checks, before anything is built, with the run's plan;
 - every trainer gets ``RandomStateCallback`` (exact resume needs the generators' states), ``FailFast`` (a
   failing DDP process stops every process, naming its error), ``AgreedRequeue`` (SLURM's requeue
   checkpoint at a step every process agrees on) and ``OutOfMemoryReport`` (CUDA out of memory in a training
@@ -18,26 +23,28 @@ Beyond LightningCLI, for ``fit``:
 
 from __future__ import annotations
 
-import argparse
+import difflib
 import importlib
+import re
 import sys
 import warnings
+from argparse import ArgumentError
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytorch_lightning as pl
 import torch
-from jsonargparse import Namespace
-from pytorch_lightning.cli import LightningCLI, SaveConfigCallback
+from jsonargparse import ArgumentParser, DefaultHelpFormatter, Namespace
+from pytorch_lightning.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
 
 from . import runlock, runs
 from .callbacks import AgreedRequeue, FailFast, OutOfMemoryReport, RandomStateCallback
-from .data.errors import DatasetError
-from .errors import ConfigError, explained, own_message
+from .commands import PROG, PlainTextHelp
+from .errors import ConfigError, UserError, explained, own_message
 from .files import AtomicCheckpointIO, write_text_atomic
-from .models import DEFAULT_ARCH, BackboneError
-from .process import end_process_group_at_exit, first_process
+from .models import DEFAULT_ARCH
+from .process import first_process
 from .scaling import RunShape, device_batch, iterations_per_epoch, loader_batches, total_iterations
 from .tasks.classification import backbone_path
 from .tasks.restore import task_hparams
@@ -179,18 +186,126 @@ class AtomicSaveConfig(SaveConfigCallback):
         self.already_saved = True
 
 
-class _Checked(Exception):
-    """Raised by ``check`` once the configuration passed, to stop before anything is built; carries the run's
-    plan (``plan_lines``)."""
+class ArgumentMistake(UserError):
+    """An argument the LightningCLI's parser refused: an unknown name or a value of the wrong type."""
 
-    def __init__(self, plan: list[str]) -> None:
-        super().__init__("checked")
-        self.plan = plan
+
+class PlainHelpFormatter(PlainTextHelp, DefaultHelpFormatter):
+    """jsonargparse's help (types, defaults) in plain text: the help of Lightning's and the tasks' arguments comes
+    from their docstrings."""
+
+
+class MabnArgumentParser(LightningArgumentParser):
+    """The LightningCLI's parsers, and the ones jsonargparse makes for a class's help (``--model.help``): named
+    ``python -m mabn``, help in plain text, and a parse error raised (``MabnCLI.parse_arguments`` turns it into
+    one line) instead of printing the whole usage."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("prog", PROG)
+        kwargs.setdefault("formatter_class", PlainHelpFormatter)
+        kwargs.setdefault("exit_on_error", False)
+        super().__init__(*args, **kwargs)
+
+
+def _type_names(text: str) -> str:
+    """``[<class 'int'>, <class 'NoneType'>]`` as ``int or null``."""
+    names = re.findall(r"<class '(?:[\w.]*\.)?(\w+)'>|((?:[\w.]+\[[^\]]*\]+)|[\w.]+)", text)
+    shown = [(cls or other).replace("typing.", "") for cls, other in names]
+    return " or ".join("null" if name == "NoneType" else name for name in shown if name)
+
+
+def _init_options(class_path: str) -> list[str]:
+    """The init arguments of the class at ``class_path`` as jsonargparse resolves them (``**kwargs`` passed on
+    to a base class included): a misspelt name's candidates; none when the class cannot be read."""
+    parser = ArgumentParser(exit_on_error=False)
+    try:
+        parser.add_class_arguments(_import(class_path), fail_untyped=False)
+    except (ImportError, AttributeError, ValueError):
+        return []
+    return list(parser.get_defaults().keys())
+
+
+def _close(name: str, known: list[str]) -> str:
+    """`` (did you mean X?)`` for the ``known`` name closest to ``name``: among those of its group (the same
+    dotted prefix) by the last part, else among all."""
+    group, _, last = name.rpartition(".")
+    same = {k.rpartition(".")[2]: k for k in known if k.rpartition(".")[0] == group}
+    match = [same[m] for m in difflib.get_close_matches(last, same, n=1)] or difflib.get_close_matches(
+        name, known, n=1, cutoff=0.8
+    )
+    return f" (did you mean {match[0]}?)" if match else ""
+
+
+def _innermost(message: str) -> str:
+    """The block of jsonargparse's ``message`` about the innermost key: a class's init argument is reported
+    inside the block of its class."""
+    lines = message.splitlines()
+    start = max((i for i, line in enumerate(lines) if "Parser key" in line), default=0)
+    indent = len(lines[start]) - len(lines[start].lstrip()) if lines else 0
+    block = lines[start : start + 1]
+    for line in lines[start + 1 :]:
+        if len(line) - len(line.lstrip()) <= indent:
+            break
+        block.append(line)
+    return "\n".join(block)
+
+
+def argument_mistake(message: str, options: list[str], program: str) -> str:
+    """One line for jsonargparse's error ``message``: the argument at fault, the closest of ``options`` (the
+    parser's option strings) to an unknown name, and the ``program`` whose ``--help`` lists the arguments."""
+    help_line = f"; {program} --help lists the arguments"
+    unknown = re.match(r"unrecognized arguments: (.*)", message)
+    if unknown:
+        names = [w.split("=")[0] for w in unknown.group(1).split() if w.startswith("-")] or unknown.group(1).split()
+        what = "unrecognized argument" + ("s " if len(names) > 1 else " ")
+        return what + ", ".join(f"{name}{_close(name, options)}" for name in names) + help_line
+    keys = re.findall(r'Parser key "([^"]+)"', message)
+    classes = re.findall(r"class_path '([^']+)'", message)
+    # The model's and the data's own arguments are under init_args; deeper ones (norm_policy's) by their names.
+    name = "--" + keys[0] + (".init_args." + ".".join(keys[1:]) if classes and keys[1:] else "") if keys else ""
+    refused = re.search(r"Option '([^']+)' is not accepted", message)
+    if keys and classes and refused:
+        prefix = name + (".init_args." if len(keys) == 1 else ".")
+        known = [prefix + option for option in _init_options(classes[-1])]
+        return f"unrecognized argument {prefix}{refused.group(1)}{_close(prefix + refused.group(1), known)}{help_line}"
+    inner = _innermost(message)
+    given, expected = re.search(r"(?:Given|Got) value: (.*)", inner), re.search(r"Subtypes: \[(.*)\]", inner)
+    expected = expected or re.search(r"Expected a (<class '[^']+'>)", inner)
+    if keys and given:
+        wanted = f"expected {_type_names(expected.group(1))}, " if expected else ""
+        return f"{name}: {wanted}got {given.group(1).strip()!r}{help_line}"
+    return message.splitlines()[0] + help_line
 
 
 class MabnCLI(LightningCLI):
-    check_only = False
-    take_lock = True  # a run holds its folder (mabn.runlock); a dry run only says whether another run does
+    """LightningCLI with the product's checks, run folder and callbacks (see the module's doc).
+
+    ``dry_run``: stop after the checks and the plan (``plan_lines``), before anything is built; a dry run takes
+    no lock, it says whether another run holds the folder. ``prepare``: called after the checks and the lock,
+    before the classes are instantiated (a stage launch generates its demo set there)."""
+
+    def __init__(self, *args: Any, dry_run: bool = False, prepare: Callable[[], object] | None = None, **kwargs: Any):
+        self.dry_run, self.prepare = dry_run, prepare
+        self.plan_lines: list[str] = []
+        self.notes: list[str] = []
+        super().__init__(*args, **kwargs)
+
+    def setup_parser(self, add_subcommands: bool, main_kwargs: dict[str, Any], subparser_kwargs: dict[str, Any]):
+        super().setup_parser(add_subcommands, main_kwargs, subparser_kwargs)
+        # jsonargparse names a subcommand's program "<prog> [options] <subcommand>"; its help and errors name the
+        # command as it is typed.
+        for name, parser in getattr(self, "_subcommand_parsers", {}).items():
+            parser.prog = f"{self.parser.prog} {name}"
+
+    def parse_arguments(self, parser, args) -> None:
+        try:
+            super().parse_arguments(parser, args)
+        except ArgumentError as err:
+            words = sys.argv[1:] if args is None else list(args)
+            command = next((w for w in words if w in getattr(self, "_subcommand_parsers", {})), None)
+            target = self._subcommand_parsers[command] if command else parser
+            options = [o for o in target._option_string_actions if o.startswith("--")]
+            raise ArgumentMistake(argument_mistake(str(err), options, target.prog)) from err
 
     def add_arguments_to_parser(self, parser) -> None:
         # The number of classes is a property of the data, never set twice by hand.
@@ -203,44 +318,61 @@ class MabnCLI(LightningCLI):
             config = self.config.fit
             identity = runs.Identity(config.model.class_path, config.model.init_args.get("norm"))
             folder = Path(config.trainer.get("default_root_dir") or ".")
-            self.notes: list[str] = []
             # Every check that needs no data comes first: a mistake stops before anything, the lock included, is
             # written.
             check_fit_config(config)
             # Before the plan: while a run holds the folder, what it holds is no plan's to judge. Only the launch's
             # first process locks; the others are the same run.
             if config.trainer.get("default_root_dir") and first_process():
-                if self.take_lock:
+                if not self.dry_run:
                     runlock.lock(folder)
                 else:
                     busy = runlock.in_use(folder)
                     if busy:
                         self.notes.append(f"{busy}: a run of this command started now would stop with exit code 2")
-            quiet = self.check_only  # the run after the check reports the same choice
-            report = (lambda _: None) if quiet else runs.say_once
+            report = (lambda _: None) if self.dry_run else runs.say_once  # a dry run's plan is printed whole
             self.plan = runs.plan(folder, config.get("ckpt_path"), identity, first_process(), report)
             config.ckpt_path = None if self.plan.resume is None else str(self.plan.resume.path)
-        # Lightning's own merge, with the task's settings under the keys the task takes (task_hparams).
+        # Lightning's own merge of the checkpoint's hyperparameters into the config, with the task's settings
+        # under the keys the task takes (task_hparams translates those of older checkpoints).
         subcommand = self.config.get("subcommand")
         ckpt_path = subcommand and self.config[subcommand].get("ckpt_path")
-        if ckpt_path and Path(ckpt_path).is_file():
-            hparams = task_hparams(torch.load(ckpt_path, weights_only=True, map_location="cpu")["hyper_parameters"])
-            hparams.pop("_instantiator", None)
-            if "_class_path" in hparams:
-                hparams = {"class_path": hparams.pop("_class_path"), "dict_kwargs": hparams}
+        if not (ckpt_path and Path(ckpt_path).is_file()):
+            return
+        hparams = torch.load(ckpt_path, weights_only=True, map_location="cpu").get("hyper_parameters") or {}
+        hparams = task_hparams(hparams)
+        hparams.pop("_instantiator", None)
+        if not hparams:
+            return
+        if "_class_path" in hparams:
+            hparams = {"class_path": hparams.pop("_class_path"), "dict_kwargs": hparams}
+        try:
             self.config = self.parser.parse_object({subcommand: {"model": hparams}}, self.config)
+        except ArgumentError as err:
+            raise ArgumentMistake(f"--ckpt_path {ckpt_path}: its hyperparameters do not fit: {err}") from err
 
     def before_instantiate_classes(self) -> None:
+        if self.dry_run:
+            if self.subcommand == "fit":
+                self.plan_lines = plan_lines(self.config.fit) + self.notes
+            return
+        if self.prepare is not None:
+            self.prepare()
         if self.subcommand != "fit":
             return
-        config = self.config.fit
-        if self.check_only:
-            raise _Checked(plan_lines(config) + self.notes)
-        place_run(config, self.plan.folder)
+        place_run(self.config.fit, self.plan.folder)
         if first_process():
             runs.remove_stale_temporaries(self.plan.folder)
             if self.plan.resume is not None and self.plan.resume.step is not None:
                 runs.cut_metrics(self.plan.folder / runs.METRICS, self.plan.resume.step)
+
+    def instantiate_classes(self) -> None:
+        if not self.dry_run:
+            super().instantiate_classes()
+
+    def _run_subcommand(self, subcommand: str) -> None:
+        if not self.dry_run:
+            super()._run_subcommand(subcommand)
 
     def instantiate_trainer(self, **kwargs: Any) -> pl.Trainer:
         plugins = self._get(self.config_init, "trainer", default={}).get("plugins") or []
@@ -256,47 +388,42 @@ class MabnCLI(LightningCLI):
         return trainer
 
 
-def run_cli(args: list[str] | None = None, run: bool = True, cli_class: type[MabnCLI] = MabnCLI) -> MabnCLI:
+def run_cli(
+    args: list[str] | None = None,
+    run: bool = True,
+    dry_run: bool = False,
+    prepare: Callable[[], object] | None = None,
+) -> MabnCLI:
+    """The ``MabnCLI`` of ``args`` (default: the command line's); ``run=False`` builds without a subcommand."""
     # python -m mabn <stage> passes its own arguments and keeps sys.argv as it was: Lightning's DDP launcher
     # re-runs sys.argv in the further processes, so the warning about both being given does not apply.
     warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended")
-    return cli_class(
+    return MabnCLI(
         pl.LightningModule,
         pl.LightningDataModule,
         subclass_mode_model=True,
         subclass_mode_data=True,
         save_config_callback=AtomicSaveConfig,
         save_config_kwargs={"overwrite": True},
+        parser_class=MabnArgumentParser,
         args=args,
         run=run,
+        dry_run=dry_run,
+        prepare=prepare,
     )
 
 
-class _CheckCLI(MabnCLI):
-    check_only = True
-    take_lock = False
-
-
-class _LockingCheckCLI(_CheckCLI):
-    take_lock = True
-
-
-def check(args: list[str], lock: bool = False) -> list[str]:
-    """Parse and check a ``fit`` command line without building anything or reading more than file names;
-    ``ConfigError`` or jsonargparse's own exit on a mistake. Returns the run's plan: its batch, lr and schedule,
-    and whether another run holds the folder. ``lock``: the check before this process's own run, which takes
-    the folder's lock now (a second launch then stops before it generates any data); else nothing is written."""
-    try:
-        run_cli(args, cli_class=_LockingCheckCLI if lock else _CheckCLI)
-    except _Checked as checked:
-        return checked.plan
-    return []
+def check(args: list[str]) -> list[str]:
+    """Parse and check a ``fit`` command line without building anything or reading more than file names, and
+    take no lock; a ``UserError`` on a mistake. Returns the run's plan: its batch, lr and schedule, and whether
+    another run holds the folder."""
+    return run_cli(args, dry_run=True).plan_lines
 
 
 def user_error(err: BaseException) -> str | None:
-    """The message of the dataset, backbone or configuration error (``WriteError``: a full disk, a quota, a
-    read-only folder) behind ``err``, or the line ``mabn.errors.explain`` gave a library's error (CUDA out of
-    memory in a training step), if there is one.
+    """The message of the ``UserError`` (a dataset, backbone, configuration or argument mistake; ``WriteError``:
+    a full disk, a quota, a read-only folder) behind ``err``, or the line ``mabn.errors.explain`` gave a library's
+    error (CUDA out of memory in a training step), if there is one.
 
     jsonargparse wraps errors raised while it instantiates the data module, and a DataLoader worker
     re-raises with its traceback in the message: dig out the original, one-line message.
@@ -304,7 +431,7 @@ def user_error(err: BaseException) -> str | None:
     seen = set()
     while err is not None and id(err) not in seen:
         seen.add(id(err))
-        if isinstance(err, DatasetError | BackboneError | ConfigError):
+        if isinstance(err, UserError):
             return own_message(err)
         if explained(err) is not None:
             return explained(err)
@@ -319,23 +446,3 @@ def exit_on_user_error(err: BaseException) -> None:
         raise err
     print(f"error: {message}", file=sys.stderr)
     sys.exit(2)
-
-
-def run_command(
-    parser: argparse.ArgumentParser, run: Callable[[argparse.Namespace], object], argv: list[str] | None
-) -> None:
-    """``run`` the arguments ``parser`` reads from ``argv`` (default: the command line's), a user error as one
-    ``error:`` line and exit status 2: the ``main`` of ``python -m mabn test`` and ``predict``."""
-    ns = parser.parse_args(sys.argv[1:] if argv is None else argv)
-    try:
-        run(ns)
-    except Exception as err:
-        exit_on_user_error(err)
-
-
-def main(args: list[str] | None = None) -> None:
-    end_process_group_at_exit()  # every run, whatever its norm: a DDP worker must exit cleanly
-    try:
-        run_cli(args)
-    except Exception as err:
-        exit_on_user_error(err)

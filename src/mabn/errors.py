@@ -7,9 +7,13 @@ from contextlib import suppress
 from pathlib import Path
 
 
-class ConfigError(ValueError):
-    """A configuration, path or checkpoint that cannot work as given; the entry points print its message as
-    one ``error:`` line and exit with status 2."""
+class UserError(ValueError):
+    """A mistake the user fixes (a configuration, a path, a dataset, a file): the entry points print its message
+    as one ``error:`` line and exit with status 2. Every such error of the product derives from it."""
+
+
+class ConfigError(UserError):
+    """A configuration, path or checkpoint that cannot work as given."""
 
 
 def own_message(err: BaseException) -> str:

@@ -1,29 +1,23 @@
-"""``python -m mabn test CKPT``: a stage-2 checkpoint scored on a split of its dataset (Cityscapes, or a dataset
-of the user's own: ``python -m mabn segment``), and what the ``test`` and ``predict`` commands share (the
-checkpoint as a ready SegmentationTask with its classes, the evaluation options).
-
-The split is read in full images and predicted by ``SegmentationTask.predict_classes``, the sliding-window
-code path of validation (crop, flip and scales as options, the checkpoint's own by default), on one device
-(a GPU when there is one). The per-class IoU table is printed as validation prints it.
+"""A stage-2 checkpoint for inference, what ``python -m mabn test`` and ``predict`` (``mabn.commands``) and
+``mabn.predict.load`` share: the checkpoint as a ready SegmentationTask with its classes and dataset, its
+sliding-window protocol (crop, flip and scales, the checkpoint's own by default) and one device (a GPU when there
+is one). Images are predicted in full by ``SegmentationTask.predict_classes``, the sliding-window code path of
+validation.
 """
 
 from __future__ import annotations
 
-import argparse
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytorch_lightning as pl
-import torch
 
-from . import cli, runs
+from . import runs
 from .data.cityscapes import NUM_CLASSES, CityscapesDataset
 from .data.classes import CLASSES_FILE, ClassTable
 from .data.folder import IMAGES, FolderDataset
-from .data.loading import make_loader
 from .errors import ConfigError
-from .metrics import format_iou_table
 from .tasks import SegmentationTask
 from .tasks.restore import load_task
 
@@ -94,37 +88,24 @@ def load_stage2(path: Path) -> Stage2Checkpoint:
     return Stage2Checkpoint(path, restored.task, restored.data)
 
 
-def eval_parser(command: str, description: str) -> argparse.ArgumentParser:
-    """The parser of ``python -m mabn <command>`` with what ``test`` and ``predict`` share: the checkpoint, the
-    sliding-window options, the DataLoader workers and the dataset root."""
-    parser = argparse.ArgumentParser(prog=f"python -m mabn {command}", description=description)
-    parser.add_argument(
-        "checkpoint", type=Path, help="a stage-2 checkpoint (runs/cityscapes|segment/<norm>/checkpoints/...)"
-    )
-    parser.add_argument("--crop", type=int, help="window size (default: the checkpoint's eval_crop or crop_size)")
-    parser.add_argument(
-        "--flip",
-        action=argparse.BooleanOptionalAction,
-        help="average each window's probabilities with its mirror's (default: the checkpoint's eval_flip)",
-    )
-    parser.add_argument("--scales", type=float, nargs="+", help="image scales to average (default: the checkpoint's)")
-    parser.add_argument("--num-workers", type=int, default=4, help="DataLoader workers")
-    parser.add_argument("--data", type=Path, help="the dataset's root (default: the checkpoint's data_dir)")
-    return parser
-
-
-def configure(checkpoint: Stage2Checkpoint, ns: argparse.Namespace) -> None:
-    """Set the task's sliding-window protocol from the options, the checkpoint's where none is given."""
+def configure(
+    checkpoint: Stage2Checkpoint,
+    crop: int | None = None,
+    flip: bool | None = None,
+    scales: list[float] | tuple[float, ...] | None = None,
+) -> None:
+    """Set the task's sliding-window protocol: the window size, the mirrored pass and the image scales given,
+    the checkpoint's for each one that is None."""
     hp = checkpoint.task.hparams
-    crop = ns.crop if ns.crop is not None else hp.eval_crop or checkpoint.data.get("crop_size")
+    crop = crop if crop is not None else hp.eval_crop or checkpoint.data.get("crop_size")
     if not crop or crop < 1:
         raise ConfigError(f"--crop={crop}: give the window size in pixels, at least 1")
     hp.eval_crop = crop
-    hp.eval_flip = hp.eval_flip if ns.flip is None else ns.flip
-    if ns.scales is not None:
-        if min(ns.scales) <= 0:
-            raise ConfigError(f"--scales {ns.scales}: every scale must be > 0")
-        hp.eval_scales = tuple(ns.scales)
+    hp.eval_flip = hp.eval_flip if flip is None else flip
+    if scales is not None:
+        if min(scales) <= 0:
+            raise ConfigError(f"--scales {list(scales)}: every scale must be > 0")
+        hp.eval_scales = tuple(scales)
 
 
 def data_root(checkpoint: Stage2Checkpoint, given: Path | None) -> Path:
@@ -140,33 +121,3 @@ def inference_trainer(**kwargs: Any) -> pl.Trainer:
     return pl.Trainer(
         accelerator="auto", devices=1, logger=False, enable_checkpointing=False, enable_model_summary=False, **kwargs
     )
-
-
-def run_test(ns: argparse.Namespace) -> dict[str, torch.Tensor]:
-    checkpoint = load_stage2(ns.checkpoint)
-    configure(checkpoint, ns)
-    root = data_root(checkpoint, ns.data)
-    split = ns.split or checkpoint.data.get("val_split") or "val"
-    dataset = checkpoint.dataset(root, split)
-    hp = checkpoint.task.hparams
-    print(
-        f"Testing {ns.checkpoint} on {root} split {split} ({len(dataset)} images): crop {hp.eval_crop}, "
-        f"flip {hp.eval_flip}, scales {list(hp.eval_scales)}"
-    )
-    inference_trainer().test(checkpoint.task, make_loader(dataset, 1, False, ns.num_workers), verbose=False)
-    result = checkpoint.task.test_result
-    print(format_iou_table(result["per_class_iou"], checkpoint.classes.names))
-    print(f"pixel accuracy {100 * result['pixel_accuracy'].item():.2f}")
-    return result
-
-
-def parser() -> argparse.ArgumentParser:
-    parser = eval_parser("test", __doc__)
-    parser.add_argument(
-        "--split", help="the split under leftImg8bit/ and gtFine/, or images/ and masks/ (default: the checkpoint's)"
-    )
-    return parser
-
-
-def main(argv: list[str] | None = None) -> None:
-    cli.run_command(parser(), run_test, argv)

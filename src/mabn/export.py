@@ -1,4 +1,4 @@
-"""``python -m mabn export CKPT``: a trained checkpoint -> the folded inference model, as TorchScript and ONNX.
+"""A trained checkpoint -> the folded inference model, as TorchScript and ONNX (``python -m mabn export CKPT``).
 
 Every norm that is linear at inference (BN, BRN, MABN) is folded into the conv before it (``fold_norms``),
 so the exported network costs what a BN network costs; GroupNorm stays. Each output is checked before it
@@ -10,10 +10,8 @@ the trained network is never left behind.
 
 from __future__ import annotations
 
-import argparse
 import copy
 import os
-import sys
 import tempfile
 import warnings
 from dataclasses import dataclass
@@ -22,6 +20,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
+from .errors import UserError
 from .files import first_line, write_atomic
 from .norm import fold_norms
 from .tasks.restore import load_task
@@ -37,7 +36,7 @@ INPUT_SIZES: dict[str, tuple[int, int]] = {"SegmentationTask": (512, 1024), "Cla
 TRACE_SIDE = 128
 
 
-class ExportError(ValueError):
+class ExportError(UserError):
     """A checkpoint that cannot be exported, or an export that does not reproduce the model; names the file."""
 
 
@@ -281,27 +280,3 @@ def export(
                 onnx_written = onnx_path
                 print(f"ONNX: wrote {onnx_path} (input image: any batch, height and width)")
     return Exported(name, ts_path, onnx_written, folded_diff, ort_diff, other_diff, other_shape)
-
-
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m mabn export", description=__doc__)
-    parser.add_argument(
-        "checkpoint", type=Path, help="a Lightning checkpoint of SegmentationTask or ClassificationTask"
-    )
-    parser.add_argument("--out", type=Path, help="output folder (default: the checkpoint's folder)")
-    parser.add_argument(
-        "--input-size",
-        type=int,
-        nargs=2,
-        metavar=("H", "W"),
-        help="sample input size the outputs are checked at (default: 512 1024 for PSPNet, 224 224 for ResNet); "
-        "the ONNX model takes any size",
-    )
-    args = parser.parse_args(argv)
-    if args.input_size is not None and min(args.input_size) < 1:
-        parser.error(f"--input-size must be positive, got {args.input_size}")
-    try:
-        export(args.checkpoint, args.out, tuple(args.input_size) if args.input_size else None)
-    except ExportError as err:
-        print(f"error: {err}", file=sys.stderr)
-        sys.exit(2)

@@ -1,36 +1,30 @@
-"""``python -m mabn pretrain|cityscapes|segment``: pick the real or demo profile and a trainer preset, check the
-whole configuration, then run the LightningCLI.
+"""The stage launches (``python -m mabn pretrain|cityscapes|segment``, ``mabn.commands.stage``): the profile, the
+trainer preset and the run's folder, decided once into a ``LaunchPlan`` before the LightningCLI parses.
 
-The Makefile's ``make pretrain``, ``make cityscapes`` and ``make segment`` call this (``segment``: stage 2's recipe
-on a dataset of the user's own, ``mabn.data.folder``). With ``--data`` it runs the paper's recipe
-from ``configs/`` on that dataset, and a ``--data`` that is not the expected layout is an error naming the
-missing folder; without ``--data`` it says so, generates a small set in the same on-disk layout (once) and
-runs the demo profile, which trains for a few minutes on a CPU. The demo writes only under ``runs/demo/``,
+With ``--data`` a stage runs the paper's recipe from ``configs/`` on that dataset (``segment``: stage 2's recipe on
+a dataset of the user's own, ``mabn.data.folder``), and a ``--data`` that is not the expected layout is an error
+naming the missing folder; without ``--data`` it says so, generates a small set in the same on-disk layout (once)
+and runs the demo profile, which trains for a few minutes on a CPU. The demo writes only under ``runs/demo/``,
 ``pretrain/demo/`` and ``data/``, never where a real run's artefacts live.
 
-Each run's experiment folder is ``runs/<stage>/<norm>`` (``runs/demo/<stage>/<norm>`` for the demo;
-``--run-dir`` picks another), see ``mabn.runs``. ``--gpus`` (per node) and ``--nodes`` pick a preset from
-``configs/trainer/`` (cpu, gpu, ddp, multinode) and set the Trainer's devices and num_nodes; on a machine
-without CUDA, ``--gpus N`` runs N CPU processes under DDP instead. ``--resume auto`` continues from the
-newest checkpoint of the experiment folder, so a killed or requeued job restarts with the same command;
-``--dry-run`` prints the LightningCLI arguments and checks them (and the SLURM or torchrun environment)
-without training.
+Each run's experiment folder is ``runs/<stage>/<norm>`` (``runs/demo/<stage>/<norm>`` for the demo; ``--run-dir``
+picks another), see ``mabn.runs``. ``--gpus`` (per node) and ``--nodes`` pick a preset from ``configs/trainer/``
+(cpu, gpu, ddp, multinode) and set the Trainer's devices and num_nodes; on a machine without CUDA, ``--gpus N``
+runs N CPU processes under DDP instead.
 """
 
 from __future__ import annotations
 
-import argparse
 import importlib
 import shlex
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from . import cli
 from .data.once import generate_once
 from .errors import ConfigError
 from .norm import NORM_PRESETS
@@ -249,7 +243,33 @@ def run_dir(stage: str, norm: str, demo: bool, given: Path | None) -> Path:
     return given if given is not None else (RUNS / DEMO if demo else RUNS) / stage / norm
 
 
-def build_args(
+@dataclass(frozen=True)
+class LaunchPlan:
+    """What a stage launch runs, decided before the LightningCLI parses its configuration (``plan``)."""
+
+    stage: str
+    name: str  # the run's name: its norm, or a stage-1 preset (bn32, mabn-det)
+    profile: Profile
+    demo: bool  # no --data: the demo profile on a generated set
+    data_dir: Path
+    run_dir: Path
+    trainer_args: tuple[str, ...]  # the trainer preset and its flags (devices, nodes, accelerator, sync_batchnorm)
+    backbone_args: tuple[str, ...]  # stage 2: where its encoder starts
+    resume: str | None
+    args: tuple[str, ...]  # the LightningCLI arguments: "fit", the configs, the settings above, the user's extra
+    launcher: str | None  # the SLURM or torchrun layout the devices agree with (``check_cluster``)
+
+    @property
+    def command(self) -> str:
+        return "python -m mabn " + shlex.join(self.args)
+
+    def prepare_data(self) -> None:
+        """The demo set, generated once (process 0 writes it; the other processes of the launch wait for it)."""
+        if self.demo:
+            self.profile.generate_demo(self.data_dir)
+
+
+def plan(
     stage: str,
     data: Path | None,
     norm: str,
@@ -261,10 +281,11 @@ def build_args(
     dry_run: bool = False,
     folder: Path | None = None,
     backbone_pending: bool = False,
-) -> list[str]:
-    """The LightningCLI arguments of a stage run (the demo profile without ``data``); nothing is generated or
-    read here. ``dry_run`` assumes a GPU machine; ``backbone_pending`` (with it): stage 1 writes the backbone
-    before this run starts."""
+) -> LaunchPlan:
+    """The plan of a stage run (the demo profile without ``data``); nothing is generated or read here but file
+    names. ``dry_run`` assumes a GPU machine; ``backbone_pending`` (with it): stage 1 writes the backbone before
+    this run starts. ``LaunchError`` for a launch that cannot work."""
+    launcher = check_cluster(gpus, nodes)
     label, preset = norm, STAGE1_PRESETS.get(norm)  # the run's name: the norm, or a stage-1 preset
     if preset is not None and stage != "pretrain":
         raise LaunchError(
@@ -278,78 +299,31 @@ def build_args(
     cuda = True if dry_run else None
     syncbn = norm_args(norm, gpus, nodes, cuda)  # first: a refused syncbn run says nothing else
     hardware = trainer_args(gpus, nodes, cuda) + syncbn
-    configs, data_dir = PROFILES[stage].resolve(data)
+    profile = PROFILES[stage]
+    configs, data_dir = profile.resolve(data)
     demo = data is None
+    folder = run_dir(stage, label, demo, folder)
     args = ["fit"]
-    for name in configs + (preset.configs(data is None) if preset else []):
+    for name in configs + (preset.configs(demo) if preset else []):
         args += ["--config", str(CONFIGS / name)]
     args += ["--data.init_args.data_dir", str(data_dir), "--model.init_args.norm", norm]
-    args += ["--trainer.default_root_dir", str(run_dir(stage, label, demo, folder))]
+    args += ["--trainer.default_root_dir", str(folder)]
     if stage == "pretrain":
         export_dir = BACKBONES / DEMO if demo else BACKBONES
         args += ["--model.init_args.export_dir", str(export_dir / label if preset else export_dir)]
         args += list(preset.args) if preset else []
+    loading: list[str] = []
     if stage in STAGE2:
         loading, line = stage2_backbone(norm, backbone, demo, backbone_pending and dry_run)
         say(line)
-        args += loading
-    if resume:
-        args += ["--ckpt_path", resume]
-    return args + hardware + extra
+    args += loading + (["--ckpt_path", resume] if resume else [])
+    return LaunchPlan(
+        stage, label, profile, demo, data_dir, folder, tuple(hardware), tuple(loading), resume,
+        (*args, *hardware, *extra), launcher,
+    )  # fmt: skip
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m mabn", description=__doc__)
-    parser.add_argument("stage", choices=sorted(PROFILES))
-    parser.add_argument("--data", type=Path, help="dataset root; the demo profile runs when it is absent")
-    parser.add_argument(
-        "--norm", default="mabn", help="bn, syncbn, gn, brn, mabn or an ablation preset; stage 1 also bn32 and mabn-det"
-    )
-    parser.add_argument("--gpus", type=int, default=0, help="GPUs per node (0: CPU)")
-    parser.add_argument("--nodes", type=int, default=1)
-    parser.add_argument(
-        "--backbone",
-        help="stage 2: a backbone file, or 'none' for random encoder weights (default: stage 1's export)",
-    )
-    parser.add_argument(
-        "--backbone-pending",
-        action="store_true",
-        help="with --dry-run: stage 1's backbone is written by a job that runs first (make slurm AFTER=<job>)",
-    )
-    parser.add_argument("--resume", help="'auto' (the newest checkpoint of the experiment folder, if any) or a path")
-    parser.add_argument("--run-dir", type=Path, help="the experiment folder (default: runs/<stage>/<norm>)")
-    parser.add_argument("--dry-run", action="store_true", help="print the LightningCLI arguments, check, exit")
-    parser.epilog = "Arguments after -- (and any this parser does not know) go to the LightningCLI unchanged."
-    argv = list(sys.argv[1:] if argv is None else argv)
-    cut = argv.index("--") if "--" in argv else len(argv)
-    ns, unknown = parser.parse_known_args(argv[:cut])
-    extra = unknown + argv[cut + 1 :]
-    try:
-        where = check_cluster(ns.gpus, ns.nodes)
-        args = build_args(
-            ns.stage,
-            ns.data,
-            ns.norm,
-            ns.gpus,
-            ns.nodes,
-            extra,
-            ns.backbone,
-            ns.resume,
-            ns.dry_run,
-            ns.run_dir,
-            ns.backbone_pending,
-        )
-        # Every configuration mistake stops here, before any data is generated or read; a run (not a dry run)
-        # also takes its folder's lock here, so a second launch on the folder stops as early.
-        plan = cli.check(args, lock=not ns.dry_run)
-    except Exception as err:  # a configuration or data-layout mistake is one line; anything else a traceback
-        cli.exit_on_user_error(err)
-    if ns.dry_run:
-        print("\n".join([*plan, *([where] if where else []), "python -m mabn " + shlex.join(args)]))
-        return
-    if ns.data is None:
-        try:
-            PROFILES[ns.stage].generate_demo(Path(args[args.index("--data.init_args.data_dir") + 1]))
-        except Exception as err:
-            cli.exit_on_user_error(err)
-    cli.main(args)
+def build_args(*args: Any, **kwargs: Any) -> list[str]:
+    """The LightningCLI arguments of ``plan(*args, **kwargs)``, to run a stage's configuration in Python
+    (``mabn.cli.run_cli``)."""
+    return list(plan(*args, **kwargs).args)

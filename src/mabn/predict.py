@@ -1,27 +1,11 @@
-"""``python -m mabn predict CKPT``: a stage-2 checkpoint's predictions as PNG files, and ``load(CKPT)``, the same
-predictions in Python (``Segmenter.predict(image) -> class map``).
-
-For every image of ``--images`` (folders, searched recursively, image files, or glob patterns) or of a split of
-the checkpoint's dataset (``--data``, ``--split``: ``<root>/leftImg8bit/<split>`` for Cityscapes,
-``<root>/images/<split>`` for a dataset of the user's own) it writes, named after the frame (the image's name
-without ``_leftImg8bit`` and its suffix), into the output folder:
-
-- Cityscapes: ``labelIds/<frame>_labelIds.png``, Cityscapes labelIds, what the benchmark server and
-  cityscapesscripts' ``evalPixelLevelSemanticLabeling`` read (it matches ``<city>_<seq>_<frame>*.png`` to each
-  ground truth, so point it at this folder alone: ``CITYSCAPES_RESULTS=<out>/labelIds``);
-  a dataset of the user's own: ``masks/<frame>.png``, in its own mask values (each class's first value in
-  ``classes.yaml``), as its masks are;
-- ``color/<frame>_color.png``: the classes in the dataset's colours (Cityscapes', or those of ``classes.yaml``);
-- ``overlay/<frame>_overlay.png`` with ``--overlay``: the colours blended over the image.
-
-The output folder defaults to ``<run>/predictions/<checkpoint name>-<split, folder or image name>``. It records
-its run in ``predict.json``; a folder holding any other files (another checkpoint, images or options, or files of
-unknown origin) is refused unless ``--overwrite`` is given. Every file is written atomically.
+"""A stage-2 checkpoint's predictions: the files ``python -m mabn predict`` writes (``PredictionWriter``: the mask in
+the dataset's own values, the colour image and the overlay of each frame; ``claim_folder``: an output folder holds
+the predictions of one run, recorded in its manifest), and ``load(CKPT)``, the same predictions in Python
+(``Segmenter.predict(image) -> class map``).
 """
 
 from __future__ import annotations
 
-import argparse
 import glob
 import json
 import re
@@ -34,15 +18,13 @@ from PIL import Image
 from pytorch_lightning.callbacks import BasePredictionWriter
 from torch.utils.data import Dataset
 
-from . import cli
 from .data.cityscapes import IMAGE_SUFFIX, TRAIN_ID_COLORS, TRAIN_TO_LABEL_ID
 from .data.classes import ClassTable
 from .data.errors import DatasetError
 from .data.folder import IMAGE_TYPES, MASKS
 from .data.images import imagenet_normalize, read_image
-from .data.loading import make_loader
 from .errors import ConfigError
-from .evaluate import Stage2Checkpoint, configure, data_root, eval_parser, inference_trainer, load_stage2
+from .evaluate import Stage2Checkpoint, configure, load_stage2
 from .files import atomic_path, write_text_atomic
 
 __all__ = ["Segmenter", "TRAIN_ID_COLORS", "TRAIN_TO_LABEL_ID", "load"]
@@ -183,46 +165,6 @@ def claim_folder(out: Path, manifest: dict[str, Any], overwrite: bool) -> None:
     write_text_atomic(out / MANIFEST, json.dumps(manifest, indent=2) + "\n")
 
 
-def image_specs(checkpoint: Stage2Checkpoint, ns: argparse.Namespace) -> list[str | Path]:
-    """``--images``, else the split's image folder under ``--data`` (the checkpoint's root by default)."""
-    if ns.images:
-        if ns.data is not None or ns.split is not None:
-            raise ConfigError("give either --images or --data/--split, not both")
-        return list(ns.images)
-    split = ns.split or checkpoint.data.get("val_split") or "val"
-    return [checkpoint.image_folder(data_root(checkpoint, ns.data), split)]
-
-
-def run_predict(ns: argparse.Namespace) -> Path:
-    checkpoint = load_stage2(ns.checkpoint)
-    classes = checkpoint.classes
-    configure(checkpoint, ns)
-    specs = image_specs(checkpoint, ns)
-    images = FrameImages(image_files(specs))
-    name = images_name(specs)
-    out = ns.out or checkpoint.run_folder / "predictions" / f"{ns.checkpoint.stem}-{name}"
-    hp = checkpoint.task.hparams
-    manifest = {
-        "checkpoint": str(ns.checkpoint.resolve()),
-        "images": " ".join(str(Path(spec).resolve()) for spec in specs),
-        "crop": hp.eval_crop,
-        "flip": hp.eval_flip,
-        "scales": list(hp.eval_scales),
-        "overlay": ns.overlay,
-    }
-    claim_folder(out, manifest, ns.overwrite)
-    writer = PredictionWriter(out, images, ns.overlay, classes, checkpoint.own_data)
-    loader = make_loader(images, 1, False, ns.num_workers)
-    inference_trainer(callbacks=[writer]).predict(checkpoint.task, loader, return_predictions=False)
-    masks = MASKS if checkpoint.own_data else "labelIds"
-    parts = f"{masks}/, color/" + (" and overlay/" if ns.overlay else "")
-    what = ", ".join(map(str, specs))
-    evaluate = "" if checkpoint.own_data else f"; evaluate {out / 'labelIds'}"
-    plural = "" if writer.written == 1 else "s"
-    print(f"Wrote {writer.written} prediction{plural} of {what} to {out} ({parts}){evaluate}")
-    return out
-
-
 class Segmenter:
     """A stage-2 checkpoint ready to predict images in Python: ``load(checkpoint)`` makes one.
 
@@ -294,27 +236,6 @@ def load(
     (default: the checkpoint's); ``device`` defaults to the GPU when there is one. ``ConfigError`` naming the
     file when it is not such a checkpoint."""
     loaded = load_stage2(Path(checkpoint))
-    configure(loaded, argparse.Namespace(crop=crop, flip=flip, scales=scales))
+    configure(loaded, crop, flip, scales)
     where = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return Segmenter(loaded, where)
-
-
-def parser() -> argparse.ArgumentParser:
-    parser = eval_parser("predict", __doc__)
-    parser.add_argument(
-        "--images",
-        nargs="+",
-        metavar="PATH",
-        help="folders (searched recursively), image files or quoted glob patterns ('photos/*.jpg') to predict",
-    )
-    parser.add_argument(
-        "--split", help="the split under leftImg8bit/ (or images/) of --data (default: the checkpoint's val split)"
-    )
-    parser.add_argument("--out", type=Path, help="output folder (default: <run>/predictions/<ckpt>-<images>)")
-    parser.add_argument("--overlay", action="store_true", help="also write the colours blended over each image")
-    parser.add_argument("--overwrite", action="store_true", help="write into a folder holding another run's files")
-    return parser
-
-
-def main(argv: list[str] | None = None) -> None:
-    cli.run_command(parser(), run_predict, argv)

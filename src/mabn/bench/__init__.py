@@ -1,1 +1,1 @@
-"""Benchmarks: ``python -m mabn.bench --help``."""
+"""Benchmarks: ``python -m mabn bench --help`` (``mabn.commands.bench``)."""

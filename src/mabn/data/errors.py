@@ -6,8 +6,10 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
+from ..errors import UserError
 
-class DatasetError(ValueError):
+
+class DatasetError(UserError):
     """A dataset that is missing, incomplete or unreadable."""
 
 

@@ -14,11 +14,13 @@ from pathlib import Path
 
 import numpy as np
 
+from ..errors import UserError
+
 STATS_PREFIX = "norm/"  # MABNCallback's per-layer statistics: norm/<layer>/<key>
 _VERSION = re.compile(r"version_(\d+)$")
 
 
-class PlotError(ValueError):
+class PlotError(UserError):
     """A run that cannot be plotted; the message names the path (and the column or line) at fault."""
 
 

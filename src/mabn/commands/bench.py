@@ -1,16 +1,17 @@
-"""``python -m mabn.bench norm|step|infer|all|check|chain|ops``: cost benchmarks, each ratio measured against BN in
+"""``python -m mabn bench norm|step|infer|all|check|chain|ops``: cost benchmarks, each ratio measured against BN in
 the same run, and the GPU check of a whole run.
 
 norm: norm layers alone, forward+backward time and peak memory. step: a training step (forward, backward, SGD)
 per norm, time and peak memory, of PSPNet-101 or of ResNet-50 (--model), eager and with --compile also compiled.
 infer: images per second of the folded PSPNet-101 per norm and of the GroupNorm one. all: the three in one run,
 into one report (what `make bench` runs). chain: a short stage-2 run's whole chain, each link a command of the
-product (fit killed and resumed, test, predict, export, two DDP ranks), see ``chain.py``. check (CUDA, what
+product (fit killed and resumed, test, predict, export, two DDP ranks), see ``mabn.bench.chain``. check (CUDA, what
 `make gpu-check` runs): the chain, then the PSPNet-101 step at crop 713 CUDA-graphed, eager, both again under
 bf16-mixed, then eager beside compiled (``--compile``, default reduce-overhead) in float32 and bf16-mixed, into
-docs/bench-cuda.md, rewritten as each part ends. ops: the host work
+runs/bench/bench-cuda.md, rewritten as each part ends. ops: the host work
 of one norm layer's training forward and backward, the GPU eager step's bottleneck at small batches: ATen operators
-and Triton launches counted, host time on a tiny input (on the CPU through MABN's CUDA path, see ``ops.py``).
+and Triton launches counted, host time on a tiny input (on the CPU through MABN's CUDA path, see ``mabn.bench.ops``).
+Reports go to runs/bench/ (``--out``: another folder, e.g. ``--out docs``, or a file).
 --dry-run: check the options, print what would be measured (sections, models, rows, sizes, repeats) and the
 report's path, measure and write nothing; a CUDA-only command (check, --cuda-graph) is planned for CUDA anywhere.
 """
@@ -26,9 +27,11 @@ from typing import NamedTuple
 
 import torch
 
+from ..bench import chain, infer, norm, ops, report, step
 from ..files import write_text_atomic
-from . import chain, infer, norm, ops, report, step
+from . import PROG, HelpFormatter, positive
 
+REPORTS = Path("runs/bench")  # where reports go unless --out names another place
 DEFAULT_REPEATS = {"norm": 15, "step": 5, "infer": 7, "check": 10, "ops": 1000}
 
 
@@ -56,15 +59,8 @@ CHECK_PLAN = (
 )
 
 
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
-    return value
-
-
 def _norm_batch(text: str) -> int | None:
-    return None if text == "whole" else _positive(text)
+    return None if text == "whole" else positive(text)
 
 
 def run_check(
@@ -94,15 +90,18 @@ def run_check(
 
 
 def report_path(args: argparse.Namespace, device: torch.device) -> Path | None:
-    """``--out``, else the default report of the command (None for norm and ops, which write only when given)."""
-    if args.out is not None or args.what in ("norm", "ops"):
+    """The report of the command: under runs/bench/ by its default name, or ``--out`` (a markdown file, or a folder
+    that gets the default name); None for norm and ops without ``--out``, which then only print their table."""
+    if args.out is None and args.what in ("norm", "ops"):
+        return None
+    if args.out is not None and args.out.suffix == ".md":
         return args.out
     stem = "bench" if args.what in ("all", "check") else f"bench-{args.what}"
-    if args.what not in ("check", "chain"):  # these have one report each, whatever the step options
+    if args.what not in ("check", "chain", "norm", "ops"):  # these have one report each, whatever the step options
         if args.model != "pspnet101":
             stem += f"-{args.model}-" + (f"ghost{args.norm_batch}" if args.norm_batch else "whole")
         stem += ("-graph" if args.cuda_graph else "") + ("-compile" if args.compile else "")
-    return Path("docs") / f"{stem}-{device.type}.md"
+    return (args.out or REPORTS) / f"{stem}-{device.type}.md"
 
 
 def plan(
@@ -159,11 +158,8 @@ def plan(
     return lines
 
 
-def main(argv: list[str] | None = None) -> None:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    parser = argparse.ArgumentParser(
-        prog="python -m mabn.bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog=f"{PROG} bench", description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("what", choices=["norm", "step", "infer", "all", "check", "chain", "ops"])
     parser.add_argument(
         "--device",
@@ -171,15 +167,15 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument(
         "--repeats",
-        type=_positive,
+        type=positive,
         help="timed repeats (median reported); default: "
         + ", ".join(f"{k} {v}" for k, v in DEFAULT_REPEATS.items())
         + "; with all, applies to each",
     )
     parser.add_argument("--scale", type=float, default=1.0, help="norm: multiply every batch size (quick runs: 0.25)")
-    parser.add_argument("--crop", type=_positive, default=512, help="step: square training crop (image size)")
+    parser.add_argument("--crop", type=positive, default=512, help="step: square training crop (image size)")
     parser.add_argument("--model", choices=list(step.MODELS), default="pspnet101", help="step: the network")
-    parser.add_argument("--batch", type=_positive, default=2, help="step: images per step (a multiple of --norm-batch)")
+    parser.add_argument("--batch", type=positive, default=2, help="step: images per step (a multiple of --norm-batch)")
     parser.add_argument(
         "--norm-batch",
         type=_norm_batch,
@@ -199,16 +195,17 @@ def main(argv: list[str] | None = None) -> None:
         "--cuda-graph", action="store_true", help="step: replay each model's forward and backward as CUDA graphs"
     )
     parser.add_argument(
-        "--size", type=_positive, nargs=2, default=[512, 1024], metavar=("H", "W"), help="infer: image size"
+        "--size", type=positive, nargs=2, default=[512, 1024], metavar=("H", "W"), help="infer: image size"
     )
     parser.add_argument(
-        "--threads", type=_positive, help="CPU threads for torch (default: torch's own choice, one per core)"
+        "--threads", type=positive, help="CPU threads for torch (default: torch's own choice, one per core)"
     )
     parser.add_argument(
         "--out",
         type=Path,
-        help="markdown report, with the PNG chart beside it (default: docs/bench-<device>.md for all, "
-        "docs/bench-<what>-<device>.md for step and infer; norm and ops write only when given)",
+        help="the markdown report, with its PNG chart beside it, or a folder for it (default: runs/bench/, as "
+        "bench-<device>.md for all and check, bench-<what>-<device>.md for the others; norm and ops write only when "
+        "given). --out docs: the reports the docs quote",
     )
     parser.add_argument(
         "--dry-run", action="store_true", help="check the options and print the plan; measure and write nothing"
@@ -229,11 +226,11 @@ def main(argv: list[str] | None = None) -> None:
 
     size = (args.size[0], args.size[1])
     out = report_path(args, device)
-    command = shlex.join(["python", "-m", "mabn.bench", *argv])
+    command = shlex.join([*PROG.split(), "bench", *argv])
     if args.dry_run:
-        shown = shlex.join(["python", "-m", "mabn.bench", *(a for a in argv if a != "--dry-run")])
+        shown = shlex.join([*PROG.split(), "bench", *(a for a in argv if a != "--dry-run")])
         print("\n".join(plan(args, device, size, repeats, out, shown)))
-        return
+        return 0
     if args.threads:
         torch.set_num_threads(args.threads)
     env = report.header(device)
@@ -260,12 +257,12 @@ def main(argv: list[str] | None = None) -> None:
         links = chain.run(chain.Plan().fresh(), device, write)
         broken = chain.failed(links)
         print(f"chain: {len(links) - len(broken)} of {len(links)} links passed; report {out}")
-        sys.exit(1 if broken else 0)
+        return 1 if broken else 0
     if args.what == "check":
         broken = run_check(device, repeats("check"), args.batch, args.compile or "reduce-overhead", sections, save)
         if broken:
             print(f"check: the chain's links {', '.join(broken)} failed; report {out}", file=sys.stderr)
-            sys.exit(1)
+            return 1
     if args.what in ("infer", "all"):
         infer_rows = infer.run(device, repeats("infer"), size)
         sections.append(infer.table(infer_rows, repeats("infer"), size))
@@ -273,13 +270,10 @@ def main(argv: list[str] | None = None) -> None:
     print("\n\n".join(sections))
 
     if out is None or args.what == "check":  # check wrote its report as each section ended
-        return
-    if args.what in ("norm", "ops"):  # the table alone, as norm always wrote it
+        return 0
+    if args.what in ("norm", "ops"):  # the table alone
         write_text_atomic(out, sections[0] + "\n")
-        return
+        return 0
     md, png = save(step_rows)
     print(f"\nwrote {md}" + (f" and {png}" if png else ""))
-
-
-if __name__ == "__main__":
-    main()
+    return 0

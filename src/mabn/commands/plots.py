@@ -1,20 +1,17 @@
-"""``python -m mabn plots RUN_DIR [--out DIR]``: render a run's figures to PNG files and print each path."""
+"""``python -m mabn plots RUN_DIR [--out DIR]``: per-layer normalization statistics (the MABN paper's Figures 2, 5,
+6) and training curves of a run, as PNG files, from the run's CSV log; prints each file's path."""
 
 from __future__ import annotations
 
-import argparse
-import sys
 from pathlib import Path
 
-from . import PlotError, find_metrics, render
+from ..errors import UserError
+from ..plots import find_metrics, render
+from . import command_parser, fail
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m mabn plots",
-        description="Per-layer normalization statistics (the MABN paper's Figures 2, 5, 6) and training curves "
-        "of a run, as PNG files, from the run's CSV log.",
-    )
+def main(argv: list[str]) -> int:
+    parser = command_parser("plots", __doc__)
     parser.add_argument(
         "run", type=Path, help="a run folder (e.g. runs/cityscapes/mabn), a folder above runs, or a metrics.csv"
     )
@@ -29,14 +26,6 @@ def main(argv: list[str] | None = None) -> int:
         run_dir = args.run if args.run.is_dir() else args.run.parent
         for path in render(metrics_csv, args.out if args.out is not None else run_dir / "plots"):
             print(f"wrote {path}")
-    except PlotError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    except OSError as err:  # e.g. an --out folder that cannot be written
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    except (UserError, OSError) as err:  # OSError: e.g. an --out folder that cannot be written
+        return fail(str(err))
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

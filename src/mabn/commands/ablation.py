@@ -14,19 +14,19 @@ from __future__ import annotations
 
 import argparse
 import shlex
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-from ..data.errors import DatasetError
+from ..ablation import figures, report, shapes
+from ..ablation.model import BLOCKS, WIDTHS
+from ..ablation.rows import ALL, KEY_ROWS, ROWS, Row, select
+from ..ablation.runner import Task, available_cores, default_workers, run_all
+from ..ablation.train import TrainConfig, open_data
 from ..data.imagenet import ImageFolderDataModule
-from . import figures, report, shapes
-from .model import BLOCKS, WIDTHS
-from .rows import ALL, KEY_ROWS, ROWS, Row, select
-from .runner import Task, available_cores, default_workers, run_all
-from .train import TrainConfig, open_data
+from ..errors import ConfigError
+from . import PROG, HelpFormatter, fail, positive
 
 GENERATED_DATA = Path("data/ablation-shapes")
 # Sized for the 5 key rows x 8 seeds within 30 minutes on 2 idle CPU cores, two one-thread runs at a time (20
@@ -38,17 +38,8 @@ DEFAULT_SEEDS = 8
 DEFAULT_OUT = Path("runs/ablation")
 
 
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
-    return value
-
-
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        prog="python -m mabn ablation", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = argparse.ArgumentParser(prog=f"{PROG} ablation", description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument(
         "--data",
         type=Path,
@@ -56,10 +47,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         f"noisy shapes, 3000 training and 3000 validation images, written once to {GENERATED_DATA})",
     )
     parser.add_argument(
-        "--steps", type=_positive, default=DEFAULT_STEPS, help=f"optimizer steps per run (default: {DEFAULT_STEPS})"
+        "--steps", type=positive, default=DEFAULT_STEPS, help=f"optimizer steps per run (default: {DEFAULT_STEPS})"
     )
     parser.add_argument(
-        "--seeds", type=_positive, default=DEFAULT_SEEDS, help=f"seeds 0..N-1 per row (default: {DEFAULT_SEEDS})"
+        "--seeds", type=positive, default=DEFAULT_SEEDS, help=f"seeds 0..N-1 per row (default: {DEFAULT_SEEDS})"
     )
     parser.add_argument(
         "--rows",
@@ -67,15 +58,15 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         help=f"comma-separated row keys, or {ALL} for Tables 2 and 6 in full (default: {','.join(KEY_ROWS)}): "
         + ", ".join(r.key for r in ROWS),
     )
-    parser.add_argument("--threads", type=_positive, default=1, help="torch CPU threads per run (default: 1)")
+    parser.add_argument("--threads", type=positive, default=1, help="torch CPU threads per run (default: 1)")
     parser.add_argument(
         "--workers",
-        type=_positive,
+        type=positive,
         help="runs at a time (default: on the CPU, available cores // threads, here "
         f"{default_workers(1)} at one thread; on another device, 1)",
     )
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"output folder (default: {DEFAULT_OUT})")
-    parser.add_argument("--image-size", type=_positive, default=32, help="square training crop in pixels (default: 32)")
+    parser.add_argument("--image-size", type=positive, default=32, help="square training crop in pixels (default: 32)")
     parser.add_argument(
         "--lr",
         type=float,
@@ -118,7 +109,7 @@ def _check_out(out: Path) -> None:
     """Refuse an output folder that is a file (or under one), before hours of training."""
     for folder in (out, *out.parents):
         if folder.exists() and not folder.is_dir():
-            raise ValueError(f"--out {out}: {folder} is not a folder")
+            raise ConfigError(f"--out {out}: {folder} is not a folder")
 
 
 def outputs(out: Path, rows: list[Row]) -> list[Path]:
@@ -141,7 +132,7 @@ def plan(
     argv: list[str],
 ) -> list[str]:
     """What the command would train and write (``--dry-run``)."""
-    shown = shlex.join(["python", "-m", "mabn.ablation", *(a for a in argv if a != "--dry-run")])
+    shown = shlex.join([*PROG.split(), "ablation", *(a for a in argv if a != "--dry-run")])
     lines = [f"dry run of {shown}: nothing is trained, generated or written"]
     if data is not None:
         lines.append(
@@ -156,8 +147,7 @@ def plan(
     return lines + [f"writes {path}" for path in outputs(args.out, rows)]
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+def main(argv: list[str]) -> int:
     args = parse_args(argv)
     try:
         _check_out(args.out)
@@ -173,9 +163,8 @@ def main(argv: list[str] | None = None) -> int:
         )
         # A wrong layout fails here, once, before any run starts (a dry run reads the generated set if it is there).
         data = None if args.dry_run and args.data is None and not _generated() else open_data(config)
-    except (ValueError, DatasetError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    except ValueError as err:  # a UserError (a dataset's, an option's) or an unknown row of select
+        return fail(str(err))
     # One device run at a time unless asked: CPU cores are shared out, a GPU is not.
     workers = args.workers or (default_workers(args.threads) if config.device == "cpu" else 1)
     if args.dry_run:
@@ -195,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
 
     out = args.out
     setting = {
-        "command": shlex.join(["python", "-m", "mabn.ablation", *argv]),
+        "command": shlex.join([*PROG.split(), "ablation", *argv]),
         "data": str(config.data),
         "classes": data.num_classes,
         "train_images": len(data.train_set),
@@ -237,7 +226,3 @@ def main(argv: list[str] | None = None) -> int:
     for path in written:
         print(f"wrote {path}")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
