@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import re
 import sys
+from collections.abc import Callable
 
 PROG = "python -m mabn"
 
@@ -54,3 +55,18 @@ def fail(message: str) -> int:
     """Print a user mistake as one ``error:`` line; the exit status to return."""
     print(f"error: {message}", file=sys.stderr)
     return 2
+
+
+def run_guarded(
+    parser: argparse.ArgumentParser, action: Callable[[argparse.Namespace], object], argv: list[str]
+) -> int:
+    """``action`` on the arguments ``parser`` reads from ``argv``: a user mistake (a DataLoader worker's too) is one
+    ``error:`` line and exit status 2, anything else a traceback."""
+    from ..cli import exit_on_user_error  # the LightningCLI module imports this package's names
+
+    ns = parser.parse_args(argv)
+    try:
+        action(ns)
+    except Exception as err:
+        exit_on_user_error(err)
+    return 0

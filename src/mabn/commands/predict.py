@@ -23,12 +23,12 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from .. import cli
 from ..data.folder import MASKS
 from ..data.loading import make_loader
 from ..errors import ConfigError
 from ..evaluate import Stage2Checkpoint, configure, data_root, inference_trainer, load_stage2
 from ..predict import FrameImages, PredictionWriter, claim_folder, image_files, images_name
+from . import run_guarded
 from .test import checkpoint_parser
 
 
@@ -90,9 +90,4 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str]) -> int:
-    ns = parser().parse_args(argv)
-    try:
-        run_predict(ns)
-    except Exception as err:  # a user mistake (a DataLoader worker's too) is one line; anything else a traceback
-        cli.exit_on_user_error(err)
-    return 0
+    return run_guarded(parser(), run_predict, argv)

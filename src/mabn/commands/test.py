@@ -13,11 +13,10 @@ from pathlib import Path
 
 import torch
 
-from .. import cli
 from ..data.loading import make_loader
 from ..evaluate import configure, data_root, inference_trainer, load_stage2
 from ..metrics import format_iou_table
-from . import command_parser
+from . import command_parser, run_guarded
 
 
 def checkpoint_parser(command: str, description: str | None) -> argparse.ArgumentParser:
@@ -66,9 +65,4 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str]) -> int:
-    ns = parser().parse_args(argv)
-    try:
-        run_test(ns)
-    except Exception as err:  # a user mistake (a DataLoader worker's too) is one line; anything else a traceback
-        cli.exit_on_user_error(err)
-    return 0
+    return run_guarded(parser(), run_test, argv)
