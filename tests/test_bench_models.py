@@ -19,9 +19,6 @@ from mabn.models import PSPNet
 CPU = torch.device("cpu")
 
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
-
 def _table_rows(markdown: str, heading: str) -> list[list[str]]:
     """The body rows (cells) of the first table under the "### " heading that starts with ``heading``."""
     section = next(s for s in markdown.split("\n### ") if s.startswith(heading))

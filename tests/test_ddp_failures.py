@@ -28,6 +28,8 @@ from lightning_fabric.plugins.environments.lightning import find_free_network_po
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
+from helpers.ddp_task import Tiny, tiny_dataset
+from helpers.trainer import BARE, QUIET
 from mabn.callbacks import AgreedRequeue, FailFast, RandomStateCallback
 from mabn.callbacks.failfast import one_line
 from mabn.callbacks.rng import RNG_KEY
@@ -36,7 +38,6 @@ from mabn.cli import run_cli
 from mabn.data.loading import make_loader
 from mabn.metrics import SegmentationMetric
 from mabn.tasks import ClassificationTask
-from test_ddp import Tiny, _dataset  # Tiny: MABN2d and BatchRenorm2d, so checkpoints gather streams
 
 WORLD = 2
 FAIL_AT_STEP = 3
@@ -46,13 +47,12 @@ JOB_ID = "4242"
 
 # ------------------------------------------------------------------- the processes the tests start
 def _trainer(root: Path, callbacks: list[pl.Callback], max_steps: int) -> pl.Trainer:
-    return pl.Trainer(accelerator="cpu", devices=WORLD, strategy="ddp", max_steps=max_steps, logger=False,
-                      enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+    return pl.Trainer(accelerator="cpu", devices=WORLD, strategy="ddp", max_steps=max_steps, **BARE,
                       default_root_dir=root, callbacks=callbacks)  # fmt: skip
 
 
 def _train_loader() -> DataLoader:
-    return DataLoader(_dataset(32), batch_size=4)  # 4 batches per process and epoch
+    return DataLoader(tiny_dataset(32), batch_size=4)  # 4 batches per process and epoch
 
 
 class RaiseOnRank1(pl.Callback):
@@ -227,9 +227,9 @@ trainer:
     - class_path: pytorch_lightning.callbacks.ModelCheckpoint
       init_args: {save_last: true, every_n_epochs: 1, save_on_train_epoch_end: true}
 model:
-  class_path: cli_tiny.TinyTask
+  class_path: helpers.cli_tiny.TinyTask
 data:
-  class_path: cli_tiny.TinyData
+  class_path: helpers.cli_tiny.TinyData
 """
 
 
@@ -332,8 +332,7 @@ class TinyClassifier(ClassificationTask):
 
 def _validate(model: pl.LightningModule) -> dict[str, float]:
     """The metrics of one process's validation."""
-    kwargs = dict(accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False)
-    return pl.Trainer(devices=1, **kwargs).validate(model, verbose=False)[0]
+    return pl.Trainer(accelerator="cpu", devices=1, logger=False, **QUIET).validate(model, verbose=False)[0]
 
 
 @pytest.fixture(scope="module")

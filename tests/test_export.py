@@ -18,9 +18,6 @@ NORM_OPS = ("batch_norm", "group_norm", "instance_norm", "layer_norm", "renorm")
 SIZE = (64, 64)
 
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
-
 def _trained_like(task: pl.LightningModule) -> None:
     """Random gamma/beta and running statistics of a real batch, so that folding has something to fold."""
     gen = torch.Generator().manual_seed(3)

@@ -17,6 +17,7 @@ import torch
 import yaml
 from PIL import Image
 
+from helpers.trainer import fit_flags
 from mabn import evaluate, launch, predict
 from mabn.data import demo_segment
 from mabn.data.classes import ClassTable, voc_palette
@@ -24,12 +25,9 @@ from mabn.data.errors import DatasetError
 from mabn.data.folder import FolderDataset, find_pairs, fitting_crop
 from mabn.tasks import SegmentationTask
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
 NAMES = tuple(demo_segment.COLORS)
 TINY = [
-    "--trainer.max_steps", "2", "--trainer.check_val_every_n_epoch", "2", "--trainer.num_sanity_val_steps", "0",
-    "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false",
+    *fit_flags(2, check_val_every_n_epoch=2, num_sanity_val_steps=0),
     "--data.init_args.global_batch_size", "4", "--data.init_args.num_workers", "0",
     "--model.init_args.arch", "resnet18", "--model.init_args.log_predictions_every_n_epochs", "0",
 ]  # fmt: skip
