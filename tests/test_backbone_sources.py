@@ -27,6 +27,9 @@ from mabn.models import (
 from mabn.models.backbone import STAGE1, Backbone, check_fits
 from mabn.norm import BatchRenorm2d, convert_norm
 
+# Its module fixtures are built once: the whole module runs in one pytest-xdist worker.
+pytestmark = pytest.mark.xdist_group("backbone_sources")
+
 EPS = 1e-5
 
 

@@ -16,6 +16,9 @@ from mabn.bench import chain, infer, report, step
 from mabn.bench.__main__ import main, run_check
 from mabn.models import PSPNet
 
+# Its module fixtures are built once: the whole module runs in one pytest-xdist worker.
+pytestmark = pytest.mark.xdist_group("bench_models")
+
 CPU = torch.device("cpu")
 
 

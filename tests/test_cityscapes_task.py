@@ -24,6 +24,9 @@ from mabn.models import BackboneError, PSPNet, resnet101, save_backbone
 from mabn.norm import BatchRenorm2d, CenConv2d, MABN2d
 from mabn.tasks import SegmentationTask
 
+# Its module fixtures are built once: the whole module runs in one pytest-xdist worker.
+pytestmark = pytest.mark.xdist_group("cityscapes_task")
+
 NORM_TYPES = (nn.BatchNorm2d, nn.SyncBatchNorm, nn.GroupNorm, nn.LayerNorm, nn.InstanceNorm2d, BatchRenorm2d, MABN2d)
 EXPECTED_NORM = {"bn": nn.BatchNorm2d, "gn": nn.GroupNorm, "brn": BatchRenorm2d, "mabn": MABN2d}
 # ResNet-101: stem 1 + 33 bottlenecks x 3 + 4 downsample = 104; PPM one per bin; one each in the two heads.

@@ -195,6 +195,7 @@ class ShardedTiny(Tiny):
         return DataLoader(Subset(tiny_dataset(16, torch.float64), range(self.global_rank, 16, WORLD)), batch_size=2)
 
 
+@pytest.mark.slow  # two spawned processes, each importing Lightning, and a one-process fit: ~13 s
 def test_sync_stats_ddp_fit_equals_one_process_on_both_shards(tmp_path):
     """sync_stats=True: the devices' buffers stay identical and match one process that trains on both
     devices' batches at once, with the sum of the two devices' losses at half the learning rate (DDP averages
@@ -281,6 +282,7 @@ def test_per_device_statistics_turn_off_ddp_buffer_broadcast():
     assert explicit.strategy._ddp_kwargs["broadcast_buffers"] is True
 
 
+@pytest.mark.slow  # bash, sbatch and the job script in a simulated allocation, each starting Python: ~9 s
 def test_slurm_dry_run_for_2_nodes_x_8_gpus_agrees_with_the_trainer(tmp_path):
     """submit.sh --dry-run prints the sbatch line, then runs the job script in a simulated allocation of that
     shape: its srun line and the LightningCLI arguments must agree, checked by Lightning's SLURM rules."""

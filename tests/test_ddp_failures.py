@@ -347,6 +347,7 @@ def two_processes(tmp_path_factory) -> tuple[Path, dict[str, dict[str, float]]]:
     return root, ranks[0]
 
 
+@pytest.mark.slow  # two_processes: two processes started as torchrun would, each importing the CLI: ~11 s
 def test_validation_counts_each_sample_of_an_odd_split_once_on_two_processes(two_processes, tmp_path):
     """The 2 processes read samples 0, 2, 4, 6 and 1, 3, 5 (none repeated to fill rank 1's last batch), and
     their mIoU equals 1 process's over the 7 samples, where Lightning's padding would score sample 0 twice."""
@@ -363,6 +364,7 @@ def test_validation_counts_each_sample_of_an_odd_split_once_on_two_processes(two
     assert padded.compute()["miou"].item() != pytest.approx(one["val/miou"], abs=1e-6)
 
 
+@pytest.mark.slow  # two_processes, as above
 def test_classification_validation_of_an_odd_split_on_two_processes_equals_one_process(two_processes):
     """Loss, top-1 and top-5 of ClassificationTask over 7 samples: 4 on one device, 3 on the other. The loss
     is a mean over samples, exact only when the devices' sample counts are summed, not averaged."""

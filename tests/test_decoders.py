@@ -24,6 +24,9 @@ from mabn.norm import BatchRenorm2d, CenConv2d, MABN2d, convert_norm, fold_norms
 from mabn.tasks import SegmentationTask
 from mabn.tasks.restore import load_task
 
+# Its module fixtures are built once: the whole module runs in one pytest-xdist worker.
+pytestmark = pytest.mark.xdist_group("decoders")
+
 ARCH = "resnet18"
 SHALLOW = ("--model.init_args.arch", ARCH)
 BATCH_NORMS = (nn.BatchNorm2d, nn.SyncBatchNorm, nn.GroupNorm, BatchRenorm2d, MABN2d)

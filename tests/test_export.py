@@ -14,6 +14,9 @@ from mabn import export
 from mabn.bench.infer import calibrate
 from mabn.tasks import ClassificationTask, SegmentationTask
 
+# Its module fixtures are built once: the whole module runs in one pytest-xdist worker.
+pytestmark = pytest.mark.xdist_group("export")
+
 NORM_OPS = ("batch_norm", "group_norm", "instance_norm", "layer_norm", "renorm")
 SIZE = (64, 64)
 

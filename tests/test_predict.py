@@ -19,6 +19,9 @@ from mabn import cli, evaluate, launch, predict
 from mabn.data import demo_cityscapes
 from mabn.data.cityscapes import CLASS_NAMES
 
+# Its module fixtures are built once: the whole module runs in one pytest-xdist worker.
+pytestmark = pytest.mark.xdist_group("predict")
+
 
 @pytest.fixture(scope="module")
 def fitted(tmp_path_factory) -> tuple[Path, Path]:

@@ -5,14 +5,15 @@ from __future__ import annotations
 
 import math
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from mabn import launch, scaling
 from mabn.errors import ConfigError
+
+# Its module fixtures are built once: the whole module runs in one pytest-xdist worker.
+pytestmark = pytest.mark.xdist_group("scaling")
 
 LAYOUTS = [(1, 1), (8, 1), (8, 2), (8, 4), (8, 8)]  # GPUs per node x nodes, as the users run them
 CITYSCAPES_TRAIN = 2975  # the real split's size: the recipe's epochs are of it
@@ -101,11 +102,15 @@ def test_iterations_follow_the_sampler_and_the_dropped_last_batch():
     assert scaling.total_iterations(7, 3, 5, 1) == 5
 
 
-def test_missing_stage1_backbone_is_an_error_and_none_is_random_weights_on_purpose(layouts, tmp_path, capsys):
-    cmd = [sys.executable, "-m", "mabn", "cityscapes", "--data", str(layouts["cityscapes"]), "--dry-run"]
-    missing = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300)
-    assert missing.returncode == 2
-    error = [line for line in missing.stderr.splitlines() if line.startswith("error:")]
+def test_missing_stage1_backbone_is_an_error_and_none_is_random_weights_on_purpose(
+    layouts, tmp_path, monkeypatch, capsys
+):
+    monkeypatch.chdir(tmp_path)  # no pretrain/ folder here
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as missing:
+        launch.main(["cityscapes", "--data", str(layouts["cityscapes"]), "--dry-run"])
+    assert missing.value.code == 2
+    error = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
     assert error == [
         "error: no stage-1 backbone pretrain/resnet101-mabn.pt: run stage 1 first (make pretrain NORM=mabn "
         "DATA=<imagenet>), give one with BACKBONE=<file>, or BACKBONE=none (--backbone none) to train the encoder "

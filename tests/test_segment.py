@@ -25,6 +25,9 @@ from mabn.data.errors import DatasetError
 from mabn.data.folder import FolderDataset, find_pairs, fitting_crop
 from mabn.tasks import SegmentationTask
 
+# Its module fixtures are built once: the whole module runs in one pytest-xdist worker.
+pytestmark = pytest.mark.xdist_group("segment")
+
 NAMES = tuple(demo_segment.COLORS)
 TINY = [
     *fit_flags(2, check_val_every_n_epoch=2, num_sanity_val_steps=0),

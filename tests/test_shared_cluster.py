@@ -32,6 +32,9 @@ from mabn.data import demo_cityscapes, demo_imagenet
 from mabn.errors import WriteError
 from mabn.files import write_atomic, write_text_atomic
 
+# Its module fixtures are built once: the whole module runs in one pytest-xdist worker.
+pytestmark = pytest.mark.xdist_group("shared_cluster")
+
 ROOT = Path(__file__).resolve().parents[1]
 IN_USE = (
     "error: {folder} is in use by another run (host {host}, pid {pid}, started {started}): wait for it to end, or "
