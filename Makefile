@@ -44,9 +44,9 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 # The default suite: lint, then every test not marked slow, one pytest-xdist worker per core (about two minutes
-# on 2 CPU cores); tests that share a resource run in one worker (xdist_group). CI runs both.
+# on 2 CPU cores); each module runs in one worker, so that its fixtures are built once. CI runs both.
 test: lint
-	$(PY) -m pytest -q -m "not slow" -n auto --dist loadgroup
+	$(PY) -m pytest -q -m "not slow" -n auto --dist loadfile
 
 # The tests too long for the default suite (multi-process failure and timing cases, inductor compiles,
 # GPU-sized benchmarks).

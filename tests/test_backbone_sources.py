@@ -27,9 +27,6 @@ from mabn.models import (
 from mabn.models.backbone import STAGE1, Backbone, check_fits
 from mabn.norm import BatchRenorm2d, convert_norm
 
-# Its module fixtures are built once: the whole module runs in one pytest-xdist worker.
-pytestmark = pytest.mark.xdist_group("backbone_sources")
-
 EPS = 1e-5
 
 
@@ -39,7 +36,7 @@ def _encoder(norm: str, norm_batch_size: int | None = None, arch: str = "resnet1
     return convert_norm(encoder, norm, **norm_kwargs_for(norm, norm_batch_size))
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def bn_model() -> nn.Module:
     """torchvision's ResNet-101 (random init) whose BN statistics are those of one batch, so that eval-mode
     activations stay finite through all 104 norms."""
@@ -53,7 +50,7 @@ def bn_model() -> nn.Module:
     return model.eval()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def tv_file(bn_model, tmp_path_factory) -> Path:
     """What a user saves from torchvision: ``torch.save(model.state_dict(), path)``."""
     path = tmp_path_factory.mktemp("tv") / "resnet101-imagenet.pth"

@@ -23,9 +23,6 @@ from helpers.trainer import fit_flags
 from mabn import launch
 from mabn.data import demo_cityscapes, demo_imagenet, demo_segment
 
-# Its module fixtures are built once: the whole module runs in one pytest-xdist worker.
-pytestmark = pytest.mark.xdist_group("bad_input")
-
 TINY_FIT = [
     *fit_flags(1, limit_val_batches=1, num_sanity_val_steps=1),
     "--data.init_args.num_workers", "0", "--model.init_args.arch", "resnet18",
@@ -36,7 +33,7 @@ IMAGENET_FIT = [*TINY_FIT, "--data.init_args.batch_size", "2", "--data.init_args
                 "--data.init_args.val_resize", "36"]  # fmt: skip
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def sets(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("sets")
     return {

@@ -16,9 +16,6 @@ from mabn.bench import chain, infer, report, step
 from mabn.bench.__main__ import main, run_check
 from mabn.models import PSPNet
 
-# Its module fixtures are built once: the whole module runs in one pytest-xdist worker.
-pytestmark = pytest.mark.xdist_group("bench_models")
-
 CPU = torch.device("cpu")
 
 
@@ -37,7 +34,7 @@ def pspnet_on(arch: str):
         yield
 
 
-@pytest.fixture(scope="module", params=["resnet18", pytest.param("resnet101", marks=pytest.mark.slow)])
+@pytest.fixture(scope="session", params=["resnet18", pytest.param("resnet101", marks=pytest.mark.slow)])
 def measured(request):
     """(encoder arch, step rows, inference rows) of the PSPNet tables at small sizes (crop 32: 4x4 features)."""
     with pspnet_on(request.param):

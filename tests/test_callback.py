@@ -133,7 +133,8 @@ def test_tracking_off_costs_no_state(tmp_path):
     assert all(layer.last_stats is None and not layer.track_stats for layer in model.norms())
 
 
-def test_default_run_without_network_or_login_finishes_offline(tmp_path, monkeypatch):
+def test_default_run_without_network_or_login_finishes_offline(tmp_path, monkeypatch, request):
+    wandb_session(request, monkeypatch, "offline")  # a fresh wandb session whatever ran before; mode unset below
     for var in ("WANDB_MODE", "WANDB_API_KEY"):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("HOME", str(tmp_path))  # no saved `wandb login`

@@ -24,9 +24,6 @@ from mabn.models import BackboneError, PSPNet, resnet101, save_backbone
 from mabn.norm import BatchRenorm2d, CenConv2d, MABN2d
 from mabn.tasks import SegmentationTask
 
-# Its module fixtures are built once: the whole module runs in one pytest-xdist worker.
-pytestmark = pytest.mark.xdist_group("cityscapes_task")
-
 NORM_TYPES = (nn.BatchNorm2d, nn.SyncBatchNorm, nn.GroupNorm, nn.LayerNorm, nn.InstanceNorm2d, BatchRenorm2d, MABN2d)
 EXPECTED_NORM = {"bn": nn.BatchNorm2d, "gn": nn.GroupNorm, "brn": BatchRenorm2d, "mabn": MABN2d}
 # ResNet-101: stem 1 + 33 bottlenecks x 3 + 4 downsample = 104; PPM one per bin; one each in the two heads.
@@ -219,7 +216,7 @@ def _task_args(data: Path, norm: str, *extra: str) -> list[str]:
     return _fit_args(data, norm, *extra)[1:]  # without "fit": build, don't run
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def mabn_backbone(tmp_path_factory) -> Path:
     model = resnet101("mabn", num_classes=10, norm_batch_size=2, norm_options={"mabn": {"buffer_size": 16}})
     path = tmp_path_factory.mktemp("pretrain") / "resnet101-mabn.pt"

@@ -335,7 +335,7 @@ def _validate(model: pl.LightningModule) -> dict[str, float]:
     return pl.Trainer(accelerator="cpu", devices=1, logger=False, **QUIET).validate(model, verbose=False)[0]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def two_processes(tmp_path_factory) -> tuple[Path, dict[str, dict[str, float]]]:
     """(folder, metrics) of TinySegmenter's and TinyClassifier's validations by 2 processes (started as torchrun
     would, one trainer validating both): each process's metrics by ``seg`` and ``cls``, rank 0's."""

@@ -24,9 +24,6 @@ from mabn.norm import BatchRenorm2d, CenConv2d, MABN2d, convert_norm, fold_norms
 from mabn.tasks import SegmentationTask
 from mabn.tasks.restore import load_task
 
-# Its module fixtures are built once: the whole module runs in one pytest-xdist worker.
-pytestmark = pytest.mark.xdist_group("decoders")
-
 ARCH = "resnet18"
 SHALLOW = ("--model.init_args.arch", ARCH)
 BATCH_NORMS = (nn.BatchNorm2d, nn.SyncBatchNorm, nn.GroupNorm, BatchRenorm2d, MABN2d)
@@ -160,7 +157,7 @@ def test_output_strides_and_their_checks():
 # 2. Through the CLI: fit, checkpoint, restore, fold (and export in the slow suite)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def backbone(tmp_path_factory) -> Path:
     """A stage-1 MABN ResNet-18 file."""
     model = resnet("mabn", num_classes=10, norm_batch_size=2, norm_options={"mabn": {"buffer_size": 16}}, arch=ARCH)

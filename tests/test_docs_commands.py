@@ -81,9 +81,6 @@ from helpers import docs_commands as dc
 from helpers.backbone_files import Backbones
 from helpers.trainer import fit_flags
 
-# Its module and session fixtures are built once: the whole module runs in one pytest-xdist worker.
-pytestmark = pytest.mark.xdist_group("docs_commands")
-
 ROOT = dc.ROOT
 VENV = ROOT / ".venv"
 LINKED = ("Makefile", "pyproject.toml", "configs", "scripts", "tests")  # the checkout a sandbox stands for

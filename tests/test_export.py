@@ -14,9 +14,6 @@ from mabn import export
 from mabn.bench.infer import calibrate
 from mabn.tasks import ClassificationTask, SegmentationTask
 
-# Its module fixtures are built once: the whole module runs in one pytest-xdist worker.
-pytestmark = pytest.mark.xdist_group("export")
-
 NORM_OPS = ("batch_norm", "group_norm", "instance_norm", "layer_norm", "renorm")
 SIZE = (64, 64)
 
@@ -47,7 +44,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).abs().max() / b.double().abs().max()).item()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def seg_export(tmp_path_factory):
     """A MABN PSPNet (ResNet-18 encoder) checkpoint, its unfolded eval model, and what export wrote for it."""
     tmp = tmp_path_factory.mktemp("seg")
@@ -158,7 +155,7 @@ def test_an_onnx_graph_that_only_fits_the_traced_size_is_refused(tmp_path, capsy
     assert sorted(p.name for p in tmp_path.iterdir()) == ["psp.ckpt", "psp.folded.pt"]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def cls_checkpoint(tmp_path_factory):
     """A BRN ResNet-18 checkpoint as LightningCLI writes it, and the model it holds."""
     path = tmp_path_factory.mktemp("cls") / "cls.ckpt"

@@ -19,11 +19,8 @@ from mabn import cli, evaluate, launch, predict
 from mabn.data import demo_cityscapes
 from mabn.data.cityscapes import CLASS_NAMES
 
-# Its module fixtures are built once: the whole module runs in one pytest-xdist worker.
-pytestmark = pytest.mark.xdist_group("predict")
 
-
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def fitted(tmp_path_factory) -> tuple[Path, Path]:
     """(data root, best checkpoint) of a 2-step bn fit on a tiny demo set with crop 32 (images 32x64), of a PSPNet on
     ResNet-18: test and predict rebuild whatever arch the checkpoint names and score it the same way."""

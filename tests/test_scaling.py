@@ -12,15 +12,12 @@ import pytest
 from mabn import launch, scaling
 from mabn.errors import ConfigError
 
-# Its module fixtures are built once: the whole module runs in one pytest-xdist worker.
-pytestmark = pytest.mark.xdist_group("scaling")
-
 LAYOUTS = [(1, 1), (8, 1), (8, 2), (8, 4), (8, 8)]  # GPUs per node x nodes, as the issue's users run them
 CITYSCAPES_TRAIN = 2975  # the real split's size: the recipe's epochs are of it
 IMAGENET_CLASSES, IMAGENET_PER_CLASS = 16, 300  # enough for one global batch of 2048 on 64 devices
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def layouts(tmp_path_factory) -> dict[str, Path]:
     """Dataset layouts of empty files: a dry run plans from file names and reads no image."""
     root = tmp_path_factory.mktemp("layouts")

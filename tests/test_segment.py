@@ -25,9 +25,6 @@ from mabn.data.errors import DatasetError
 from mabn.data.folder import FolderDataset, find_pairs, fitting_crop
 from mabn.tasks import SegmentationTask
 
-# Its module fixtures are built once: the whole module runs in one pytest-xdist worker.
-pytestmark = pytest.mark.xdist_group("segment")
-
 NAMES = tuple(demo_segment.COLORS)
 TINY = [
     *fit_flags(2, check_val_every_n_epoch=2, num_sanity_val_steps=0),
@@ -45,7 +42,7 @@ class _Lines(logging.Handler):
         self.lines.append(record.getMessage())
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def fitted(tmp_path_factory) -> tuple[Path, Path, str]:
     """(data root, last checkpoint, what the run printed) of ``python -m mabn segment`` on the generated example
     (4 train and 3 val images of 32x64), 2 steps of a PSPNet on ResNet-18 with the config's crop 713."""

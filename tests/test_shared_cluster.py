@@ -32,9 +32,6 @@ from mabn.data import demo_cityscapes, demo_imagenet
 from mabn.errors import WriteError
 from mabn.files import write_atomic, write_text_atomic
 
-# Its module fixtures are built once: the whole module runs in one pytest-xdist worker.
-pytestmark = pytest.mark.xdist_group("shared_cluster")
-
 ROOT = Path(__file__).resolve().parents[1]
 IN_USE = (
     "error: {folder} is in use by another run (host {host}, pid {pid}, started {started}): wait for it to end, or "
@@ -331,7 +328,7 @@ def test_a_full_disk_on_rank_0_ends_every_rank_with_the_same_line(tmp_path):
 
 
 # ------------------------------------------------------------------------------ CUDA out of memory
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def sets(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("sets")
     return {
