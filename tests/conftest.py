@@ -1,14 +1,30 @@
 import os
+from pathlib import Path
 
-import pytest
-import torch
+# One thread per process, set before torch is imported so that the processes tests start inherit it: the suite
+# runs as one pytest-xdist worker per core, and a second OpenMP thread per worker spins against the other worker
+# and runs ~10x slower than one.
+os.environ["OMP_NUM_THREADS"] = "1"
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+torch.set_num_threads(1)
 
 # Tests run on the CPU and must never reach the network (wandb, weight downloads).
 os.environ.setdefault("WANDB_MODE", "disabled")
+# Where the tests marked ``gpu`` run their layers: the CPU, or MABN_TEST_DEVICE (cuda: `make test-gpu`).
+DEVICE = os.environ.get("MABN_TEST_DEVICE", "cpu")
 # MABN2d's Triton statistic kernels (CUDA) run on CPU tensors through Triton's interpreter, which must be chosen
-# before Triton is first imported. On a GPU (MABN_TEST_DEVICE=cuda) they run compiled.
-if os.environ.get("MABN_TEST_DEVICE", "cpu") == "cpu":
+# before Triton is first imported. On a GPU they run compiled.
+if DEVICE == "cpu":
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """A test marked ``gpu(cuda_only=True)`` has no CPU half: it is skipped unless MABN_TEST_DEVICE=cuda."""
+    if DEVICE != "cuda" and any(m.kwargs.get("cuda_only") for m in item.iter_markers("gpu")):
+        pytest.skip("needs a GPU: run with MABN_TEST_DEVICE=cuda (make test-gpu)")
 
 
 @pytest.fixture(autouse=True)
@@ -19,18 +35,8 @@ def _seed():
 @pytest.fixture
 def device() -> torch.device:
     """Where the reference-checked layers run: the CPU, or MABN_TEST_DEVICE (e.g. cuda) to hold a GPU's
-    kernels to the same float64 references (`MABN_TEST_DEVICE=cuda pytest tests/test_norm_reference.py`)."""
-    return torch.device(os.environ.get("MABN_TEST_DEVICE", "cpu"))
-
-
-@pytest.fixture(scope="module")
-def one_thread():
-    """One torch thread for a module's heavy models (`pytestmark = pytest.mark.usefixtures("one_thread")`): on
-    2 shared cores, two OpenMP threads spin against the other load and run ~10x slower than one."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+    kernels to the same float64 references (`MABN_TEST_DEVICE=cuda pytest -m gpu`)."""
+    return torch.device(DEVICE)
 
 
 class GraphStandIn:
@@ -75,8 +81,25 @@ def graph_stand_in(monkeypatch) -> GraphStandIn:
 
 
 @pytest.fixture(scope="session")
+def tiny_cityscapes(tmp_path_factory) -> Path:
+    """The generated Cityscapes layout of the short stage-2 fits: 4 training and 2 validation scenes of 32x64."""
+    from mabn.data import demo_cityscapes
+
+    return demo_cityscapes.generate(tmp_path_factory.mktemp("data") / "cs", n_train=4, n_val=2, size=(32, 64))
+
+
+@pytest.fixture(scope="session")
+def tiny_imagenet(tmp_path_factory) -> Path:
+    """The generated ImageNet layout of the short stage-1 and ablation fits: 4 training and 2 validation images
+    per class, 40x40."""
+    from mabn.data import demo_imagenet
+
+    return demo_imagenet.generate(tmp_path_factory.mktemp("data") / "cls", n_train=4, n_val=2, size=40)
+
+
+@pytest.fixture(scope="session")
 def backbones(tmp_path_factory):
-    """Light backbone files (``backbone_files.Backbones``), built once per session."""
-    from backbone_files import Backbones
+    """Light backbone files (``helpers.backbone_files.Backbones``), built once per session."""
+    from helpers.backbone_files import Backbones
 
     return Backbones(tmp_path_factory.mktemp("backbones"))

@@ -20,11 +20,6 @@ from mabn.data import demo_imagenet
 from mabn.norm import BatchRenorm2d, CenConv2d, GhostBatchNorm2d, MABN2d
 
 
-@pytest.fixture(scope="module")
-def tiny_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return demo_imagenet.generate(tmp_path_factory.mktemp("shapes"), n_train=4, n_val=2, size=20)
-
-
 def _norms(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if isinstance(m, nn.BatchNorm2d | BatchRenorm2d | MABN2d | nn.GroupNorm)]
 
@@ -127,7 +122,7 @@ def test_missing_dataset_is_one_error_line(tmp_path: Path, capsys: pytest.Captur
     assert capsys.readouterr().err == f"error: --out {tmp_path / 'file' / 'out'}: {tmp_path / 'file'} is not a folder\n"
 
 
-def test_same_seed_same_start_and_data_whatever_the_norm(tiny_data: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_same_seed_same_start_and_data_whatever_the_norm(tiny_imagenet: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Runs of BN(32) and MABN(2) (whose weight-centred convs draw from the global generator when built)
     with one seed: equal initial weights of every layer they share, equal batches (order and
     augmentation); another seed changes both."""
@@ -146,7 +141,7 @@ def test_same_seed_same_start_and_data_whatever_the_norm(tiny_data: Path, monkey
     initial_model, batches = train.initial_model, train.training_batches
     monkeypatch.setattr(train, "initial_model", recording_model)
     monkeypatch.setattr(train, "training_batches", recording_batches)
-    config = TrainConfig(data=tiny_data, steps=3, image_size=16, progress_every=0)
+    config = TrainConfig(data=tiny_imagenet, steps=3, image_size=16, progress_every=0)
     for key, seed in (("bn32", 1), ("mabn2", 1), ("bn32", 2)):
         train_run(ROWS_BY_KEY[key], seed, config)
 
@@ -162,10 +157,10 @@ def test_same_seed_same_start_and_data_whatever_the_norm(tiny_data: Path, monkey
     assert not torch.equal(bn["batches"][0][1], other["batches"][0][1])
 
 
-def test_whole_pipeline_two_rows(tiny_data: Path, tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+def test_whole_pipeline_two_rows(tiny_imagenet: Path, tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
     """BN(32) and MABN(2), one seed, a few steps, in two worker processes: table, JSON, CSVs and figures."""
     out = tmp_path / "ablation"
-    args = ["--data", str(tiny_data), "--rows", "bn32,mabn2", "--seeds", "1", "--steps", "6"]
+    args = ["--data", str(tiny_imagenet), "--rows", "bn32,mabn2", "--seeds", "1", "--steps", "6"]
     assert ablation.main([*args, "--image-size", "16", "--workers", "2", "--out", str(out)]) == 0
     printed = capfd.readouterr().out  # capfd: the worker processes print too
 
@@ -192,5 +187,7 @@ def test_whole_pipeline_two_rows(tiny_data: Path, tmp_path: Path, capfd: pytest.
     assert len(runs["bn32"]["losses"]) == 6 and runs["bn32"]["losses"][-1] == runs["bn32"]["final_loss"]
     assert not [p.name for p in out.rglob(".*")]  # no scratch file left behind
     assert "[mabn2 seed 0] step 6/6" in printed  # the workers' progress lines
-    again = train_run(ROWS_BY_KEY["mabn2"], 0, TrainConfig(data=tiny_data, steps=6, image_size=16, progress_every=0))
+    again = train_run(
+        ROWS_BY_KEY["mabn2"], 0, TrainConfig(data=tiny_imagenet, steps=6, image_size=16, progress_every=0)
+    )
     assert (runs["mabn2"]["final_loss"], runs["mabn2"]["val_error"]) == (again.final_loss, again.val_error)

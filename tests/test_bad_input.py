@@ -19,15 +19,13 @@ import pytest
 import torch
 from PIL import Image
 
+from helpers.trainer import fit_flags
 from mabn import launch
 from mabn.commands import stage
 from mabn.data import demo_cityscapes, demo_imagenet, demo_segment
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
 TINY_FIT = [
-    "--trainer.max_steps", "1", "--trainer.limit_val_batches", "1", "--trainer.num_sanity_val_steps", "1",
-    "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false",
+    *fit_flags(1, limit_val_batches=1, num_sanity_val_steps=1),
     "--data.init_args.num_workers", "0", "--model.init_args.arch", "resnet18",
 ]  # fmt: skip
 CITYSCAPES_FIT = [*TINY_FIT, "--data.init_args.global_batch_size", "2", "--data.init_args.crop_size", "32"]
@@ -36,7 +34,7 @@ IMAGENET_FIT = [*TINY_FIT, "--data.init_args.batch_size", "2", "--data.init_args
                 "--data.init_args.val_resize", "36"]  # fmt: skip
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def sets(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("sets")
     return {

@@ -19,9 +19,6 @@ from mabn.models import PSPNet
 CPU = torch.device("cpu")
 
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
-
 def _table_rows(markdown: str, heading: str) -> list[list[str]]:
     """The body rows (cells) of the first table under the "### " heading that starts with ``heading``."""
     section = next(s for s in markdown.split("\n### ") if s.startswith(heading))
@@ -37,7 +34,7 @@ def pspnet_on(arch: str):
         yield
 
 
-@pytest.fixture(scope="module", params=["resnet18", pytest.param("resnet101", marks=pytest.mark.slow)])
+@pytest.fixture(scope="session", params=["resnet18", pytest.param("resnet101", marks=pytest.mark.slow)])
 def measured(request):
     """(encoder arch, step rows, inference rows) of the PSPNet tables at small sizes (crop 32: 4x4 features)."""
     with pspnet_on(request.param):

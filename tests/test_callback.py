@@ -8,82 +8,24 @@ from pathlib import Path
 import pytest
 import pytorch_lightning as pl
 import torch
-import torch.nn.functional as F
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
 
+from helpers.callback_task import POLICY, Tiny, loader
+from helpers.trainer import quiet_trainer
+from helpers.wandb_reader import history, offline_run, wandb_session
 from mabn import BatchRenorm2d, MABN2d, convert_norm
 from mabn.callbacks import MABNCallback, PhaseRule, norm_callbacks
 from mabn.errors import ConfigError
 from mabn.loggers import WandbLogger
-from wandb_reader import history, offline_run, wandb_session
 
 # What MABNCallback logs per MABN layer (norm/<layer>/<key>).
 MABN_LOGGED = ("chi2_batch", "chi2_sma", "chi2_ema", "psi_batch", "psi_bar", "r_mean", "r_clipped", "phase")
 
 
-class Tiny(pl.LightningModule):
-    """An encoder and a head, each with one MABN2d (ghost batches of 2, buffer 4)."""
-
-    def __init__(self, norm_policy=None, backbone=None, record=False):
-        super().__init__()
-        self.save_hyperparameters()
-        self.model = nn.Module()
-        self.model.encoder = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU())
-        self.model.head = nn.Sequential(
-            nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
-            nn.Linear(8, 3),
-        )  # fmt: skip
-        convert_norm(self.model, "mabn", norm_batch_size=2, buffer_size=4, momentum=0.9)
-        self.seen = []  # per micro-batch: (global step, encoder uses moving stats, renormalizes; same for head)
-
-    def norms(self):
-        return self.model.encoder[1], self.model.head[1]
-
-    def configure_callbacks(self):
-        return norm_callbacks(self.model, self.hparams.norm_policy)
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        loss = F.cross_entropy(self.model.head(self.model.encoder(x)), y)
-        if self.hparams.record:
-            state = [self.global_step]
-            for layer in self.norms():
-                s = layer.last_stats
-                state += [bool(s["active"].any()), bool((s["r"] != 1).any())]
-            self.seen.append(tuple(state))
-        return loss
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-4)
-
-
-def _loader(n=16):
-    gen = torch.Generator().manual_seed(0)
-    data = TensorDataset(torch.randn(n, 3, 8, 8, generator=gen) + 0.5, torch.randint(0, 3, (n,), generator=gen))
-    return DataLoader(data, batch_size=4, shuffle=False)
-
-
-def _trainer(tmp_path, **kwargs):
-    defaults = dict(logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                    default_root_dir=tmp_path, deterministic=True)  # fmt: skip
-    return pl.Trainer(**{**defaults, **kwargs})
-
-
-POLICY = {
-    "groups": {
-        "encoder": {"prefixes": ["model.encoder"], "moving_stats_first_step": 2, "renorm_first_step": 5},
-        "head": {"prefixes": ["model.head"], "moving_stats_first_step": 5, "renorm_first_step": 7},
-    },
-    "log_every_n_steps": 1,
-    "log_layers": ["model.encoder.1", "model.head.1"],
-}
-
-
 def test_phases_follow_optimizer_steps_per_group_under_accumulation(tmp_path):
     torch.manual_seed(0)
     model = Tiny(norm_policy=POLICY, record=True)
-    _trainer(tmp_path, max_steps=8, accumulate_grad_batches=2).fit(model, _loader(32))
+    quiet_trainer(tmp_path, max_steps=8, accumulate_grad_batches=2).fit(model, loader(32))
     assert len(model.seen) == 16  # two micro-batches per optimizer step
     for i, (step, enc_moving, enc_renorm, head_moving, head_renorm) in enumerate(model.seen):
         assert step == i // 2
@@ -96,7 +38,7 @@ def test_phases_follow_optimizer_steps_per_group_under_accumulation(tmp_path):
 def test_groups_must_match_layers(tmp_path):
     policy = {"groups": {"neck": {"prefixes": ["model.neck"]}}}
     with pytest.raises(ValueError, match="neck"):
-        _trainer(tmp_path, max_steps=1).fit(Tiny(norm_policy=policy), _loader())
+        quiet_trainer(tmp_path, max_steps=1).fit(Tiny(norm_policy=policy), loader())
 
 
 @pytest.mark.parametrize(
@@ -135,7 +77,7 @@ def _prefill(model, running_var=7.0):
 def test_fit_from_a_backbone_restarts_the_streams(tmp_path, reset_ema):
     model = Tiny(norm_policy={"reset_ema": reset_ema}, backbone="pretrain/resnet101-mabn.pt")
     _prefill(model)
-    _trainer(tmp_path, max_steps=3).fit(model, _loader())
+    quiet_trainer(tmp_path, max_steps=3).fit(model, loader())
     for layer in model.norms():
         assert layer.iters.item() == 3 and layer.count_x2.item() == 6  # counted again from zero
         kept = layer.running_var.min().item() > 5.0  # 0.9**3 * 7 is still above 5
@@ -147,7 +89,7 @@ def test_fit_from_a_backbone_restarts_the_streams(tmp_path, reset_ema):
 def test_fit_from_scratch_keeps_the_streams(tmp_path):
     model = Tiny()
     _prefill(model)
-    _trainer(tmp_path, max_steps=3).fit(model, _loader())
+    quiet_trainer(tmp_path, max_steps=3).fit(model, loader())
     assert all(layer.iters.item() == 5003 for layer in model.norms())
 
 
@@ -157,13 +99,13 @@ def test_resume_continues_exactly_like_an_uninterrupted_run(tmp_path):
     straight = Tiny(norm_policy=policy, backbone="x")
     # 4 batches an epoch: the checkpoint after step 4 sits at an epoch boundary.
     saver = pl.callbacks.ModelCheckpoint(tmp_path / "ckpt", every_n_train_steps=4, save_top_k=-1)
-    _trainer(tmp_path / "a", max_steps=8, enable_checkpointing=True, callbacks=[saver]).fit(straight, _loader())
+    quiet_trainer(tmp_path / "a", max_steps=8, enable_checkpointing=True, callbacks=[saver]).fit(straight, loader())
     mid = tmp_path / "ckpt" / "epoch=0-step=4.ckpt"
     assert mid.is_file()
 
     torch.manual_seed(123)  # a different init: everything must come from the checkpoint
     resumed = Tiny(norm_policy=policy, backbone="x")
-    _trainer(tmp_path / "b", max_steps=8).fit(resumed, _loader(), ckpt_path=mid)
+    quiet_trainer(tmp_path / "b", max_steps=8).fit(resumed, loader(), ckpt_path=mid)
     for key, value in straight.state_dict().items():
         assert torch.equal(resumed.state_dict()[key], value), key
     callbacks = [next(c for c in m.trainer.callbacks if isinstance(c, MABNCallback)) for m in (straight, resumed)]
@@ -173,7 +115,7 @@ def test_resume_continues_exactly_like_an_uninterrupted_run(tmp_path):
 def test_statistics_are_logged_every_k_steps(tmp_path):
     logger = pl.loggers.CSVLogger(tmp_path, name="csv")
     model = Tiny(norm_policy={**POLICY, "log_every_n_steps": 3})
-    _trainer(tmp_path, max_steps=8, logger=logger, log_every_n_steps=50).fit(model, _loader())
+    quiet_trainer(tmp_path, max_steps=8, logger=logger, log_every_n_steps=50).fit(model, loader())
     rows = list(csv.DictReader(open(Path(logger.log_dir) / "metrics.csv")))
     keys = MABN_LOGGED
     for layer in ("model.encoder.1", "model.head.1"):
@@ -187,11 +129,12 @@ def test_statistics_are_logged_every_k_steps(tmp_path):
 
 def test_tracking_off_costs_no_state(tmp_path):
     model = Tiny(norm_policy={**POLICY, "log_every_n_steps": 0})
-    _trainer(tmp_path, max_steps=2).fit(model, _loader())
+    quiet_trainer(tmp_path, max_steps=2).fit(model, loader())
     assert all(layer.last_stats is None and not layer.track_stats for layer in model.norms())
 
 
-def test_default_run_without_network_or_login_finishes_offline(tmp_path, monkeypatch):
+def test_default_run_without_network_or_login_finishes_offline(tmp_path, monkeypatch, request):
+    wandb_session(request, monkeypatch, "offline")  # a fresh wandb session whatever ran before; mode unset below
     for var in ("WANDB_MODE", "WANDB_API_KEY"):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("HOME", str(tmp_path))  # no saved `wandb login`
@@ -199,7 +142,7 @@ def test_default_run_without_network_or_login_finishes_offline(tmp_path, monkeyp
     monkeypatch.chdir(tmp_path)
     logger = WandbLogger(save_dir=str(tmp_path / "runs"))
     model = Tiny(norm_policy=POLICY)
-    _trainer(tmp_path, max_steps=2, logger=logger).fit(model, _loader())
+    quiet_trainer(tmp_path, max_steps=2, logger=logger).fit(model, loader())
     assert model.trainer.state.finished
     assert logger._offline
     runs = list((tmp_path / "runs" / "wandb").glob("offline-run-*"))
@@ -214,7 +157,7 @@ def test_offline_wandb_run_holds_the_statistics_read_back_by_wandb(tmp_path, mon
     wandb_logger = WandbLogger(save_dir=str(tmp_path / "runs"))
     csv_logger = pl.loggers.CSVLogger(tmp_path, name="csv")
     model = Tiny(norm_policy={**POLICY, "log_every_n_steps": 3})
-    _trainer(tmp_path, max_steps=8, logger=[csv_logger, wandb_logger], log_every_n_steps=50).fit(model, _loader())
+    quiet_trainer(tmp_path, max_steps=8, logger=[csv_logger, wandb_logger], log_every_n_steps=50).fit(model, loader())
     wandb_logger.experiment.finish()  # flush and close the transaction log before reading it
 
     rows = [r for r in history(offline_run(tmp_path / "runs")) if any(k.startswith("norm/") for k in r)]

@@ -9,6 +9,8 @@ from torch import nn
 from mabn.bench.measure import peak_memory
 from mabn.norm import CenConv2d
 
+pytestmark = pytest.mark.gpu
+
 
 def _reference(conv: CenConv2d, x: torch.Tensor) -> torch.Tensor:
     """The definition, left to autograd: conv with W - mean(W) over each filter."""

@@ -169,7 +169,7 @@ def test_train_transform_pads_with_mean_and_ignore_and_keeps_mask_values() -> No
     assert filled > 0
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def demo_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The demo set at its default size, generated once for this module."""
     return demo_cityscapes.generate(tmp_path_factory.mktemp("demo") / "cityscapes")

@@ -17,10 +17,10 @@ import torch
 import yaml
 from torch import nn
 
+from helpers.trainer import BARE, STAGE2_FIT
 from mabn import cli, launch
 from mabn.callbacks import MABNCallback, PhaseRule
 from mabn.commands import fit
-from mabn.data import demo_cityscapes
 from mabn.models import BackboneError, PSPNet, resnet101, save_backbone
 from mabn.norm import BatchRenorm2d, CenConv2d, MABN2d
 from mabn.tasks import SegmentationTask
@@ -31,23 +31,13 @@ EXPECTED_NORM = {"bn": nn.BatchNorm2d, "gn": nn.GroupNorm, "brn": BatchRenorm2d,
 NORM_COUNTS = {"encoder": 104, "ppm": 4, "classifier": 1, "aux": 1}
 
 
-pytestmark = pytest.mark.usefixtures("one_thread")
 SHALLOW = ("--model.init_args.arch", "resnet18")
-
-
-@pytest.fixture(scope="module")
-def tiny_data(tmp_path_factory) -> Path:
-    return demo_cityscapes.generate(tmp_path_factory.mktemp("data") / "cs", n_train=4, n_val=2, size=(32, 64))
 
 
 def _fit_extra(*extra: str) -> list[str]:
     """Overrides for a 2-step fit (1 step per epoch) with one validation at its end; ``extra`` goes last."""
     return [
-        "--trainer.max_steps", "2", "--trainer.check_val_every_n_epoch", "2", "--trainer.limit_val_batches", "1",
-        "--trainer.num_sanity_val_steps", "0",
-        "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false",
-        "--data.init_args.global_batch_size", "4", "--data.init_args.num_workers", "0",
-        "--data.init_args.crop_size", "32",
+        *STAGE2_FIT,
         *extra,
     ]  # fmt: skip
 
@@ -172,18 +162,19 @@ def _expected_lrs(base: float, batches: int, accumulate: int, epochs: int, warmu
         ("gn", 1, 3, 2),  # 4 batches an epoch, accumulated 3 + 1: still 2 optimizer steps an epoch
     ],
 )
-def test_lr_follows_warmup_then_poly_with_10x_heads(tiny_data, tmp_path, monkeypatch, norm, batch, accumulate, epochs):
+def test_lr_follows_warmup_then_poly_with_10x_heads(
+    tiny_cityscapes, tmp_path, monkeypatch, norm, batch, accumulate, epochs
+):
     monkeypatch.chdir(tmp_path)
     base = 0.02
-    args = _fit_args(tiny_data, norm, "--data.init_args.global_batch_size", str(batch), *SHALLOW,
+    args = _fit_args(tiny_cityscapes, norm, "--data.init_args.global_batch_size", str(batch), *SHALLOW,
                      "--model.init_args.base_lr", str(base), "--model.init_args.warmup_epochs", "1",
                      "--model.init_args.norm_batch_size", str(min(batch, 2)))  # fmt: skip
     parsed = cli.run_cli(args[1:], run=False)  # without "fit": build, then fit with this trainer
     task: SegmentationTask = parsed.model
     record = _RecordLR()
-    trainer = pl.Trainer(max_epochs=epochs, accumulate_grad_batches=accumulate, limit_val_batches=0, logger=False,
-                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                         callbacks=[record])  # fmt: skip
+    trainer = pl.Trainer(max_epochs=epochs, accumulate_grad_batches=accumulate, limit_val_batches=0,
+                         callbacks=[record], **BARE)  # fmt: skip
     trainer.fit(task, parsed.datamodule)
     assert trainer.global_step == epochs * math.ceil(4 / batch / accumulate)  # the step count assumed below
     scaled = base * batch * accumulate / 16  # the linear scaling rule, from the recipe's global batch of 16
@@ -201,9 +192,9 @@ def test_lr_follows_warmup_then_poly_with_10x_heads(tiny_data, tmp_path, monkeyp
 
 
 @pytest.mark.parametrize("norm", ["bn", "gn", "brn", "mabn"])
-def test_short_fit_logs_miou_and_saves_checkpoints(tiny_data, tmp_path, monkeypatch, norm):
+def test_short_fit_logs_miou_and_saves_checkpoints(tiny_cityscapes, tmp_path, monkeypatch, norm):
     monkeypatch.chdir(tmp_path)
-    cli_obj = cli.run_cli(_fit_args(tiny_data, norm, *SHALLOW))
+    cli_obj = cli.run_cli(_fit_args(tiny_cityscapes, norm, *SHALLOW))
     trainer = cli_obj.trainer
     assert trainer.state.finished and trainer.global_step == 2
     miou = trainer.callback_metrics["val/miou"].item()
@@ -226,16 +217,18 @@ def _task_args(data: Path, norm: str, *extra: str) -> list[str]:
     return _fit_args(data, norm, *extra)[1:]  # without "fit": build, don't run
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def mabn_backbone(tmp_path_factory) -> Path:
     model = resnet101("mabn", num_classes=10, norm_batch_size=2, norm_options={"mabn": {"buffer_size": 16}})
     path = tmp_path_factory.mktemp("pretrain") / "resnet101-mabn.pt"
     return save_backbone(path, model, "mabn", config={}, val_top1=0.5)
 
 
-def test_backbone_weights_reach_the_encoder(tiny_data, mabn_backbone, tmp_path, monkeypatch, recwarn):
+def test_backbone_weights_reach_the_encoder(tiny_cityscapes, mabn_backbone, tmp_path, monkeypatch, recwarn):
     monkeypatch.chdir(tmp_path)
-    parsed = cli.run_cli(_task_args(tiny_data, "mabn", "--model.init_args.backbone", str(mabn_backbone)), run=False)
+    parsed = cli.run_cli(
+        _task_args(tiny_cityscapes, "mabn", "--model.init_args.backbone", str(mabn_backbone)), run=False
+    )
     assert not [w for w in recwarn if "random weights" in str(w.message)]
     saved = torch.load(mabn_backbone, map_location="cpu", weights_only=True)["state_dict"]
     encoder = parsed.model.model.encoder.state_dict()
@@ -244,11 +237,11 @@ def test_backbone_weights_reach_the_encoder(tiny_data, mabn_backbone, tmp_path, 
         assert torch.equal(encoder[key], value), key
 
 
-def test_backbone_of_another_norm_names_both(tiny_data, mabn_backbone, tmp_path, monkeypatch, capsys):
+def test_backbone_of_another_norm_names_both(tiny_cityscapes, mabn_backbone, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     both = "pre-trained with norm 'mabn'.*asks for norm 'gn'"
     with pytest.raises(Exception) as info:
-        cli.run_cli(_task_args(tiny_data, "gn", "--model.init_args.backbone", str(mabn_backbone)), run=False)
+        cli.run_cli(_task_args(tiny_cityscapes, "gn", "--model.init_args.backbone", str(mabn_backbone)), run=False)
     err = info.value
     while err is not None and not isinstance(err, BackboneError):  # jsonargparse may wrap it
         err = err.__cause__ or err.__context__
@@ -256,15 +249,17 @@ def test_backbone_of_another_norm_names_both(tiny_data, mabn_backbone, tmp_path,
     assert re.search(both, str(err)), str(err)
 
     # The command line reports it as one line and exit code 2.
-    code, lines = _cli_error_lines(_fit_args(tiny_data, "gn", "--model.init_args.backbone", str(mabn_backbone)), capsys)
+    code, lines = _cli_error_lines(
+        _fit_args(tiny_cityscapes, "gn", "--model.init_args.backbone", str(mabn_backbone)), capsys
+    )
     assert code == 2
     assert len(lines) == 1 and lines[0].startswith("error: ") and re.search(both, lines[0]), lines
 
 
-def test_backbone_of_another_arch_is_one_error_line(tiny_data, mabn_backbone, tmp_path, monkeypatch, capsys):
+def test_backbone_of_another_arch_is_one_error_line(tiny_cityscapes, mabn_backbone, tmp_path, monkeypatch, capsys):
     """A stage-2 run of ResNet-18 refuses the ResNet-101 backbone before building anything."""
     monkeypatch.chdir(tmp_path)
-    args = _fit_args(tiny_data, "mabn", *SHALLOW, "--model.init_args.backbone", str(mabn_backbone))
+    args = _fit_args(tiny_cityscapes, "mabn", *SHALLOW, "--model.init_args.backbone", str(mabn_backbone))
     code, lines = _cli_error_lines(args, capsys)
     assert code == 2 and len(lines) == 1, lines
     assert lines[0].startswith(f"error: arch mismatch: backbone {mabn_backbone} is a stage-1 resnet101 file")
@@ -274,10 +269,10 @@ def test_backbone_of_another_arch_is_one_error_line(tiny_data, mabn_backbone, tm
     assert not (tmp_path / "runs").exists()
 
 
-def test_no_backbone_warns_random_encoder(tiny_data, mabn_backbone, tmp_path, monkeypatch):
+def test_no_backbone_warns_random_encoder(tiny_cityscapes, mabn_backbone, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     with pytest.warns(UserWarning, match="encoder starts from random weights"):
-        parsed = cli.run_cli(_task_args(tiny_data, "mabn"), run=False)
+        parsed = cli.run_cli(_task_args(tiny_cityscapes, "mabn"), run=False)
     saved = torch.load(mabn_backbone, map_location="cpu", weights_only=True)["state_dict"]
     assert not torch.equal(parsed.model.model.encoder.conv1.weight, saved["conv1.weight"])
 
@@ -285,9 +280,9 @@ def test_no_backbone_warns_random_encoder(tiny_data, mabn_backbone, tmp_path, mo
 # 5. Global batch
 
 
-def test_global_batch_splits_over_devices(tiny_data, tmp_path, monkeypatch):
+def test_global_batch_splits_over_devices(tiny_cityscapes, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    parsed = cli.run_cli(_task_args(tiny_data, "bn", "--data.init_args.global_batch_size", "4"), run=False)
+    parsed = cli.run_cli(_task_args(tiny_cityscapes, "bn", "--data.init_args.global_batch_size", "4"), run=False)
     dm = parsed.datamodule
 
     def on(world: int) -> int:
@@ -306,10 +301,12 @@ def test_global_batch_splits_over_devices(tiny_data, tmp_path, monkeypatch):
 # 6. The norm policy
 
 
-def test_norm_policy_settings_from_the_config_and_the_command_line_reach_the_callback(tiny_data, tmp_path, monkeypatch):
+def test_norm_policy_settings_from_the_config_and_the_command_line_reach_the_callback(
+    tiny_cityscapes, tmp_path, monkeypatch
+):
     monkeypatch.chdir(tmp_path)
     parsed = cli.run_cli(
-        _task_args(tiny_data, "mabn", "--model.init_args.norm_policy.log_every_n_steps", "7"), run=False
+        _task_args(tiny_cityscapes, "mabn", "--model.init_args.norm_policy.log_every_n_steps", "7"), run=False
     )
     callback = next(c for c in parsed.model.configure_callbacks() if isinstance(c, MABNCallback))
     assert callback.policy.log_every_n_steps == 7  # the command line's
@@ -329,10 +326,10 @@ def test_norm_policy_settings_from_the_config_and_the_command_line_reach_the_cal
     ids=["policy-key", "group-key"],
 )  # fmt: skip
 def test_a_misspelt_norm_policy_key_stops_the_command_naming_it(
-    tiny_data, tmp_path, monkeypatch, capsys, override, culprit
+    tiny_cityscapes, tmp_path, monkeypatch, capsys, override, culprit
 ):
     monkeypatch.chdir(tmp_path)
-    code, lines = _cli_error_lines(_fit_args(tiny_data, "mabn", *override), capsys)
+    code, lines = _cli_error_lines(_fit_args(tiny_cityscapes, "mabn", *override), capsys)
     assert code == 2
     assert len(lines) == 1 and f".{culprit} (did you mean" in lines[0], lines
     assert not (tmp_path / "runs").exists()  # refused while parsing: no run folder, no data read
@@ -342,14 +339,14 @@ def test_a_misspelt_norm_policy_key_stops_the_command_naming_it(
 
 
 @pytest.mark.parametrize("present", [(), ("leftImg8bit/train", "leftImg8bit/val")])
-def test_missing_layout_exits_with_one_error_line(tiny_data, tmp_path, monkeypatch, capsys, present):
+def test_missing_layout_exits_with_one_error_line(tiny_cityscapes, tmp_path, monkeypatch, capsys, present):
     monkeypatch.chdir(tmp_path)
     root = tmp_path / "not_cityscapes"
     root.mkdir()
     for folder in present:
         (root / folder).mkdir(parents=True)
     missing = root / ("gtFine" if present else "leftImg8bit") / "train"
-    code, lines = _cli_error_lines(_fit_args(tiny_data, "bn", "--data.init_args.data_dir", str(root)), capsys)
+    code, lines = _cli_error_lines(_fit_args(tiny_cityscapes, "bn", "--data.init_args.data_dir", str(root)), capsys)
     assert code == 2
     assert len(lines) == 1 and lines[0].startswith("error: "), lines
     assert f"missing Cityscapes folder {missing}" in lines[0]

@@ -16,12 +16,13 @@ from pytorch_lightning.loggers import CSVLogger
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from helpers.trainer import BARE
 from mabn.ablation.model import SmallResNet
 from mabn.norm import MABN2d, convert_norm
 from mabn.norm.managed import ManagedNorm, raise_if_any_nonfinite
 from mabn.tasks.base import NormTask
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = pytest.mark.gpu
 
 # Short timelines, so that a few steps cross warm-up (batch statistics), the SMA and renormalization.
 LAYER_KWARGS = {
@@ -152,14 +153,7 @@ class _Task(NormTask):
 
 
 def _fit(task: _Task, tmp_path) -> pl.Trainer:
-    trainer = pl.Trainer(
-        max_steps=4,
-        accelerator="cpu",
-        logger=CSVLogger(tmp_path),
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    trainer = pl.Trainer(max_steps=4, accelerator="cpu", **{**BARE, "logger": CSVLogger(tmp_path)})
     trainer.fit(task, DataLoader(TensorDataset(torch.randn(16, 3, 8, 8)), batch_size=4))
     return trainer
 

@@ -12,7 +12,6 @@ import yaml
 from mabn.data.cityscapes import CityscapesDataModule, train_transform
 from mabn.models import PSPNet
 
-pytestmark = pytest.mark.usefixtures("one_thread")
 CONFIG = Path(__file__).resolve().parents[1] / "configs" / "cityscapes.yaml"
 
 

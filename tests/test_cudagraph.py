@@ -11,7 +11,6 @@ from __future__ import annotations
 import copy
 import csv
 import logging
-import os
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -24,16 +23,18 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import mabn.cudagraph as cudagraph
 import mabn.norm.mabn as mabn_module
+from helpers.trainer import quiet_trainer
 from mabn import BatchRenorm2d, CenConv2d, MABN2d
 from mabn.callbacks import MABNCallback, NormPolicy
 from mabn.errors import ConfigError
 from mabn.models import resnet
 from mabn.tasks import ClassificationTask
 from mabn.tasks.base import NormTask
-from test_callback import _trainer
 
-ON_GPU = os.environ.get("MABN_TEST_DEVICE", "cpu") == "cuda"
-needs_gpu = pytest.mark.skipif(not ON_GPU, reason="CUDA graphs need a GPU: run with MABN_TEST_DEVICE=cuda")
+pytestmark = pytest.mark.gpu
+
+# CUDA graphs have no CPU half.
+needs_gpu = pytest.mark.gpu(cuda_only=True)
 
 
 def small_net(norm: str = "mabn") -> nn.Sequential:
@@ -149,7 +150,7 @@ def _fit(
     data = TensorDataset(torch.randn(64, 3, 8, 8, generator=gen) + 0.5, torch.randint(0, 3, (64,), generator=gen))
     logger = pl.loggers.CSVLogger(tmp_path, name=f"graph{cuda_graph}")
     # Not deterministic=True: CUDA's adaptive pooling backward has no deterministic implementation.
-    trainer = _trainer(
+    trainer = quiet_trainer(
         tmp_path, accelerator=accelerator, devices=1, max_steps=steps, logger=logger, log_every_n_steps=50,
         deterministic=False, precision=precision,
     )  # fmt: skip
@@ -206,7 +207,7 @@ def test_auto_by_default_trains_eagerly_on_the_cpu_and_says_why(tmp_path, caplog
     gen = torch.Generator().manual_seed(0)
     data = TensorDataset(torch.randn(8, 3, 32, 32, generator=gen), torch.randint(0, 3, (8,), generator=gen))
     with caplog.at_level(logging.INFO):
-        trainer = _trainer(tmp_path, accelerator="cpu", devices=1, max_steps=2)
+        trainer = quiet_trainer(tmp_path, accelerator="cpu", devices=1, max_steps=2)
         trainer.fit(task, DataLoader(data, batch_size=4, drop_last=True))
     assert trainer.global_step == 2
     assert _auto_lines(caplog) == lines

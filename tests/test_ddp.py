@@ -23,10 +23,12 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from pytorch_lightning.strategies import DDPStrategy
 from torch import nn
-from torch.utils.data import DataLoader, Subset, TensorDataset
+from torch.utils.data import DataLoader, Subset
 
-from ddp_layers import BRN_KW, MABN_KW, STEPS, WORLD, B, G, layer_data, layer_worker, make_layer, run_layer
-from mabn import BatchRenorm2d, MABN2d, convert_norm
+from helpers.ddp_layers import STEPS, WORLD, B, G, layer_data, layer_worker, make_layer, run_layer
+from helpers.ddp_task import Tiny, tiny_dataset
+from helpers.trainer import BARE, QUIET
+from mabn import MABN2d, convert_norm
 from mabn.callbacks import RandomStateCallback, SyncBatchNormCheck, norm_callbacks
 from mabn.callbacks.rng import RNG_KEY, collect_rng_states
 from mabn.callbacks.streams import STREAMS_KEY, PerDeviceStreams, configure_ddp
@@ -51,16 +53,6 @@ def _fresh_port(monkeypatch):
     from lightning_fabric.plugins.environments.lightning import find_free_network_port
 
     monkeypatch.setenv("MASTER_PORT", str(find_free_network_port()))
-
-
-@pytest.fixture(autouse=True)
-def _one_thread(monkeypatch):
-    """Spawned processes inherit this; two processes with two threads each would fight over 2 cores."""
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 # ----------------------------------------------------------------------------------- layers, synced
@@ -112,45 +104,6 @@ def test_sync_stats_reaches_the_layers_through_convert_norm():
 
 
 # ------------------------------------------------------------------------------- a DDP fit on CPU
-class Tiny(pl.LightningModule):
-    """conv -> MABN2d -> conv -> BatchRenorm2d -> dropout -> linear, with short norm timelines."""
-
-    def __init__(self, sync: bool = False, norm_batch_size: int | None = 2, dropout: float = 0.2,
-                 loss_scale: float = 1.0, lr: float = 0.05) -> None:  # fmt: skip
-        super().__init__()
-        self.save_hyperparameters()
-        torch.manual_seed(0)
-        self.model = nn.Sequential(
-            nn.Conv2d(3, 4, 3, padding=1, bias=False),
-            MABN2d(4, norm_batch_size=norm_batch_size, sync_stats=sync, **MABN_KW),
-            nn.ReLU(),
-            nn.Conv2d(4, 4, 3, padding=1),
-            BatchRenorm2d(4, norm_batch_size=norm_batch_size, sync_stats=sync, **BRN_KW),
-            nn.ReLU(), nn.Dropout(dropout), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 3),
-        )  # fmt: skip
-
-    def configure_callbacks(self):
-        return norm_callbacks(self.model, None)
-
-    def loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return self.hparams.loss_scale * F.cross_entropy(self.model(x), y)
-
-    def training_step(self, batch, batch_idx):
-        return self.loss(*batch)
-
-    def validation_step(self, batch, batch_idx):
-        self.log("val/loss", self.loss(*batch), sync_dist=True)
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=self.hparams.lr, momentum=0.9)
-
-
-def _dataset(n: int, dtype=torch.float32, seed: int = 0) -> TensorDataset:
-    gen = torch.Generator().manual_seed(seed)
-    x = 2.0 * torch.randn(n, 3, 6, 6, generator=gen, dtype=torch.float64) + 0.5
-    return TensorDataset(x.to(dtype), torch.randint(0, 3, (n,), generator=gen))
-
-
 class Probe(pl.Callback):
     """Writes each device's model state at every epoch end, and the EMAs that validation runs with."""
 
@@ -170,8 +123,8 @@ class Probe(pl.Callback):
 
 
 def _ddp_trainer(root: Path, **kwargs) -> pl.Trainer:
-    defaults = dict(accelerator="cpu", devices=WORLD, strategy="ddp_spawn", logger=False, enable_progress_bar=False,
-                    enable_model_summary=False, default_root_dir=root, num_sanity_val_steps=0)  # fmt: skip
+    defaults = dict(accelerator="cpu", devices=WORLD, strategy="ddp_spawn", logger=False, **QUIET,
+                    default_root_dir=root, num_sanity_val_steps=0)  # fmt: skip
     return pl.Trainer(**{**defaults, **kwargs})
 
 
@@ -182,8 +135,8 @@ def _load(path: Path) -> dict:
 @pytest.mark.slow
 def test_per_device_statistics_mean_ema_and_exact_resume_on_two_processes(tmp_path):
     """Default (per-device) statistics under DDP on 2 CPU processes, 4 epochs of 4 steps (ghost batches of 2)."""
-    train = DataLoader(_dataset(32), batch_size=4, shuffle=True)  # DDP: a DistributedSampler seeded per epoch
-    val = DataLoader(_dataset(8, seed=1), batch_size=4)
+    train = DataLoader(tiny_dataset(32), batch_size=4, shuffle=True)  # DDP: a DistributedSampler seeded per epoch
+    val = DataLoader(tiny_dataset(8, seed=1), batch_size=4)
     (tmp_path / "a").mkdir()
     saver = pl.callbacks.ModelCheckpoint(
         tmp_path / "ckpt", every_n_epochs=1, save_top_k=-1, save_on_train_epoch_end=True
@@ -239,9 +192,10 @@ class ShardedTiny(Tiny):
     Lightning always makes shuffle for training)."""
 
     def train_dataloader(self):
-        return DataLoader(Subset(_dataset(16, torch.float64), range(self.global_rank, 16, WORLD)), batch_size=2)
+        return DataLoader(Subset(tiny_dataset(16, torch.float64), range(self.global_rank, 16, WORLD)), batch_size=2)
 
 
+@pytest.mark.slow  # two spawned processes, each importing Lightning, and a one-process fit: ~13 s
 def test_sync_stats_ddp_fit_equals_one_process_on_both_shards(tmp_path):
     """sync_stats=True: the devices' buffers stay identical and match one process that trains on both
     devices' batches at once, with the sum of the two devices' losses at half the learning rate (DDP averages
@@ -257,7 +211,7 @@ def test_sync_stats_ddp_fit_equals_one_process_on_both_shards(tmp_path):
         assert torch.equal(ranks[1][key], value), key  # one stream for both devices
 
     # One process, same 8 steps: step k of an epoch joins device 0's samples 4k, 4k + 2 and device 1's 4k + 1, 4k + 3.
-    data = _dataset(16, torch.float64)
+    data = tiny_dataset(16, torch.float64)
     one = Tiny(**kwargs, lr=0.025).double()
     opt = one.configure_optimizers()
     for step in range(8):
@@ -313,9 +267,9 @@ def test_a_syncbn_model_stops_before_training_on_one_cpu_device(tmp_path):
             return torch.optim.SGD(self.parameters(), lr=0.1)
 
     assert isinstance(norm_callbacks(SyncTiny().model, None)[0], SyncBatchNormCheck)
-    trainer = pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False, max_steps=1)
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=1, **BARE)
     with pytest.raises(ValueError, match="norm 'syncbn' synchronizes BatchNorm across devices.*1 device"):
-        trainer.fit(SyncTiny(), DataLoader(_dataset(4), batch_size=2))
+        trainer.fit(SyncTiny(), DataLoader(tiny_dataset(4), batch_size=2))
 
 
 def test_per_device_statistics_turn_off_ddp_buffer_broadcast():
@@ -328,6 +282,7 @@ def test_per_device_statistics_turn_off_ddp_buffer_broadcast():
     assert explicit.strategy._ddp_kwargs["broadcast_buffers"] is True
 
 
+@pytest.mark.slow  # bash, sbatch and the job script in a simulated allocation, each starting Python: ~9 s
 def test_slurm_dry_run_for_2_nodes_x_8_gpus_agrees_with_the_trainer(tmp_path):
     """submit.sh --dry-run prints the sbatch line, then runs the job script in a simulated allocation of that
     shape: its srun line and the LightningCLI arguments must agree, checked by Lightning's SLURM rules."""

@@ -28,6 +28,8 @@ from lightning_fabric.plugins.environments.lightning import find_free_network_po
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
+from helpers.ddp_task import Tiny, tiny_dataset
+from helpers.trainer import BARE, QUIET
 from mabn.callbacks import AgreedRequeue, FailFast, RandomStateCallback
 from mabn.callbacks.failfast import one_line
 from mabn.callbacks.rng import RNG_KEY
@@ -36,7 +38,6 @@ from mabn.cli import run_cli
 from mabn.data.loading import make_loader
 from mabn.metrics import SegmentationMetric
 from mabn.tasks import ClassificationTask
-from test_ddp import Tiny, _dataset  # Tiny: MABN2d and BatchRenorm2d, so checkpoints gather streams
 
 WORLD = 2
 FAIL_AT_STEP = 3
@@ -46,13 +47,12 @@ JOB_ID = "4242"
 
 # ------------------------------------------------------------------- the processes the tests start
 def _trainer(root: Path, callbacks: list[pl.Callback], max_steps: int) -> pl.Trainer:
-    return pl.Trainer(accelerator="cpu", devices=WORLD, strategy="ddp", max_steps=max_steps, logger=False,
-                      enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+    return pl.Trainer(accelerator="cpu", devices=WORLD, strategy="ddp", max_steps=max_steps, **BARE,
                       default_root_dir=root, callbacks=callbacks)  # fmt: skip
 
 
 def _train_loader() -> DataLoader:
-    return DataLoader(_dataset(32), batch_size=4)  # 4 batches per process and epoch
+    return DataLoader(tiny_dataset(32), batch_size=4)  # 4 batches per process and epoch
 
 
 class RaiseOnRank1(pl.Callback):
@@ -227,9 +227,9 @@ trainer:
     - class_path: pytorch_lightning.callbacks.ModelCheckpoint
       init_args: {save_last: true, every_n_epochs: 1, save_on_train_epoch_end: true}
 model:
-  class_path: cli_tiny.TinyTask
+  class_path: helpers.cli_tiny.TinyTask
 data:
-  class_path: cli_tiny.TinyData
+  class_path: helpers.cli_tiny.TinyData
 """
 
 
@@ -332,11 +332,10 @@ class TinyClassifier(ClassificationTask):
 
 def _validate(model: pl.LightningModule) -> dict[str, float]:
     """The metrics of one process's validation."""
-    kwargs = dict(accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False)
-    return pl.Trainer(devices=1, **kwargs).validate(model, verbose=False)[0]
+    return pl.Trainer(accelerator="cpu", devices=1, logger=False, **QUIET).validate(model, verbose=False)[0]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def two_processes(tmp_path_factory) -> tuple[Path, dict[str, dict[str, float]]]:
     """(folder, metrics) of TinySegmenter's and TinyClassifier's validations by 2 processes (started as torchrun
     would, one trainer validating both): each process's metrics by ``seg`` and ``cls``, rank 0's."""
@@ -348,6 +347,7 @@ def two_processes(tmp_path_factory) -> tuple[Path, dict[str, dict[str, float]]]:
     return root, ranks[0]
 
 
+@pytest.mark.slow  # two_processes: two processes started as torchrun would, each importing the CLI: ~11 s
 def test_validation_counts_each_sample_of_an_odd_split_once_on_two_processes(two_processes, tmp_path):
     """The 2 processes read samples 0, 2, 4, 6 and 1, 3, 5 (none repeated to fill rank 1's last batch), and
     their mIoU equals 1 process's over the 7 samples, where Lightning's padding would score sample 0 twice."""
@@ -364,6 +364,7 @@ def test_validation_counts_each_sample_of_an_odd_split_once_on_two_processes(two
     assert padded.compute()["miou"].item() != pytest.approx(one["val/miou"], abs=1e-6)
 
 
+@pytest.mark.slow  # two_processes, as above
 def test_classification_validation_of_an_odd_split_on_two_processes_equals_one_process(two_processes):
     """Loss, top-1 and top-5 of ClassificationTask over 7 samples: 4 on one device, 3 on the other. The loss
     is a mean over samples, exact only when the devices' sample counts are summed, not averaged."""

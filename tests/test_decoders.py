@@ -16,9 +16,9 @@ import torch
 import yaml
 from torch import nn
 
+from helpers.trainer import STAGE2_FIT
 from mabn import cli, export, launch
 from mabn.bench.infer import calibrate
-from mabn.data import demo_cityscapes
 from mabn.models import DECODERS, DecoderNet, PSPNet, build_segmentation_model, resnet, save_backbone
 from mabn.norm import BatchRenorm2d, CenConv2d, MABN2d, convert_norm, fold_norms
 from mabn.tasks import SegmentationTask
@@ -29,8 +29,6 @@ SHALLOW = ("--model.init_args.arch", ARCH)
 BATCH_NORMS = (nn.BatchNorm2d, nn.SyncBatchNorm, nn.GroupNorm, BatchRenorm2d, MABN2d)
 KIND_TYPES = {"bn": nn.BatchNorm2d, "syncbn": nn.SyncBatchNorm, "gn": nn.GroupNorm, "brn": BatchRenorm2d}
 FAST_FITS = ("deeplabv3plus", "unet")  # the CLI fits of the default suite; the others are slow
-
-pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _build(decoder: str, norm: str = "mabn", norm_batch_size: int | None = 2, **kwargs) -> nn.Module:
@@ -159,12 +157,7 @@ def test_output_strides_and_their_checks():
 # 2. Through the CLI: fit, checkpoint, restore, fold (and export in the slow suite)
 
 
-@pytest.fixture(scope="module")
-def tiny_data(tmp_path_factory) -> Path:
-    return demo_cityscapes.generate(tmp_path_factory.mktemp("data") / "cs", n_train=4, n_val=2, size=(32, 64))
-
-
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def backbone(tmp_path_factory) -> Path:
     """A stage-1 MABN ResNet-18 file."""
     model = resnet("mabn", num_classes=10, norm_batch_size=2, norm_options={"mabn": {"buffer_size": 16}}, arch=ARCH)
@@ -173,22 +166,16 @@ def backbone(tmp_path_factory) -> Path:
 
 def _fit_args(data: Path, *extra: str) -> list[str]:
     """A 2-step fit (one validation at its end) at crop 32, as tests/test_cityscapes_task.py's."""
-    overrides = [
-        "--trainer.max_steps", "2", "--trainer.check_val_every_n_epoch", "2", "--trainer.limit_val_batches", "1",
-        "--trainer.num_sanity_val_steps", "0",
-        "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false",
-        "--data.init_args.global_batch_size", "4", "--data.init_args.num_workers", "0",
-        "--data.init_args.crop_size", "32", *SHALLOW, *extra,
-    ]  # fmt: skip
+    overrides = [*STAGE2_FIT, *SHALLOW, *extra]
     return launch.build_args("cityscapes", data, "mabn", gpus=0, nodes=1, extra=overrides, backbone="none")
 
 
 @pytest.mark.parametrize(
     "decoder", [d if d in FAST_FITS else pytest.param(d, marks=pytest.mark.slow) for d in DECODERS if d != "pspnet"]
 )
-def test_cli_fit_with_a_backbone_restores_and_folds(decoder, tiny_data, backbone, tmp_path, monkeypatch):
+def test_cli_fit_with_a_backbone_restores_and_folds(decoder, tiny_cityscapes, backbone, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    args = _fit_args(tiny_data, "--model.init_args.decoder", decoder, "--model.init_args.backbone", str(backbone))
+    args = _fit_args(tiny_cityscapes, "--model.init_args.decoder", decoder, "--model.init_args.backbone", str(backbone))
     cli_obj = cli.run_cli(args)
     trainer, task = cli_obj.trainer, cli_obj.model
     assert trainer.state.finished and trainer.global_step == 2

@@ -1,7 +1,7 @@
 """Every command that README.md, pretrain/README.md and docs/**/*.md show runs here, one test case per command
 (id ``file:line``): the project's rule is that a documented example that fails is a bug.
 
-What counts as a command, and the kinds, are defined in ``tests/docs_commands.py``. A command that no rule there
+What counts as a command, and the kinds, are defined in ``tests/helpers/docs_commands.py``. A command that no rule there
 classifies fails its case, naming what to add; ``NOT_RUN`` lists, with the reason, the few that cannot run in a
 test (a weights download, minutes of torch.compile).
 
@@ -77,8 +77,9 @@ import pytest
 import torch
 from PIL import Image
 
-import docs_commands as dc
-from backbone_files import Backbones
+from helpers import docs_commands as dc
+from helpers.backbone_files import Backbones
+from helpers.trainer import fit_flags
 
 ROOT = dc.ROOT
 VENV = ROOT / ".venv"
@@ -109,8 +110,6 @@ ABLATION_RUNS = {  # the rows of the two ablation commands of docs/ablation/abla
     "runs/ablation": ("bn32", "bn2", "brn2", "mbn2", "mabn2"),
     "runs/ablation-locate": ("bn32", "mbn32", "mabn_nowc2", "mabn_smas2", "mabn_emas2"),
 }
-
-pytestmark = pytest.mark.usefixtures("one_thread")
 
 COMMANDS = dc.all_commands()
 
@@ -172,8 +171,7 @@ def _tiny_fit(stage: str, data: Path, work: Path) -> Path:
 
     folder = work / "runs" / stage / "mabn"
     extra = [
-        "--trainer.max_steps", "2", "--trainer.limit_train_batches", "2", "--trainer.num_sanity_val_steps", "0",
-        "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false",
+        *fit_flags(2, limit_train_batches=2, num_sanity_val_steps=0),
         "--data.init_args.global_batch_size", "4", "--data.init_args.num_workers", "0",
         "--data.init_args.crop_size", "32", "--model.init_args.arch", "resnet18",
         "--model.init_args.log_predictions_every_n_epochs", "0", "--model.init_args.norm_policy.log_every_n_steps", "1",
@@ -532,14 +530,16 @@ def _test_files(argv: list[str], case: Case) -> list[str] | None:
 
 
 def _gpu_tests(argv: list[str], env: dict[str, str], case: Case) -> int:
-    """make's GPU tests (test-gpu, gpu-check): named files that exist, run with MABN_TEST_DEVICE=cuda; not run."""
-    files = _test_files(argv, case)
-    if files is None:
+    """make's GPU tests (test-gpu, gpu-check): the tests marked gpu, run with MABN_TEST_DEVICE=cuda; not run."""
+    if _test_files(argv, case) is None:
         return 1
     if env.get("MABN_TEST_DEVICE") != "cuda":
         case.say(f"make's GPU tests run without MABN_TEST_DEVICE=cuda: {shlex.join(argv)}")
         return 1
-    case.say(f"(not run here) GPU tests: {' '.join(files)}\n")
+    if "-m" not in argv or argv[argv.index("-m") + 1 :][:1] != ["gpu"]:
+        case.say(f"make's GPU tests select other tests than those marked gpu: {shlex.join(argv)}")
+        return 1
+    case.say(f"(not run here) GPU tests: {shlex.join(argv)}\n")
     return 0
 
 
@@ -708,8 +708,8 @@ def _check_classified(command: dc.Command) -> str:
     if kind == dc.UNKNOWN:
         pytest.fail(
             f"{command.id}: {command.text!r} is a command this test does not know how to run: add a rule for it to "
-            "classify() in tests/docs_commands.py (and a runner here if it is a new kind), fill its placeholders "
-            "(PLACEHOLDERS, ELIDED), or list it in NOT_RUN with the reason it cannot run in a test"
+            "classify() in tests/helpers/docs_commands.py (and a runner here if it is a new kind), fill its "
+            "placeholders (PLACEHOLDERS, ELIDED), or list it in NOT_RUN with the reason it cannot run in a test"
         )
     return kind
 

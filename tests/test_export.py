@@ -19,9 +19,6 @@ NORM_OPS = ("batch_norm", "group_norm", "instance_norm", "layer_norm", "renorm")
 SIZE = (64, 64)
 
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
-
 def _trained_like(task: pl.LightningModule) -> None:
     """Random gamma/beta and running statistics of a real batch, so that folding has something to fold."""
     gen = torch.Generator().manual_seed(3)
@@ -48,7 +45,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).abs().max() / b.double().abs().max()).item()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def seg_export(tmp_path_factory):
     """A MABN PSPNet (ResNet-18 encoder) checkpoint, its unfolded eval model, and what export wrote for it."""
     tmp = tmp_path_factory.mktemp("seg")
@@ -159,7 +156,7 @@ def test_an_onnx_graph_that_only_fits_the_traced_size_is_refused(tmp_path, capsy
     assert sorted(p.name for p in tmp_path.iterdir()) == ["psp.ckpt", "psp.folded.pt"]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def cls_checkpoint(tmp_path_factory):
     """A BRN ResNet-18 checkpoint as LightningCLI writes it, and the model it holds."""
     path = tmp_path_factory.mktemp("cls") / "cls.ckpt"

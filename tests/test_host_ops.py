@@ -18,6 +18,8 @@ import torch
 from mabn.bench import ops
 from mabn.norm import MABN2d
 
+pytestmark = pytest.mark.gpu
+
 # Measured: the forward is the one pass over x for its per-sample norms, one allocation for the statistics (and its
 # split), the scale's allocation, the bias as (1, C, 1, 1) and the affine; the backward is x and dL/dout viewed as
 # N * C channels, the native BN backward, one allocation for psi and the parameters' gradients (and its split), the

@@ -14,8 +14,6 @@ import mabn
 from mabn import CenConv2d, convert_norm, keep_centred
 from mabn.bench import step
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
 
 def _pair() -> tuple[torch.nn.Module, torch.nn.Module]:
     """Two copies of a float64 ResNet-18 with MABN (ghost batches of 2, past its warm-ups within the steps)."""

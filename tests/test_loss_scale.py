@@ -14,15 +14,18 @@ import pytorch_lightning as pl
 import torch
 from pytorch_lightning.plugins.precision import MixedPrecision
 
+from helpers.callback_task import POLICY, Tiny, loader
+from helpers.kernels import paths, take
+from helpers.layer_runs import MABN_CFG, C, H, W, close, random_affine, random_input, set_affine, train_step
+from helpers.reference import RefMABN
+from helpers.trainer import quiet_trainer
 from mabn.norm import MABN2d
-from reference import RefMABN
-from test_callback import POLICY, Tiny, _loader, _trainer
-from test_mabn_kernels import _paths, _take
-from test_norm_reference import MABN_CFG, C, H, W, close, random_affine, random_input, set_affine, train_step
+
+pytestmark = pytest.mark.gpu
 
 # A scaler's scales (growth, backoff) and arbitrary ones, which round differently from powers of two.
 SCALES = (65536.0, 65536.0, 32768.0, 3.0, 1000.0, 0.125)
-PATHS = [name for name, _ in _paths()]
+PATHS = [name for name, _ in paths()]
 
 
 @pytest.mark.parametrize("path", PATHS)
@@ -32,7 +35,7 @@ def test_scaled_gradients_match_the_unscaled_reference(stats, n, norm_batch_size
     """Gradient S_t * dL/dout in, loss_scale = S_t: the gradients are S_t times the float64 reference's and
     every statistic (EMA, psi's window and EMA) is the reference's, through warm-up, moving statistics and
     renormalization."""
-    _take(monkeypatch, dict(_paths())[path])
+    take(monkeypatch, dict(paths())[path])
     gen = torch.Generator().manual_seed(99)
     weight, bias = random_affine(gen)
     layer = MABN2d(C, norm_batch_size=norm_batch_size, stats=stats, **MABN_CFG).double().to(device)
@@ -61,7 +64,7 @@ def test_scaled_gradients_match_the_unscaled_reference(stats, n, norm_batch_size
 def test_overflowing_backward_is_left_to_the_scaler(path, device, monkeypatch):
     """A non-finite gradient under a loss scale: no error (the scaler skips the step), psi's streams unchanged,
     nothing flagged for later; the following steps go on as the reference's with that backward left out."""
-    _take(monkeypatch, dict(_paths())[path])
+    take(monkeypatch, dict(paths())[path])
     gen = torch.Generator().manual_seed(5)
     weight, bias = random_affine(gen)
     cfg = dict(MABN_CFG, warmup_iters=2)
@@ -106,7 +109,7 @@ def _fit(tmp_path, scaler=None, model=None, **kwargs):
     pl.seed_everything(0)
     model = model or Tiny(norm_policy=POLICY)
     plugins = [ScalingOnly("16-mixed", "cpu", scaler=scaler)] if scaler is not None else []
-    _trainer(tmp_path, max_epochs=3, plugins=plugins, **kwargs).fit(model, _loader())
+    quiet_trainer(tmp_path, max_epochs=3, plugins=plugins, **kwargs).fit(model, loader())
     return model
 
 
@@ -159,7 +162,7 @@ def test_16_mixed_fit_through_real_float16_overflows(tmp_path, device):
     scaler = torch.amp.GradScaler(device.type, init_scale=2.0**24, growth_interval=1000)
     pl.seed_everything(0)
     plugins = [MixedPrecision("16-mixed", device.type, scaler=scaler)]
-    _trainer(tmp_path / "fp16", max_epochs=3, plugins=plugins, accelerator=accelerator).fit(model, _loader())
+    quiet_trainer(tmp_path / "fp16", max_epochs=3, plugins=plugins, accelerator=accelerator).fit(model, loader())
     assert scaler.get_scale() < 2.0**24
     for layer, ref in zip(model.norms(), reference.norms()):
         assert int(layer.count_gz) < int(layer.count_x2), "no backward was skipped: nothing overflowed"

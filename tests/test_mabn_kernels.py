@@ -7,48 +7,44 @@ with MABN_TEST_DEVICE=cuda they run compiled, as in training.
 from __future__ import annotations
 
 import copy
-import os
 
 import pytest
 import torch
 
-import mabn.norm.mabn as mabn_module
+from helpers.kernels import kernels, paths, take
+from helpers.layer_runs import BATCH_IDS, BATCHES, check_mabn_against_reference
 from mabn.norm import MABN2d
-from mabn.norm.fused import load
-from test_norm_reference import BATCH_IDS, BATCHES, check_mabn_against_reference
 
-
-def _kernels():
-    kernels = load("mabn_kernels")
-    assert kernels is not None, "Triton is not importable (or MABN_FUSED=0): the CUDA fast path cannot run"
-    return kernels
-
-
-def _take(monkeypatch, kernels) -> None:
-    """Every MABN2d forward from here on takes ``kernels`` (None: the torch-op steps), whatever the device."""
-    monkeypatch.setattr(mabn_module, "_fused_kernels", lambda x: kernels)
-
-
-def _paths():
-    """Both paths, as (name, kernels for _take)."""
-    return (("torch ops", None), ("fused", _kernels()))
+pytestmark = pytest.mark.gpu
 
 
 @pytest.fixture
 def fused(monkeypatch):
-    _take(monkeypatch, _kernels())
+    take(monkeypatch, kernels())
 
 
 # Triton's interpreter on the CPU runs a kernel ~1000x slower than a GPU: there the whole-batch cases run at one
 # batch size (N6-whole and N2-whole take the same kernel path, one group, with 6 or 2 samples in its loop); on a
 # GPU every batch shape runs.
-ON_GPU = os.environ.get("MABN_TEST_DEVICE", "cpu") != "cpu"
-FUSED_BATCHES = [(b, i) for b, i in zip(BATCHES, BATCH_IDS, strict=True) if ON_GPU or i != "N6-whole"]
+FUSED_BATCHES = [
+    pytest.param(*b, id=i, marks=[pytest.mark.gpu(cuda_only=True)] if i == "N6-whole" else [])
+    for b, i in zip(BATCHES, BATCH_IDS, strict=True)
+]
 
 
-@pytest.mark.parametrize("n, norm_batch_size", [b for b, _ in FUSED_BATCHES], ids=[i for _, i in FUSED_BATCHES])
+# MABN's own statistics (sma with renormalization) in the default suite; the other variants, whose kernel paths
+# test_fused_equals_torch_ops also holds to the torch-op steps (themselves held to the reference by
+# test_norm_reference), take ~4 s each in Triton's interpreter and run in the slow suite.
+@pytest.mark.parametrize("n, norm_batch_size", FUSED_BATCHES)
 @pytest.mark.parametrize(
-    "stats, renorm", [("sma", True), ("sma", False), ("ema", True), ("batch", True)], ids=lambda v: str(v)
+    "stats, renorm",
+    [
+        pytest.param("sma", True, id="sma-True"),
+        *(
+            pytest.param(s, r, id=f"{s}-{r}", marks=pytest.mark.slow)
+            for s, r in [("sma", False), ("ema", True), ("batch", True)]
+        ),
+    ],
 )
 def test_fused_matches_reference(stats, renorm, n, norm_batch_size, device, fused):
     """60 steps through warm-up, moving statistics and clipped renormalization, every output, gradient and
@@ -100,8 +96,8 @@ def test_fused_equals_torch_ops(name, dtype, device, monkeypatch):
         base.weight.uniform_(0.5, 1.5)
         base.bias.uniform_(-0.5, 0.5)
     layers = {}
-    for path, chosen in _paths():
-        _take(monkeypatch, chosen)
+    for path, chosen in paths():
+        take(monkeypatch, chosen)
         layers[path] = copy.deepcopy(base)
         layers[path].results = _run(layers[path], 14, dtype, device, policies)
     rtol = 1e-12 if dtype == torch.float64 else 2e-5
@@ -146,8 +142,8 @@ def test_fused_low_precision_input_equals_torch_ops(x_dtype, device, monkeypatch
     the kernels write the per-sample coefficients in the input's dtype and keep every statistic in float32."""
     base = MABN2d(5, norm_batch_size=2, warmup_iters=3, renorm_warmup_iters=5, momentum=0.9).to(device)
     results, states = {}, {}
-    for path, chosen in _paths():
-        _take(monkeypatch, chosen)
+    for path, chosen in paths():
+        take(monkeypatch, chosen)
         layer = copy.deepcopy(base)
         gen = torch.Generator().manual_seed(11)
         results[path] = []

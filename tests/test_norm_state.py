@@ -8,6 +8,8 @@ from torch import nn
 
 from mabn import BatchRenorm2d, MABN2d
 
+pytestmark = pytest.mark.gpu
+
 # Short timelines so that 30 steps cross warm-up, SMA and renormalization.
 MABN_KW = dict(buffer_size=4, warmup_iters=5, renorm_warmup_iters=10, renorm_clip=1.5, momentum=0.9)
 BRN_KW = dict(r_ramp=(3, 12), d_ramp=(3, 8), momentum=0.9)

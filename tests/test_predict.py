@@ -14,24 +14,22 @@ import pytest
 import torch
 from PIL import Image
 
+from helpers.trainer import fit_flags
 from mabn import cli, launch, predict
 from mabn.commands import test as evaluate
 from mabn.commands.predict import main as predict_main
 from mabn.data import demo_cityscapes
 from mabn.data.cityscapes import CLASS_NAMES
 
-pytestmark = pytest.mark.usefixtures("one_thread")
 
-
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def fitted(tmp_path_factory) -> tuple[Path, Path]:
     """(data root, best checkpoint) of a 2-step bn fit on a tiny demo set with crop 32 (images 32x64), of a PSPNet on
     ResNet-18: test and predict rebuild whatever arch the checkpoint names and score it the same way."""
     root = tmp_path_factory.mktemp("predict")
     data = demo_cityscapes.generate(root / "cs", n_train=4, n_val=3, size=(32, 64), seed=5)
     extra = [
-        "--trainer.max_steps", "2", "--trainer.check_val_every_n_epoch", "2", "--trainer.num_sanity_val_steps", "0",
-        "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false",
+        *fit_flags(2, check_val_every_n_epoch=2, num_sanity_val_steps=0),
         "--trainer.default_root_dir", str(root / "runs" / "bn"),
         "--data.init_args.global_batch_size", "4", "--data.init_args.num_workers", "0",
         "--data.init_args.crop_size", "32", "--model.init_args.log_predictions_every_n_epochs", "0",

@@ -2,30 +2,22 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import pytest
 import pytorch_lightning as pl
 import torch
 from PIL import Image
 
-from mabn.data import demo_cityscapes
+from helpers.trainer import BARE
+from helpers.wandb_reader import history, offline_run, wandb_session
 from mabn.data.cityscapes import CLASS_NAMES, IGNORE_INDEX, CityscapesDataModule
 from mabn.data.images import IMAGENET_MEAN, IMAGENET_STD
 from mabn.inference import sliding_window_logits
 from mabn.loggers import WandbLogger
 from mabn.tasks import SegmentationTask
 from mabn.tasks.segmentation import display_image, prediction_masks
-from wandb_reader import history, offline_run, wandb_session
 
-pytestmark = pytest.mark.usefixtures("one_thread")
 ARCH = "resnet18"  # what is logged does not depend on the encoder's depth
-
-
-@pytest.fixture(scope="module")
-def tiny_data(tmp_path_factory) -> Path:
-    return demo_cityscapes.generate(tmp_path_factory.mktemp("data") / "cs", n_train=2, n_val=2, size=(32, 64))
 
 
 def _normalize(rgb: np.ndarray) -> torch.Tensor:
@@ -94,14 +86,15 @@ class _Capture(WandbLogger):
 
 
 @pytest.mark.parametrize(("every", "expected"), [(2, [0, 2]), (1, [0, 1, 2]), (0, [])])
-def test_every_nth_validation_logs_when_wandb_is_disabled(tiny_data, tmp_path, monkeypatch, request, every, expected):
+def test_every_nth_validation_logs_when_wandb_is_disabled(
+    tiny_cityscapes, tmp_path, monkeypatch, request, every, expected
+):
     wandb_session(request, monkeypatch, "disabled")
     monkeypatch.chdir(tmp_path)
     task = SegmentationTask(norm="bn", log_predictions_every_n_epochs=every, num_logged_predictions=2, arch=ARCH)
-    data = CityscapesDataModule(str(tiny_data), crop_size=32, val_batch_size=2, num_workers=0)
+    data = CityscapesDataModule(str(tiny_cityscapes), crop_size=32, val_batch_size=2, num_workers=0)
     logger = _Capture()
-    trainer = pl.Trainer(logger=[pl.loggers.CSVLogger(tmp_path), logger], enable_progress_bar=False,
-                         enable_model_summary=False, enable_checkpointing=False)  # fmt: skip
+    trainer = pl.Trainer(**{**BARE, "logger": [pl.loggers.CSVLogger(tmp_path), logger]})
     logged_at = []  # the validations (0-based) that logged samples
     for i in range(3):
         before = len(logger.logged)
@@ -113,7 +106,7 @@ def test_every_nth_validation_logs_when_wandb_is_disabled(tiny_data, tmp_path, m
         assert len(images) == 2 and all(img._masks.keys() == {"prediction", "ground_truth"} for img in images)
 
 
-def test_fit_logs_masks_of_the_first_val_images_to_an_offline_run(tiny_data, tmp_path, monkeypatch, request):
+def test_fit_logs_masks_of_the_first_val_images_to_an_offline_run(tiny_cityscapes, tmp_path, monkeypatch, request):
     """A real offline run: the history (read by wandb's own reader) has the samples of validations 1 and 3,
     not of the sanity check, and the stored masks are the labels and the final model's predictions."""
     wandb_session(request, monkeypatch, "offline")
@@ -121,14 +114,15 @@ def test_fit_logs_masks_of_the_first_val_images_to_an_offline_run(tiny_data, tmp
     task = SegmentationTask(
         norm="bn", log_predictions_every_n_epochs=2, num_logged_predictions=2, warmup_epochs=1, arch=ARCH
     )
-    data = CityscapesDataModule(str(tiny_data), crop_size=32, global_batch_size=2, val_batch_size=2, num_workers=0)
+    data = CityscapesDataModule(
+        str(tiny_cityscapes), crop_size=32, global_batch_size=2, val_batch_size=2, num_workers=0
+    )
     logger = WandbLogger(save_dir=str(tmp_path / "runs"))
     steps: list[int] = []  # global step at each validation
     record = pl.callbacks.LambdaCallback(
         on_validation_epoch_end=lambda trainer, module: steps.append(trainer.global_step)
     )
-    trainer = pl.Trainer(max_epochs=3, logger=logger, callbacks=[record], num_sanity_val_steps=1,
-                         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)  # fmt: skip
+    trainer = pl.Trainer(max_epochs=3, callbacks=[record], num_sanity_val_steps=1, **{**BARE, "logger": logger})
     trainer.fit(task, data)
     logger.experiment.finish()
 

@@ -10,6 +10,7 @@ import pytorch_lightning as pl
 import segmentation_models_pytorch as smp
 import torch
 
+from helpers.trainer import BARE, STAGE1_FIT
 from mabn import MABN2d, cli, convert_norm, launch
 from mabn.callbacks.policy import NormPolicy
 from mabn.commands import fit
@@ -21,27 +22,17 @@ from mabn.tasks.classification import backbone_path
 ARCH = "resnet18"  # the short fits' depth
 
 
-@pytest.fixture(scope="module")
-def tiny_data(tmp_path_factory) -> Path:
-    return demo_imagenet.generate(tmp_path_factory.mktemp("data") / "cls", n_train=4, n_val=2, size=40)
-
-
 def _fit_args(data: Path, norm: str, *extra: str, arch: str | None = ARCH) -> list[str]:
     """A 2-step fit of ``arch`` (None: the recipe's default)."""
     args = launch.build_args("pretrain", data, norm, gpus=0, nodes=1, extra=list(extra))
     args += ["--model.init_args.arch", arch] if arch else []
-    return args + [
-        "--trainer.max_steps", "2", "--trainer.val_check_interval", "2", "--trainer.limit_val_batches", "1",
-        "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false",
-        "--data.init_args.batch_size", "8", "--data.init_args.num_workers", "0",
-        "--data.init_args.image_size", "32", "--data.init_args.val_resize", "36",
-    ]  # fmt: skip
+    return args + STAGE1_FIT
 
 
 @pytest.mark.parametrize("norm", ["bn", "gn", "brn", "mabn"])
-def test_short_fit_exports_a_backbone_that_loads_into_the_stage2_encoder(tiny_data, tmp_path, monkeypatch, norm):
+def test_short_fit_exports_a_backbone_that_loads_into_the_stage2_encoder(tiny_imagenet, tmp_path, monkeypatch, norm):
     monkeypatch.chdir(tmp_path)
-    cli.run_cli(_fit_args(tiny_data, norm))
+    cli.run_cli(_fit_args(tiny_imagenet, norm))
     path = tmp_path / "pretrain" / f"{ARCH}-{norm}.pt"
     payload = load_backbone(path, norm)
     assert payload["norm"] == norm and payload["arch"] == ARCH
@@ -58,9 +49,9 @@ def test_short_fit_exports_a_backbone_that_loads_into_the_stage2_encoder(tiny_da
     assert info["norm"] == norm
 
 
-def test_norm_mismatch_names_both_norms(tiny_data, tmp_path, monkeypatch):
+def test_norm_mismatch_names_both_norms(tiny_imagenet, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    cli.run_cli(_fit_args(tiny_data, "bn"))
+    cli.run_cli(_fit_args(tiny_imagenet, "bn"))
     encoder = convert_norm(smp.encoders.get_encoder(ARCH, weights=None, output_stride=8), "mabn")
     with pytest.raises(BackboneError, match="pre-trained with norm 'bn'.*asks for norm 'mabn'"):
         load_backbone_into(encoder, tmp_path / "pretrain" / f"{ARCH}-bn.pt", "mabn", ARCH)
@@ -76,15 +67,16 @@ class _RecordLR(pl.Callback):
         self.lrs.append(trainer.optimizers[0].param_groups[0]["lr"])
 
 
-def test_lr_schedule_follows_the_recipe_formula(tiny_data, tmp_path, monkeypatch):
+def test_lr_schedule_follows_the_recipe_formula(tiny_imagenet, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     # milestones in epochs: 5 optimizer steps an epoch put the drops at steps 2 and 4
-    args = _fit_args(tiny_data, "bn", "--model.init_args.milestones", "[0.4, 0.8]", "--model.init_args.base_lr", "0.4")
+    args = _fit_args(
+        tiny_imagenet, "bn", "--model.init_args.milestones", "[0.4, 0.8]", "--model.init_args.base_lr", "0.4"
+    )
     args += ["--data.init_args.batch_size", "4"]  # 40 images: 10 micro-batches, 5 whole optimizer steps an epoch
     parsed = cli.run_cli(args[1:], run=False)  # without the "fit" subcommand: build, don't run
     record = _RecordLR()
-    trainer = pl.Trainer(max_steps=6, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                         callbacks=[record], limit_val_batches=0, accumulate_grad_batches=2)  # fmt: skip
+    trainer = pl.Trainer(max_steps=6, callbacks=[record], limit_val_batches=0, accumulate_grad_batches=2, **BARE)
     parsed.model.hparams.export_dir = None
     trainer.fit(parsed.model, parsed.datamodule)
     base = 0.4 * (4 * 2) / 256  # lr x global batch (4 per micro-batch x 2 accumulated) / 256
@@ -111,16 +103,15 @@ class _ZeroGradientStep(pl.Callback):
         trainer.should_stop = True  # the fit loop ends before its first batch
 
 
-def test_weight_decay_reaches_norm_gamma_and_beta(tiny_data, tmp_path, monkeypatch):
+def test_weight_decay_reaches_norm_gamma_and_beta(tiny_imagenet, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    parsed = cli.run_cli(_fit_args(tiny_data, "mabn", arch=None)[1:], run=False)
+    parsed = cli.run_cli(_fit_args(tiny_imagenet, "mabn", arch=None)[1:], run=False)
     task: ClassificationTask = parsed.model
     assert task.hparams.arch == "resnet101" and len(task.model.layer3) == 23  # the recipe's default: ResNet-101
     assert backbone_path(task.hparams.export_dir, "mabn", task.hparams.arch).name == "resnet101-mabn.pt"
     task.hparams.export_dir = None
     step = _ZeroGradientStep()
-    trainer = pl.Trainer(max_epochs=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False, limit_val_batches=0, callbacks=[step])  # fmt: skip
+    trainer = pl.Trainer(max_epochs=1, limit_val_batches=0, callbacks=[step], **BARE)
     trainer.fit(task, parsed.datamodule)
     assert step.wd == 1e-4
     norms = [m for m in task.modules() if isinstance(m, MABN2d)]
@@ -147,36 +138,38 @@ def _expect_error(capsys, args, *fragments):
         assert fragment in err[0], err[0]
 
 
-def test_bad_datasets_give_one_clear_error_naming_the_path(tiny_data, tmp_path, monkeypatch, capsys):
+def test_bad_datasets_give_one_clear_error_naming_the_path(tiny_imagenet, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     missing = tmp_path / "missing"
-    _expect_error(capsys, _fit_args(tiny_data, "bn", "--data.init_args.data_dir", str(missing)), str(missing / "train"))
+    _expect_error(
+        capsys, _fit_args(tiny_imagenet, "bn", "--data.init_args.data_dir", str(missing)), str(missing / "train")
+    )
 
     empty = tmp_path / "empty"
     (empty / "train").mkdir(parents=True)
     (empty / "val").mkdir()
-    _expect_error(capsys, _fit_args(tiny_data, "bn", "--data.init_args.data_dir", str(empty)), str(empty / "train"))
+    _expect_error(capsys, _fit_args(tiny_imagenet, "bn", "--data.init_args.data_dir", str(empty)), str(empty / "train"))
 
-    differ = _copy_tree(tiny_data, tmp_path / "differ")
+    differ = _copy_tree(tiny_imagenet, tmp_path / "differ")
     (differ / "val" / demo_imagenet.CLASSES[3]).rename(differ / "val" / "zz_unknown")
-    _expect_error(capsys, _fit_args(tiny_data, "bn", "--data.init_args.data_dir", str(differ)),
+    _expect_error(capsys, _fit_args(tiny_imagenet, "bn", "--data.init_args.data_dir", str(differ)),
                   "class folders differ", demo_imagenet.CLASSES[3], "zz_unknown")  # fmt: skip
 
-    no_images = _copy_tree(tiny_data, tmp_path / "no_images")
+    no_images = _copy_tree(tiny_imagenet, tmp_path / "no_images")
     for f in (no_images / "val" / demo_imagenet.CLASSES[0]).iterdir():
         f.unlink()
-    _expect_error(capsys, _fit_args(tiny_data, "bn", "--data.init_args.data_dir", str(no_images)),
+    _expect_error(capsys, _fit_args(tiny_imagenet, "bn", "--data.init_args.data_dir", str(no_images)),
                   str(no_images / "val" / demo_imagenet.CLASSES[0]))  # fmt: skip
 
 
 @pytest.mark.parametrize("workers", [0, 1])
-def test_unreadable_image_is_named_also_from_a_worker(tiny_data, tmp_path, monkeypatch, capsys, workers):
+def test_unreadable_image_is_named_also_from_a_worker(tiny_imagenet, tmp_path, monkeypatch, capsys, workers):
     monkeypatch.chdir(tmp_path)
-    broken = _copy_tree(tiny_data, tmp_path / "broken")
+    broken = _copy_tree(tiny_imagenet, tmp_path / "broken")
     for f in (broken / "train").rglob("*.png"):
         f.write_bytes(b"not a png")
     victim = sorted((broken / "train").rglob("*.png"))[0]
-    args = _fit_args(tiny_data, "bn", "--data.init_args.data_dir", str(broken))
+    args = _fit_args(tiny_imagenet, "bn", "--data.init_args.data_dir", str(broken))
     _expect_error(capsys, args + ["--data.init_args.num_workers", str(workers)], "cannot read image", "broken/train")
     assert victim.read_bytes() == b"not a png"  # nothing rewritten
 
@@ -187,12 +180,12 @@ def test_unreadable_image_is_named_also_from_a_worker(tiny_data, tmp_path, monke
     ids=["imagenet-timeline", "detection-timeline"],
 )
 @pytest.mark.parametrize("demo", [False, True], ids=["recipe", "demo"])
-def test_stage1_mabn_timelines(norm, timeline, demo, tiny_data, tmp_path, monkeypatch):
+def test_stage1_mabn_timelines(norm, timeline, demo, tiny_imagenet, tmp_path, monkeypatch):
     """NORM=mabn runs the official ImageNet code's timeline with label smoothing 0.1; NORM=mabn-det the detection
     code's (the demo: shortened), in folders of its own."""
     monkeypatch.chdir(tmp_path)
-    data = None if demo else tiny_data
-    args = launch.build_args("pretrain", data, norm, 0, 1, ["--data.init_args.data_dir", str(tiny_data)])
+    data = None if demo else tiny_imagenet
+    args = launch.build_args("pretrain", data, norm, 0, 1, ["--data.init_args.data_dir", str(tiny_imagenet)])
     assert f"--trainer.default_root_dir {'runs/demo' if demo else 'runs'}/pretrain/{norm}" in " ".join(args)
     model = cli.run_cli(args[1:], run=False).model  # without the subcommand: build, do not run
     (rule,) = NormPolicy.parse(model.hparams.norm_policy).groups.values()

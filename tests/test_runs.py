@@ -1,6 +1,6 @@
 """One folder per experiment (``mabn.runs``, ``mabn.cli``): a new run never overwrites another, a restart with
 ``--ckpt_path auto`` continues the same folder, CSV log and wandb run from the newest good checkpoint of the same
-task and norm, and a kill in the middle of a checkpoint write loses nothing (tests/cli_tiny.py is the task)."""
+task and norm, and a kill in the middle of a checkpoint write loses nothing (tests/helpers/cli_tiny.py is the task)."""
 
 from __future__ import annotations
 
@@ -17,12 +17,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from helpers.wandb_reader import wandb_session
 from mabn import runs
 from mabn.errors import ConfigError
-from wandb_reader import wandb_session
 
 ROOT = Path(__file__).resolve().parents[1]
-TINY = "cli_tiny.TinyTask"
+TINY = "helpers.cli_tiny.TinyTask"
 
 
 def _env(**extra: str) -> dict[str, str]:
@@ -35,11 +35,13 @@ def _command(cfg: Path, *extra: str) -> list[str]:
 
 
 def _config(tmp_path: Path, root: Path, slow_io: bool = False) -> Path:
-    from cli_tiny import CONFIG
+    from helpers.cli_tiny import CONFIG
 
     text = CONFIG.format(root=root)
     if slow_io:
-        text = text.replace("trainer:\n", "trainer:\n  plugins:\n    - class_path: cli_tiny.SlowCheckpointIO\n", 1)
+        text = text.replace(
+            "trainer:\n", "trainer:\n  plugins:\n    - class_path: helpers.cli_tiny.SlowCheckpointIO\n", 1
+        )
     cfg = tmp_path / f"cfg-{root.name}.yaml"
     cfg.write_text(text)
     return cfg
@@ -79,7 +81,7 @@ def _tests_importable(monkeypatch):
 
 
 def test_a_killed_run_resumes_in_its_folder_with_its_log_best_checkpoint_and_wandb_id(
-    tmp_path, request, monkeypatch, capsys, one_thread
+    tmp_path, request, monkeypatch, capsys
 ):
     """4 epochs of 4 steps (shuffling, dropout, MABN2d and BRN, a per-step lr schedule). Killed at step 10 (mid
     epoch 3, after the step-8 checkpoint), then restarted by the same command, the run resumes from the epoch

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import math
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -20,7 +18,7 @@ CITYSCAPES_TRAIN = 2975  # the real split's size: the recipe's epochs are of it
 IMAGENET_CLASSES, IMAGENET_PER_CLASS = 16, 300  # enough for one global batch of 2048 on 64 devices
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def layouts(tmp_path_factory) -> dict[str, Path]:
     """Dataset layouts of empty files: a dry run plans from file names and reads no image."""
     root = tmp_path_factory.mktemp("layouts")
@@ -102,11 +100,15 @@ def test_iterations_follow_the_sampler_and_the_dropped_last_batch():
     assert scaling.total_iterations(7, 3, 5, 1) == 5
 
 
-def test_missing_stage1_backbone_is_an_error_and_none_is_random_weights_on_purpose(layouts, tmp_path, capsys):
-    cmd = [sys.executable, "-m", "mabn", "cityscapes", "--data", str(layouts["cityscapes"]), "--dry-run"]
-    missing = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300)
-    assert missing.returncode == 2
-    error = [line for line in missing.stderr.splitlines() if line.startswith("error:")]
+def test_missing_stage1_backbone_is_an_error_and_none_is_random_weights_on_purpose(
+    layouts, tmp_path, monkeypatch, capsys
+):
+    monkeypatch.chdir(tmp_path)  # no pretrain/ folder here
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as missing:
+        stage_command.main(["cityscapes", "--data", str(layouts["cityscapes"]), "--dry-run"])
+    assert missing.value.code == 2
+    error = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
     assert error == [
         "error: no stage-1 backbone pretrain/resnet101-mabn.pt: run stage 1 first (make pretrain NORM=mabn "
         "DATA=<imagenet>), give one with BACKBONE=<file>, or BACKBONE=none (--backbone none) to train the encoder "

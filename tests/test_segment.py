@@ -17,6 +17,7 @@ import torch
 import yaml
 from PIL import Image
 
+from helpers.trainer import fit_flags
 from mabn import launch, predict
 from mabn.commands import stage
 from mabn.commands import test as evaluate
@@ -27,12 +28,9 @@ from mabn.data.errors import DatasetError
 from mabn.data.folder import FolderDataset, find_pairs, fitting_crop
 from mabn.tasks import SegmentationTask
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
 NAMES = tuple(demo_segment.COLORS)
 TINY = [
-    "--trainer.max_steps", "2", "--trainer.check_val_every_n_epoch", "2", "--trainer.num_sanity_val_steps", "0",
-    "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false",
+    *fit_flags(2, check_val_every_n_epoch=2, num_sanity_val_steps=0),
     "--data.init_args.global_batch_size", "4", "--data.init_args.num_workers", "0",
     "--model.init_args.arch", "resnet18", "--model.init_args.log_predictions_every_n_epochs", "0",
 ]  # fmt: skip
@@ -47,7 +45,7 @@ class _Lines(logging.Handler):
         self.lines.append(record.getMessage())
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def fitted(tmp_path_factory) -> tuple[Path, Path, str]:
     """(data root, last checkpoint, what the run printed) of ``python -m mabn segment`` on the generated example
     (4 train and 3 val images of 32x64), 2 steps of a PSPNet on ResNet-18 with the config's crop 713."""

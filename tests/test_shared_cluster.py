@@ -3,7 +3,7 @@ write (a full disk, a quota, a read-only folder: ``mabn.errors.WriteError``), CU
 step (``mabn.callbacks.OutOfMemoryReport``). Each ends with exit code 2 and one ``error:`` line, and loses
 nothing: ``--ckpt_path auto`` (``--resume auto``) continues from the newest whole checkpoint.
 
-The runs are tests/cli_tiny.py's seconds-long task, and a tiny PSPNet / ResNet-18 for the out-of-memory lines;
+The runs are tests/helpers/cli_tiny.py's seconds-long task, and a tiny PSPNet / ResNet-18 for the out-of-memory lines;
 a run that must hold its folder while the test acts is a process of its own, the others run in this process.
 """
 
@@ -24,12 +24,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from helpers.trainer import QUIET, flags
+from helpers.wandb_reader import wandb_session
 from mabn import cli, runlock, runs
 from mabn.callbacks.oom import training_oom_line
 from mabn.data import demo_cityscapes, demo_imagenet
 from mabn.errors import WriteError
 from mabn.files import write_atomic, write_text_atomic
-from wandb_reader import wandb_session
 
 ROOT = Path(__file__).resolve().parents[1]
 IN_USE = (
@@ -49,7 +50,7 @@ def _env(**extra: str) -> dict[str, str]:
 
 
 def _config(tmp_path: Path, root: str, plugin: str | None = None) -> Path:
-    from cli_tiny import CONFIG
+    from helpers.cli_tiny import CONFIG
 
     text = CONFIG.format(root=root)
     if plugin:
@@ -243,7 +244,7 @@ def test_a_full_disk_at_a_checkpoint_write_is_one_line_and_the_run_resumes_from_
     """The step-8 checkpoint's bytes stop half-way with ENOSPC inside the real write of its temporary file
     (``torch.save`` into it); the run ends with one line naming the file, leaves no temporary file, keeps the
     step-4 checkpoints whole, and the same command resumes from them once space is back."""
-    from cli_tiny import write_until_full
+    from helpers.cli_tiny import write_until_full
 
     monkeypatch.chdir(tmp_path)
     folder = tmp_path / "runs" / "x"
@@ -310,7 +311,7 @@ def test_a_fault_behind_torch_s_own_error_is_found(tmp_path):
 def test_a_full_disk_on_rank_0_ends_every_rank_with_the_same_line(tmp_path):
     """Under DDP only rank 0 writes checkpoints; rank 1 waits in the barrier after the write. Both end within
     seconds (FailFast), with the same one line, instead of rank 1 waiting for the process group's timeout."""
-    cfg = _config(tmp_path, "runs/x", plugin="cli_tiny.FullDiskCheckpointIO")
+    cfg = _config(tmp_path, "runs/x", plugin="helpers.cli_tiny.FullDiskCheckpointIO")
     argv = _fit(cfg, "--trainer.devices", "2", "--trainer.strategy", "ddp", "--trainer.accelerator", "cpu")
     start = time.monotonic()
     run = subprocess.run([sys.executable, "-m", "mabn", *argv], cwd=tmp_path, env=_env(TINY_FULL_AT_STEP="4"),
@@ -327,7 +328,7 @@ def test_a_full_disk_on_rank_0_ends_every_rank_with_the_same_line(tmp_path):
 
 
 # ------------------------------------------------------------------------------ CUDA out of memory
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def sets(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("sets")
     return {
@@ -336,8 +337,7 @@ def sets(tmp_path_factory) -> dict[str, Path]:
     }
 
 
-TINY = ["--trainer.limit_val_batches", "1", "--trainer.num_sanity_val_steps", "0",
-        "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false",
+TINY = [*flags("trainer", limit_val_batches=1, num_sanity_val_steps=0, **QUIET),
         "--data.init_args.num_workers", "0", "--model.init_args.arch", "resnet18"]  # fmt: skip
 STAGES = {
     "cityscapes": ("mabn.tasks.SegmentationTask", ["--backbone", "none"],
@@ -354,7 +354,6 @@ STAGES = {
 }  # fmt: skip
 
 
-@pytest.mark.usefixtures("one_thread")
 @pytest.mark.parametrize("stage", sorted(STAGES))
 def test_cuda_out_of_memory_in_a_training_step_is_one_line_and_the_last_checkpoint_resumes(
     stage, sets, tmp_path, request, monkeypatch, capsys

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import wandb
 
-from cli_tiny import CONFIG
-from wandb_reader import history, offline_run, wandb_session
+from helpers.cli_tiny import CONFIG
+from helpers.wandb_reader import history, offline_run, wandb_session
 
 TIMEOUT_S = 5  # online_timeout for the test; the product's default is 45 s
 
@@ -95,7 +95,7 @@ def test_a_failed_online_start_continues_the_same_run_offline(tmp_path, request,
 
 @pytest.mark.slow
 @pytest.mark.parametrize("server", ["refused", "silent"])
-def test_a_fit_with_wandb_unreachable_goes_on_offline(server, tmp_path, request, monkeypatch, capsys, one_thread):
+def test_a_fit_with_wandb_unreachable_goes_on_offline(server, tmp_path, request, monkeypatch, capsys):
     """The real failure, through ``python -m mabn fit`` (in this process) on the tiny task: a closed port (refused
     at once; wandb retries until its deadline) and a port that never answers (the deadline of a request to an
     unroutable host)."""

@@ -31,7 +31,7 @@ import shlex
 from dataclasses import dataclass
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 SHELL_FENCES = {"bash", "sh", "shell", "console", ""}
 PROGRAMS = r"(?:make|python3?|torchrun|sbatch|srun|scripts/\S+)"

@@ -140,7 +140,7 @@ trainer:
     - class_path: pytorch_lightning.callbacks.ModelCheckpoint
       init_args: {{monitor: val/acc, mode: max, save_last: true, filename: "{{step}}", save_top_k: 2}}
 model:
-  class_path: cli_tiny.TinyTask
+  class_path: helpers.cli_tiny.TinyTask
 data:
-  class_path: cli_tiny.TinyData
+  class_path: helpers.cli_tiny.TinyData
 """

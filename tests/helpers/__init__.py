@@ -1,0 +1,1 @@
+"""Code that the test modules share; no test module imports another."""

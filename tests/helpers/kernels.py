@@ -1,0 +1,23 @@
+"""MABN2d's two paths, the torch-op steps and the one-launch Triton kernels (on the CPU through Triton's
+interpreter), chosen for every forward of a test."""
+
+from __future__ import annotations
+
+import mabn.norm.mabn as mabn_module
+from mabn.norm.fused import load
+
+
+def kernels():
+    kernels = load("mabn_kernels")
+    assert kernels is not None, "Triton is not importable (or MABN_FUSED=0): the CUDA fast path cannot run"
+    return kernels
+
+
+def take(monkeypatch, kernels) -> None:
+    """Every MABN2d forward from here on takes ``kernels`` (None: the torch-op steps), whatever the device."""
+    monkeypatch.setattr(mabn_module, "_fused_kernels", lambda x: kernels)
+
+
+def paths():
+    """Both paths, as (name, kernels for _take)."""
+    return (("torch ops", None), ("fused", kernels()))
