@@ -157,6 +157,7 @@ def test_same_seed_same_start_and_data_whatever_the_norm(tiny_imagenet: Path, mo
     assert not torch.equal(bn["batches"][0][1], other["batches"][0][1])
 
 
+@pytest.mark.slow
 def test_whole_pipeline_two_rows(tiny_imagenet: Path, tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
     """BN(32) and MABN(2), one seed, a few steps, in two worker processes: table, JSON, CSVs and figures."""
     out = tmp_path / "ablation"

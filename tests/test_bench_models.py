@@ -104,6 +104,7 @@ def test_bench_cli_refuses_cuda_graphs_on_the_cpu(capsys):
     assert "--cuda-graph needs a CUDA device, got --device cpu" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_graphed_step_bench_captures_at_the_measured_shape(graph_stand_in):
     """With --cuda-graph every row replays graphs captured at the measured crop, not at the small crop of the
     first (momentum-creating) step (on the CPU with the stand-in capture of conftest.py)."""

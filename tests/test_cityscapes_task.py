@@ -17,6 +17,7 @@ import torch
 import yaml
 from torch import nn
 
+from helpers.marks import default_suite_runs
 from helpers.trainer import BARE, STAGE2_FIT
 from mabn import cli, launch
 from mabn.callbacks import MABNCallback, PhaseRule
@@ -191,7 +192,7 @@ def test_lr_follows_warmup_then_poly_with_10x_heads(
 # 3. Short fits
 
 
-@pytest.mark.parametrize("norm", ["bn", "gn", "brn", "mabn"])
+@pytest.mark.parametrize("norm", default_suite_runs(["bn", "gn", "brn", "mabn"], keep=["gn", "mabn"]))
 def test_short_fit_logs_miou_and_saves_checkpoints(tiny_cityscapes, tmp_path, monkeypatch, norm):
     monkeypatch.chdir(tmp_path)
     cli_obj = cli.run_cli(_fit_args(tiny_cityscapes, norm, *SHALLOW))

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 import torchvision
 from torch import nn
 
+from helpers.marks import default_suite_runs
 from mabn import BatchRenorm2d, CenConv2d, MABN2d, convert_norm, fold_norms
 from mabn.norm import NORM_PRESETS
 
@@ -118,7 +119,7 @@ def _rel(a, b):
     return ((a.double() - b.double()).abs().max() / b.double().abs().max()).item()
 
 
-@pytest.mark.parametrize("norm", ["bn", "syncbn", "brn", "mabn"])
+@pytest.mark.parametrize("norm", default_suite_runs(["bn", "syncbn", "brn", "mabn"], keep=["mabn"]))
 def test_fold_matches_unfolded_resnet101(norm):
     model = _trained_like(norm).double()
     folded = fold_norms(model)

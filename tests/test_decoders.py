@@ -16,6 +16,7 @@ import torch
 import yaml
 from torch import nn
 
+from helpers.marks import default_suite_runs
 from helpers.trainer import STAGE2_FIT
 from mabn import cli, export, launch
 from mabn.bench.infer import calibrate
@@ -68,7 +69,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 # 1. Every decoder with MABN: structure, groups, folding
 
 
-@pytest.mark.parametrize("decoder", list(DECODERS))
+@pytest.mark.parametrize("decoder", default_suite_runs(DECODERS, keep=["pspnet", "deeplabv3plus", "fpn"]))
 def test_mabn_everywhere_centred_convs_heads_and_exact_folding(decoder):
     model = _build(decoder)
     spec = DECODERS[decoder]

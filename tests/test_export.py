@@ -142,6 +142,7 @@ def test_averaging_pool_is_adaptive_average_pooling_at_any_size(bins):
 
 
 @needs_onnx
+@pytest.mark.slow
 def test_an_onnx_graph_that_only_fits_the_traced_size_is_refused(tmp_path, capsys, monkeypatch):
     """The exporter's own decomposition of adaptive pooling unrolls each bin's window for the traced size (PSPNet's
     3- and 6-bin pooling of 16x16 features here): at the second size onnxruntime fails on an index (elsewhere
@@ -168,6 +169,7 @@ def cls_checkpoint(tmp_path_factory):
     return path, task.model
 
 
+@pytest.mark.slow
 def test_export_rebuilds_a_cli_classification_checkpoint(cls_checkpoint, tmp_path, capsys):
     path, model = cls_checkpoint
     assert export_command.main([str(path), "--out", str(tmp_path), "--input-size", "32", "32"]) == 0
@@ -198,6 +200,7 @@ def test_a_fold_that_changes_the_model_is_refused_and_writes_nothing(cls_checkpo
 
 
 @needs_onnx
+@pytest.mark.slow
 def test_an_onnx_model_off_at_the_second_size_is_refused(cls_checkpoint, tmp_path, capsys, monkeypatch):
     run = export._run_onnxruntime
 

@@ -51,8 +51,10 @@ def _train_side_by_side(reference, model, optimizers, steps: int = 5) -> None:
 
 @pytest.mark.parametrize(
     "sgd",
-    [{"momentum": 0.9, "weight_decay": 1e-4}, {"momentum": 0.9, "weight_decay": 1e-4, "nesterov": True}],
-    ids=["momentum", "nesterov"],
+    [
+        pytest.param({"momentum": 0.9, "weight_decay": 1e-4}, id="momentum", marks=pytest.mark.slow),
+        pytest.param({"momentum": 0.9, "weight_decay": 1e-4, "nesterov": True}, id="nesterov"),
+    ],
 )
 def test_keep_centred_trains_as_forward_centring_does(sgd):
     reference, model = _pair()
@@ -95,6 +97,7 @@ def test_keep_centred_is_public_and_what_the_stages_call():
         assert keep_centred(plain, torch.optim.Adam(plain.parameters())) is None
 
 
+@pytest.mark.slow
 def test_step_bench_has_the_plain_loop_rows_for_resnet50(monkeypatch, capsys):
     """A user's loop (convert_norm + SGD) with and without keep_centred, timed beside the other rows (ResNet-18
     stands in for ResNet-50 here); the dry run lists the rows, and PSPNet-101 has none of them."""

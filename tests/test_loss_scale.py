@@ -17,6 +17,7 @@ from pytorch_lightning.plugins.precision import MixedPrecision
 from helpers.callback_task import POLICY, Tiny, loader
 from helpers.kernels import paths, take
 from helpers.layer_runs import MABN_CFG, C, H, W, close, random_affine, random_input, set_affine, train_step
+from helpers.marks import default_suite_runs
 from helpers.reference import RefMABN
 from helpers.trainer import quiet_trainer
 from mabn.norm import MABN2d
@@ -30,7 +31,7 @@ PATHS = [name for name, _ in paths()]
 
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("n, norm_batch_size", [(6, 2), (2, None)], ids=["N6-ghost2", "N2-whole"])
-@pytest.mark.parametrize("stats", ["sma", "ema"])
+@pytest.mark.parametrize("stats", default_suite_runs(["sma", "ema"], keep=["sma"]))
 def test_scaled_gradients_match_the_unscaled_reference(stats, n, norm_batch_size, path, device, monkeypatch):
     """Gradient S_t * dL/dout in, loss_scale = S_t: the gradients are S_t times the float64 reference's and
     every statistic (EMA, psi's window and EMA) is the reference's, through warm-up, moving statistics and

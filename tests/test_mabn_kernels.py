@@ -13,6 +13,7 @@ import torch
 
 from helpers.kernels import kernels, paths, take
 from helpers.layer_runs import BATCH_IDS, BATCHES, check_mabn_against_reference
+from helpers.marks import default_suite_runs
 from mabn.norm import MABN2d
 
 pytestmark = pytest.mark.gpu
@@ -24,10 +25,12 @@ def fused(monkeypatch):
 
 
 # Triton's interpreter on the CPU runs a kernel ~1000x slower than a GPU: there the whole-batch cases run at one
-# batch size (N6-whole and N2-whole take the same kernel path, one group, with 6 or 2 samples in its loop); on a
-# GPU every batch shape runs.
+# batch size (N6-whole and N2-whole take the same kernel path, one group, with 6 or 2 samples in its loop), in the
+# slow suite; on a GPU every batch shape runs.
 FUSED_BATCHES = [
-    pytest.param(*b, id=i, marks=[pytest.mark.gpu(cuda_only=True)] if i == "N6-whole" else [])
+    pytest.param(
+        *b, id=i, marks={"N6-whole": [pytest.mark.gpu(cuda_only=True)], "N2-whole": [pytest.mark.slow]}.get(i, [])
+    )
     for b, i in zip(BATCHES, BATCH_IDS, strict=True)
 ]
 
@@ -85,8 +88,15 @@ def _run(
     return results
 
 
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["float64", "float32"])
-@pytest.mark.parametrize("name", sorted(CONFIGS))
+# Every configuration in float64; in float32 the default suite runs the timeline MABNCallback drives.
+@pytest.mark.parametrize(
+    ("name", "dtype"),
+    default_suite_runs(
+        [(name, dtype) for dtype in (torch.float64, torch.float32) for name in sorted(CONFIGS)],
+        keep=[*((name, torch.float64) for name in CONFIGS), ("policy-switch", torch.float32)],
+        ids=[f"{name}-{kind}" for kind in ("float64", "float32") for name in sorted(CONFIGS)],
+    ),
+)
 def test_fused_equals_torch_ops(name, dtype, device, monkeypatch):
     cfg = dict(CONFIGS[name])
     policy = cfg.pop("policy", None)

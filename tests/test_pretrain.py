@@ -10,6 +10,7 @@ import pytorch_lightning as pl
 import segmentation_models_pytorch as smp
 import torch
 
+from helpers.marks import default_suite_runs
 from helpers.trainer import BARE, STAGE1_FIT
 from mabn import MABN2d, cli, convert_norm, launch
 from mabn.callbacks.policy import NormPolicy
@@ -29,7 +30,7 @@ def _fit_args(data: Path, norm: str, *extra: str, arch: str | None = ARCH) -> li
     return args + STAGE1_FIT
 
 
-@pytest.mark.parametrize("norm", ["bn", "gn", "brn", "mabn"])
+@pytest.mark.parametrize("norm", default_suite_runs(["bn", "gn", "brn", "mabn"], keep=["bn", "mabn"]))
 def test_short_fit_exports_a_backbone_that_loads_into_the_stage2_encoder(tiny_imagenet, tmp_path, monkeypatch, norm):
     monkeypatch.chdir(tmp_path)
     cli.run_cli(_fit_args(tiny_imagenet, norm))

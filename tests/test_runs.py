@@ -80,6 +80,7 @@ def _tests_importable(monkeypatch):
     monkeypatch.syspath_prepend(str(ROOT / "tests"))
 
 
+@pytest.mark.slow
 def test_a_killed_run_resumes_in_its_folder_with_its_log_best_checkpoint_and_wandb_id(
     tmp_path, request, monkeypatch, capsys
 ):
@@ -137,6 +138,7 @@ def test_a_new_run_never_overwrites_the_run_in_its_folder(tmp_path, request, mon
     assert _snapshot(folder) == before
 
 
+@pytest.mark.slow
 def test_a_kill_during_a_checkpoint_write_leaves_the_previous_checkpoint(tmp_path, request, monkeypatch, capsys):
     """The run folder on a tmpfs, $TMPDIR on the disk: a write that went through $TMPDIR and a copy would not be
     atomic here. The kill lands after the new checkpoint's bytes are written and before the rename; the restart

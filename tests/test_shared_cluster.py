@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from helpers.marks import default_suite_runs
 from helpers.trainer import QUIET, flags
 from helpers.wandb_reader import wandb_session
 from mabn import cli, runlock, runs
@@ -354,7 +355,7 @@ STAGES = {
 }  # fmt: skip
 
 
-@pytest.mark.parametrize("stage", sorted(STAGES))
+@pytest.mark.parametrize("stage", default_suite_runs(sorted(STAGES), keep=["cityscapes"]))
 def test_cuda_out_of_memory_in_a_training_step_is_one_line_and_the_last_checkpoint_resumes(
     stage, sets, tmp_path, request, monkeypatch, capsys
 ):
