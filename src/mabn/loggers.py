@@ -75,6 +75,10 @@ class WandbLogger(_WandbLogger):
         if isinstance(kwargs.get("settings", {}), dict):
             kwargs["settings"] = {"init_timeout": online_timeout, **kwargs.get("settings", {})}
         super().__init__(project=project, save_dir=save_dir, offline=offline, id=id, resume="allow", **kwargs)
+        # Lightning passes anonymous=None to wandb.init, which wandb answers with a deprecation warning line in
+        # front of a failing run's one-line error; unset, wandb says nothing.
+        if self._wandb_init.get("anonymous") is None:
+            self._wandb_init.pop("anonymous", None)
 
     @property
     def experiment(self):
