@@ -1,4 +1,5 @@
-"""MABN2d's one-launch Triton statistic steps (the CUDA path) against the float64 reference and the torch-op steps.
+"""MABN2d's one-launch Triton statistic steps (the CUDA path) against the float64 reference and the torch-op steps,
+on a grid of one program and of several (GRIDS).
 
 On the CPU the kernels run through Triton's interpreter (tests/conftest.py), forced on by the ``fused`` fixture;
 with MABN_TEST_DEVICE=cuda they run compiled, as in training.
@@ -11,7 +12,7 @@ import copy
 import pytest
 import torch
 
-from helpers.kernels import kernels, paths, take
+from helpers.kernels import kernels, paths, programs_of, take
 from helpers.layer_runs import BATCH_IDS, BATCHES, check_mabn_against_reference
 from helpers.marks import default_suite_runs
 from mabn.norm import MABN2d
@@ -22,6 +23,12 @@ pytestmark = pytest.mark.gpu
 @pytest.fixture
 def fused(monkeypatch):
     take(monkeypatch, kernels())
+
+
+# The grid: the layer's channels in one program, or in programs of 2 channels each (3 channels: 2 programs, 5: 3,
+# the last one partial), as a layer of more channels than the kernels' MAX_BLOCK runs. The programs agree on the
+# verdict before the layer's state is final, and every program derives the groups' active flags by itself.
+GRIDS = {"one-program": None, "blocks-of-2": 2}
 
 
 # Triton's interpreter on the CPU runs a kernel ~1000x slower than a GPU: there the whole-batch cases run at one
@@ -35,9 +42,11 @@ FUSED_BATCHES = [
 ]
 
 
-# MABN's own statistics (sma with renormalization) in the default suite; the other variants, whose kernel paths
-# test_fused_equals_torch_ops also holds to the torch-op steps (themselves held to the reference by
-# test_norm_reference), take ~4 s each in Triton's interpreter and run in the slow suite.
+# MABN's own statistics (sma with renormalization) on programs of 2 channels in the default suite; the other
+# variants, whose kernel paths test_fused_equals_torch_ops also holds to the torch-op steps (themselves held to the
+# reference by test_norm_reference), take ~4 s each in Triton's interpreter (~10 s on several programs) and run in
+# the slow suite. One program computes what each of several computes, less the agreement between them.
+@pytest.mark.parametrize("grid", [pytest.param("one-program", marks=pytest.mark.slow), "blocks-of-2"])
 @pytest.mark.parametrize("n, norm_batch_size", FUSED_BATCHES)
 @pytest.mark.parametrize(
     "stats, renorm",
@@ -49,9 +58,10 @@ FUSED_BATCHES = [
         ),
     ],
 )
-def test_fused_matches_reference(stats, renorm, n, norm_batch_size, device, fused):
+def test_fused_matches_reference(stats, renorm, n, norm_batch_size, grid, device, fused, monkeypatch):
     """60 steps through warm-up, moving statistics and clipped renormalization, every output, gradient and
     buffer against the independent float64 reference (rtol 1e-9)."""
+    programs_of(monkeypatch, GRIDS[grid])
     check_mabn_against_reference(stats, renorm, n, norm_batch_size, device)
 
 
@@ -79,8 +89,9 @@ def _run(
         if policies and t in policies:
             layer.policy = policies[t]
         scale = 4.0 if t == 9 else 1.0 + 0.1 * t  # one outlier step: r reaches its clip bound
-        x = (scale * torch.randn(6, 5, 3, 4, generator=gen, dtype=dtype) + 0.3).to(device).requires_grad_()
-        g = torch.randn(6, 5, 3, 4, generator=gen, dtype=dtype).to(device)
+        shape = (6, layer.num_features, 3, 4)
+        x = (scale * torch.randn(shape, generator=gen, dtype=dtype) + 0.3).to(device).requires_grad_()
+        g = torch.randn(shape, generator=gen, dtype=dtype).to(device)
         layer.weight.grad = layer.bias.grad = None
         out = layer(x)
         out.backward(g)
@@ -88,20 +99,41 @@ def _run(
     return results
 
 
-# Every configuration in float64; in float32 the default suite runs the timeline MABNCallback drives.
+# Every configuration in float64 on one program; in float32, and on programs of 2 channels, the default suite runs
+# the timeline MABNCallback drives.
 @pytest.mark.parametrize(
-    ("name", "dtype"),
+    ("name", "dtype", "grid"),
     default_suite_runs(
-        [(name, dtype) for dtype in (torch.float64, torch.float32) for name in sorted(CONFIGS)],
-        keep=[*((name, torch.float64) for name in CONFIGS), ("policy-switch", torch.float32)],
-        ids=[f"{name}-{kind}" for kind in ("float64", "float32") for name in sorted(CONFIGS)],
+        [(name, dtype, grid) for grid in GRIDS for dtype in (torch.float64, torch.float32) for name in sorted(CONFIGS)],
+        keep=[
+            *((name, torch.float64, "one-program") for name in CONFIGS),
+            ("policy-switch", torch.float32, "one-program"),
+            ("policy-switch", torch.float64, "blocks-of-2"),
+        ],
+        ids=[f"{name}-{kind}-{grid}" for grid in GRIDS for kind in ("float64", "float32") for name in sorted(CONFIGS)],
     ),
 )
-def test_fused_equals_torch_ops(name, dtype, device, monkeypatch):
+def test_fused_equals_torch_ops(name, dtype, grid, device, monkeypatch):
+    programs_of(monkeypatch, GRIDS[grid])
     cfg = dict(CONFIGS[name])
     policy = cfg.pop("policy", None)
-    policies = policy if isinstance(policy, dict) else {0: policy}
-    base = MABN2d(5, warmup_iters=3, renorm_warmup_iters=5, momentum=0.9, renorm_clip=2.0, **cfg).to(dtype).to(device)
+    _check_paths_agree(5, cfg, 14, dtype, device, monkeypatch, policy if isinstance(policy, dict) else {0: policy})
+
+
+@pytest.mark.slow
+def test_fused_wide_layer_equals_torch_ops(device, monkeypatch):
+    """300 channels at the kernels' own bound of channels per program: a grid of several programs, the last one
+    partial, through warm-up, the SMA and renormalization."""
+    _check_paths_agree(300, CONFIGS["ghost2"], 8, torch.float64, device, monkeypatch)
+
+
+def _check_paths_agree(
+    channels: int, cfg: dict, steps: int, dtype: torch.dtype, device, monkeypatch, policies: dict | None = None
+) -> None:
+    """``steps`` training steps of a MABN2d built with ``cfg`` give the same outputs, gradients and buffers on the
+    Triton path as on the torch-op path."""
+    base = MABN2d(channels, warmup_iters=3, renorm_warmup_iters=5, momentum=0.9, renorm_clip=2.0, **cfg)
+    base = base.to(dtype).to(device)
     with torch.no_grad():
         base.weight.uniform_(0.5, 1.5)
         base.bias.uniform_(-0.5, 0.5)
@@ -109,7 +141,7 @@ def test_fused_equals_torch_ops(name, dtype, device, monkeypatch):
     for path, chosen in paths():
         take(monkeypatch, chosen)
         layers[path] = copy.deepcopy(base)
-        layers[path].results = _run(layers[path], 14, dtype, device, policies)
+        layers[path].results = _run(layers[path], steps, dtype, device, policies)
     rtol = 1e-12 if dtype == torch.float64 else 2e-5
     for t, (a, b) in enumerate(zip(layers["torch ops"].results, layers["fused"].results, strict=True)):
         for what, u, v in zip(("output", "grad x", "grad weight", "grad bias"), a, b, strict=True):
@@ -120,30 +152,80 @@ def test_fused_equals_torch_ops(name, dtype, device, monkeypatch):
             torch.testing.assert_close(value, expected[key], rtol=rtol, atol=rtol, msg=key)
         else:
             assert torch.equal(value, expected[key]), key
-    assert int(expected["iters"]) == 14 and int(expected["count_x2"]) == 14 * (6 // (cfg.get("norm_batch_size") or 6))
+    groups = 6 // (cfg.get("norm_batch_size") or 6)
+    assert int(expected["iters"]) == steps and int(expected["count_x2"]) == steps * groups
 
 
-def test_fused_non_finite_input_and_gradient_leave_state(device, fused):
-    layer = MABN2d(5, norm_batch_size=2, warmup_iters=2, renorm_warmup_iters=3).to(device)
-    _run(layer, 6, torch.float32, device)
+# The statistics' dtype is the input's (float32); the buffers' is the layer's, float64 in the second case: a buffer
+# must come back bit for bit also where it holds more bits than the statistics.
+@pytest.mark.parametrize("layer_dtype", [torch.float32, torch.float64], ids=["float32", "float64-buffers"])
+@pytest.mark.parametrize("grid", GRIDS)
+def test_fused_non_finite_statistic_leaves_every_buffer(grid, layer_dtype, device, fused, monkeypatch):
+    """A non-finite chi^2 (forward) or psi (backward) in one channel leaves every buffer of the layer bit for bit
+    as it was and sets that direction's flag; under a loss scale psi's is left unset. On programs of 2 channels
+    the bad channel is one program's: the others, all finite, must leave their channels' buffers too. The tickets
+    are zero after every launch, where the next launch (or CUDA-graph replay) starts counting."""
+    programs_of(monkeypatch, GRIDS[grid])
+    layer = MABN2d(5, norm_batch_size=2, warmup_iters=2, renorm_warmup_iters=3, buffer_size=4)
+    layer = layer.to(layer_dtype).to(device)
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():  # a stream in its steady state: moving statistics and r on, every history row set
+        for buf in (layer.buffer_x2, layer.buffer_gz, layer.running_var):
+            buf.copy_(0.5 + torch.rand(buf.shape, generator=gen, dtype=torch.float64))
+        layer.running_psi.copy_(torch.randn(5, generator=gen, dtype=torch.float64))
+        layer.iters.fill_(6)
+        layer.count_x2.fill_(18)
+        layer.count_gz.fill_(18)
+    tickets = layer.tickets(device)
+
+    def left_as(before: dict, what: str) -> None:
+        for key, value in layer.state_dict().items():
+            assert torch.equal(value, before[key]), f"{key} changed by {what}"
+        assert tickets.tolist() == [0, 0], what
+
+    def inputs() -> torch.Tensor:
+        return torch.randn(6, 5, 3, 4, generator=gen).to(device).requires_grad_()
+
     before = copy.deepcopy(layer.state_dict())
-    x = torch.randn(6, 5, 3, 4, device=device)
-    x[3, 2, 1, 1] = float("nan")
+    x = inputs().detach()
+    x[3, 2, 1, 1] = float("nan")  # channel 2: on programs of 2 channels, the second of three
     with pytest.raises(FloatingPointError, match="chi"):
         layer(x)
         layer.raise_if_nonfinite()
-    for key, value in layer.state_dict().items():
-        assert torch.equal(value, before[key]), f"{key} changed after a non-finite input"
+    left_as(before, "a non-finite input")
 
-    out = layer(torch.randn(6, 5, 3, 4, device=device, requires_grad=True))
+    out = layer(inputs())
+    assert int(layer.iters) == 7 and tickets.tolist() == [0, 0]  # a finite forward commits
     after_forward = copy.deepcopy(layer.state_dict())
-    grad = torch.randn_like(out)
-    grad[0, 4, 0, 0] = float("inf")
+    grad = torch.randn(out.shape, generator=gen).to(device)
+    grad[0, 4, 0, 0] = float("inf")  # channel 4: the last program, partial
     with pytest.raises(FloatingPointError, match="psi"):
         out.backward(grad)
         layer.raise_if_nonfinite()
-    for key in ("buffer_gz", "running_psi", "count_gz"):
-        assert torch.equal(layer.state_dict()[key], after_forward[key]), key
+    left_as(after_forward, "a non-finite gradient")
+
+    layer.loss_scale = torch.full((), 1024.0, device=device)  # an overflow that the scaler skips: no error
+    out = layer(inputs())
+    after_forward = copy.deepcopy(layer.state_dict())
+    out.backward(grad)
+    layer.raise_if_nonfinite()
+    left_as(after_forward, "an overflowing scaled gradient")
+    out = layer(inputs())
+    out.backward(torch.ones_like(out))
+    assert int(layer.count_gz) == 21, "a finite backward commits"
+
+
+def test_tickets_move_with_the_layer_and_stay_put_otherwise():
+    """The kernels' tickets, which a captured CUDA graph holds by address: kept by a dtype change, made anew (zero)
+    where the layer's tensors go, e.g. from the meta device by ``to_empty``."""
+    layer = MABN2d(3)
+    tickets = layer.tickets(torch.device("cpu"))
+    layer.to(torch.float64)
+    assert layer.tickets(torch.device("cpu")) is tickets
+    layer.to("meta")
+    assert layer._tickets.device.type == "meta"
+    layer.to_empty(device="cpu")
+    assert layer._tickets.tolist() == [0, 0] and layer._tickets.dtype == torch.int32
 
 
 @pytest.mark.parametrize("x_dtype", [torch.float16, torch.bfloat16], ids=["float16", "bfloat16"])

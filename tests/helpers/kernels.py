@@ -1,5 +1,5 @@
 """MABN2d's two paths, the torch-op steps and the one-launch Triton kernels (on the CPU through Triton's
-interpreter), chosen for every forward of a test."""
+interpreter), chosen for every forward of a test, and the kernels' grid."""
 
 from __future__ import annotations
 
@@ -21,3 +21,10 @@ def take(monkeypatch, kernels) -> None:
 def paths():
     """Both paths, as (name, kernels for _take)."""
     return (("torch ops", None), ("fused", kernels()))
+
+
+def programs_of(monkeypatch, max_block: int | None) -> None:
+    """Every launch from here on gives each program at most ``max_block`` channels (None: the kernels' own bound),
+    so that a layer of a few channels runs on a grid of several programs, as a wide layer does."""
+    if max_block is not None:
+        monkeypatch.setattr(kernels(), "MAX_BLOCK", max_block)

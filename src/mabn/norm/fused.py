@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import importlib
 import os
+from collections.abc import Callable
 from types import ModuleType
 
 import torch
@@ -32,42 +33,43 @@ def kernels_for(t: Tensor, name: str) -> ModuleType | None:
     return load(name) if t.is_cuda else None
 
 
-GRID = (1, 1, 1)  # every launch is one program
-
-
 class Launcher:
-    """``kernel[GRID](*args, **constexprs)``: one program, as the norms' statistic steps run (their channels are
-    few, and one program sees all of them before it commits anything). Later launches of a configuration seen
-    before go straight to its compiled kernel: Triton's per-call argument binding and specialization cost tens of
-    microseconds of host time, and a training step launches a few hundred of these kernels.
+    """``kernel[grid](*args, **constexprs)``, where ``grid(meta)`` gives the grid from the arguments by name (Triton's
+    convention). Later launches of a configuration seen before go straight to its compiled kernel, at the grid of its
+    first launch: Triton's per-call argument binding and specialization cost tens of microseconds of host time, and a
+    training step launches a few hundred of these kernels.
 
-    ``key`` must determine all that Triton specializes on: the arguments' dtypes, the integer arguments'
-    values, the pointers' 16-byte alignment, the constexprs (``key_of`` adds the device). The arguments are
-    passed to the compiled kernel in signature order, constexprs last, as Triton's own launch does.
-    MABN_TRITON_DIRECT=0 keeps Triton's path for every launch.
+    ``key`` must determine all that Triton specializes on and the grid: the arguments' dtypes, the integer
+    arguments' values, the pointers' 16-byte alignment, the constexprs (``key_of`` adds the device). The arguments
+    are passed to the compiled kernel in signature order, constexprs last, as Triton's own launch does; every
+    launch runs ``num_warps`` warps per program. MABN_TRITON_DIRECT=0 keeps Triton's path for every launch.
     """
 
-    def __init__(self, kernel) -> None:
+    def __init__(self, kernel, grid: Callable[[dict], tuple[int, ...]], num_warps: int) -> None:
         import triton
 
         self.kernel = kernel
+        self.grid = grid
+        self.num_warps = num_warps
         self.knobs = triton.knobs.runtime
-        self.compiled: dict[tuple, object] = {}
+        self.compiled: dict[tuple, tuple[object, tuple[int, int, int]]] = {}
         self.direct = os.environ.get("MABN_TRITON_DIRECT", "1") != "0" and not self.knobs.interpret
 
     def __call__(self, key: tuple, args: tuple, constexprs: dict) -> None:
-        compiled = self.compiled.get(key)
-        if compiled is None:
-            compiled = self.kernel[GRID](*args, **constexprs)
+        known = self.compiled.get(key)
+        if known is None:
+            grid = (*self.grid({**dict(zip(self.kernel.arg_names, args)), **constexprs}), 1, 1)[:3]
+            compiled = self.kernel[grid](*args, **constexprs, num_warps=self.num_warps)
             if self.direct:
-                self.compiled[key] = compiled
+                self.compiled[key] = compiled, grid
             return
+        compiled, grid = known
         stream = torch.cuda.current_stream().cuda_stream
         # Pointers as plain integers: the launcher then skips its per-pointer data_ptr() call and driver query.
         args = (*(a.data_ptr() if isinstance(a, Tensor) else a for a in args), *constexprs.values())
         compiled.run(
-            *GRID, stream, compiled.function, compiled.packed_metadata,
-            compiled.launch_metadata(GRID, stream, *args),
+            *grid, stream, compiled.function, compiled.packed_metadata,
+            compiled.launch_metadata(grid, stream, *args),
             self.knobs.launch_enter_hook, self.knobs.launch_exit_hook, *args,
         )  # fmt: skip
 
