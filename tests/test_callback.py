@@ -10,6 +10,7 @@ import pytorch_lightning as pl
 import torch
 from torch import nn
 
+import mabn.norm.managed
 from helpers.callback_task import POLICY, Tiny, loader
 from helpers.trainer import quiet_trainer
 from helpers.wandb_reader import history, offline_run, wandb_session
@@ -225,3 +226,64 @@ def test_callback_rule_switches_at_the_layers_own_forward_numbers(warmup, renorm
             assert torch.equal(driven.state_dict()[key], value), key
     moving, renormalizing = [s[0] for s in switched], [s[1] for s in switched]
     assert moving.index(True) == warmup - 1 and renormalizing.index(True) == max(renorm, warmup)
+
+
+# -- non-finite statistics in a fit ------------------------------------------------------------------------
+class NaNInput(Tiny):
+    """Tiny whose input is NaN at optimizer step ``nan_step``: the encoder's MABN2d meets a non-finite chi^2 (and
+    the head's, downstream). Counts its validation batches."""
+
+    nan_step = 3
+    validated = 0
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return super().training_step((x * float("nan") if self.global_step == self.nan_step else x, y), batch_idx)
+
+    def validation_step(self, batch, batch_idx):
+        self.validated += 1
+
+
+def _fit_into_nan(tmp_path, monkeypatch, at_once=False, **kwargs):
+    """A fit with a NaN input at step 3: the FloatingPointError's message and the optimizer steps done when it
+    came. ``at_once`` False: the CPU layers act as CUDA ones, their verdicts only in the device flags."""
+    if not at_once:
+        monkeypatch.setattr(mabn.norm.managed, "reads_at_once", lambda device: False)
+    trainer = quiet_trainer(tmp_path, **{"max_steps": 8, "limit_val_batches": 0, **kwargs})
+    model = NaNInput(norm_policy=POLICY)
+    with pytest.raises(FloatingPointError, match="MABN2d: non-finite batch statistic chi") as error:
+        trainer.fit(model, loader(64), loader(8))
+    return str(error.value), trainer.global_step, model
+
+
+@pytest.mark.parametrize("at_once", [True, False], ids=["cpu", "as-on-cuda"])
+def test_a_non_finite_statistic_stops_the_fit_naming_its_step_and_layer(tmp_path, monkeypatch, at_once):
+    """On the CPU the layer raises within step 3. Where the verdict stays on the device, MABNCallback reads it one
+    step late, before the update of step 4, and names step 3 and the first layer that met it."""
+    message, done, _ = _fit_into_nan(tmp_path, monkeypatch, at_once)
+    if at_once:
+        assert done == NaNInput.nan_step and "optimizer step" not in message
+    else:
+        assert done == NaNInput.nan_step + 1
+        assert message.endswith(f"(at optimizer step {NaNInput.nan_step}, layer model.encoder.1 and 1 more)"), message
+
+
+def test_a_non_finite_statistic_of_the_last_step_is_reported_at_the_end(tmp_path, monkeypatch):
+    message, done, _ = _fit_into_nan(tmp_path, monkeypatch, max_steps=NaNInput.nan_step + 1)
+    assert done == NaNInput.nan_step + 1  # every step ran: the fit's end read the last copy
+    assert f"at optimizer step {NaNInput.nan_step}," in message
+
+
+def test_weights_updated_with_a_non_finite_statistic_are_neither_saved_nor_validated(tmp_path, monkeypatch):
+    """Step 3's update takes its NaN gradient before the late read: the checkpoint after it is refused, and so is
+    a validation of those weights."""
+    every_step = pl.callbacks.ModelCheckpoint(tmp_path, filename="{step}", every_n_train_steps=1, save_top_k=-1)
+    message, _, _ = _fit_into_nan(tmp_path, monkeypatch, callbacks=[every_step], enable_checkpointing=True)
+    assert f"at optimizer step {NaNInput.nan_step}," in message
+    saved = sorted(int(p.stem.removeprefix("step=")) for p in tmp_path.glob("*.ckpt"))
+    assert saved == list(range(1, NaNInput.nan_step + 1))  # after steps 0 to 2: no NaN weights
+
+    validations = {"val_check_interval": 2, "limit_val_batches": 1, "num_sanity_val_steps": 0}
+    message, _, model = _fit_into_nan(tmp_path / "val", monkeypatch, **validations)
+    assert f"at optimizer step {NaNInput.nan_step}," in message
+    assert model.validated == 1  # after step 1; not after step 3

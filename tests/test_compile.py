@@ -1,8 +1,8 @@
 """torch.compile of training steps with MABN2d, BatchRenorm2d and CenConv2d: one graph, the eager numbers.
 
 The layers read nothing from the host inside a traced region (their non-finite verdicts stay in device flags,
-read by ``raise_if_any_nonfinite`` as MABNCallback does before each optimizer step), so a training step traces
-as one graph, and a compiled step computes what the eager one does: outputs, gradients and every buffer.
+read here by ``raise_if_any_nonfinite``, and in a fit by MABNCallback one optimizer step late), so a training step
+traces as one graph, and a compiled step computes what the eager one does: outputs, gradients and every buffer.
 """
 
 from __future__ import annotations

@@ -19,15 +19,18 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import pytorch_lightning as pl
 import torch
 import torch.distributed as dist
+from lightning_fabric.plugins.environments import SLURMEnvironment
 from lightning_fabric.plugins.environments.lightning import find_free_network_port
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
+import mabn.callbacks.requeue as requeue_module
 from helpers.ddp_task import Tiny, tiny_dataset
 from helpers.trainer import BARE, QUIET
 from mabn.callbacks import AgreedRequeue, FailFast, RandomStateCallback
@@ -133,7 +136,7 @@ def _worker(scenario: str, root: Path) -> None:
         log = root / "requeue.log"
         command = [sys.executable, "-c", f"import sys; open({str(log)!r}, 'a').write(sys.argv[1] + '\\n')"]
         probe = SignalProbe(root, at=(3, 1))  # rank 1 first, at batch 1; rank 0 at batch 3
-        callbacks = [AgreedRequeue(requeue_command=command), RandomStateCallback(), probe]
+        callbacks = [AgreedRequeue(every_n_batches=3, requeue_command=command), RandomStateCallback(), probe]
         _trainer(root, callbacks, max_steps=4).fit(Tiny(), _train_loader())
     elif scenario == "rank0-killed":
         _trainer(root, [FailFast(grace_s=5), KillRank0()], max_steps=8).fit(Tiny(), _train_loader())
@@ -236,31 +239,55 @@ data:
 def test_the_cli_guards_every_trainer_once(tmp_path):
     """Every trainer the CLI builds gets the guards; one the user configured is not added twice."""
     (tmp_path / "cfg.yaml").write_text(CLI_CONFIG)
-    mine = "{class_path: mabn.callbacks.FailFast, init_args: {grace_s: 5}}"
-    trainer = run_cli(["--config", str(tmp_path / "cfg.yaml"), "--trainer.callbacks+", mine], run=False).trainer
+    mine = ["{class_path: mabn.callbacks.FailFast, init_args: {grace_s: 5}}",
+            "{class_path: mabn.callbacks.AgreedRequeue, init_args: {every_n_batches: 20}}"]  # fmt: skip
+    args = ["--config", str(tmp_path / "cfg.yaml")] + [a for m in mine for a in ("--trainer.callbacks+", m)]
+    trainer = run_cli(args, run=False).trainer
     kinds = [type(c) for c in trainer.callbacks]
     assert kinds.count(FailFast) == kinds.count(AgreedRequeue) == kinds.count(RandomStateCallback) == 1
     assert next(c for c in trainer.callbacks if isinstance(c, FailFast)).grace_s == 5
+    assert next(c for c in trainer.callbacks if isinstance(c, AgreedRequeue)).every_n_batches == 20
 
 
 # --------------------------------------------------------------------------- SLURM's requeue signal
 @pytest.mark.slow  # two processes started as srun would, each importing the CLI: ~15 s
 def test_requeue_signal_saves_one_checkpoint_at_an_agreed_step_without_collectives_in_the_handler(tmp_path):
-    """SIGUSR1 reaches rank 1 at batch 1 and rank 0 at batch 3. Both take part in one checkpoint at the end
-    of batch 1 (global step 2), which holds both devices' random states and norm streams; the handlers call
-    no collective; rank 0 requeues the job once, and Lightning's hpc resume finds the file."""
+    """SIGUSR1 reaches rank 1 at batch 1 and rank 0 at batch 3. The processes agree every 3 batches: both take
+    part in one checkpoint at the end of batch 2 (global step 3), which holds both devices' random states and norm
+    streams; the handlers call no collective; rank 0 requeues the job once, and Lightning's hpc resume finds the
+    file."""
     results = _run_ranks("sigusr1", tmp_path, SLURM_LIKE)
     for r, (code, _, output) in enumerate(results):
         assert code == 0, (r, output[-3000:])
     probes = [json.loads((tmp_path / f"probe-rank{r}.json").read_text()) for r in range(WORLD)]
     for r, probe in enumerate(probes):
-        assert probe == {"in_handler": [], "saved_at": [2]}, r
+        assert probe == {"in_handler": [], "saved_at": [3]}, r
     assert sorted(p.name for p in tmp_path.glob("*.ckpt")) == ["hpc_ckpt_1.ckpt"]
     ckpt = torch.load(tmp_path / "hpc_ckpt_1.ckpt", weights_only=True)
-    assert ckpt["global_step"] == 2
+    assert ckpt["global_step"] == 3
     for key in (RNG_KEY, STREAMS_KEY):
         assert ckpt[key]["world_size"] == WORLD and len(ckpt[key]["ranks"]) == WORLD, key
     assert (tmp_path / "requeue.log").read_text() == f"{JOB_ID}\n"
+
+
+@pytest.mark.parametrize(("world", "agreed_after"), [(2, [3, 6, 9]), (1, list(range(1, 11)))])
+def test_requeue_agreement_comes_every_n_batches_across_epochs_and_at_every_batch_alone(
+    monkeypatch, world, agreed_after
+):
+    """Several processes agree (a collective, read on the host) after every 3rd batch of the fit, epochs of 4
+    batches notwithstanding; one process looks at its own flag after every batch."""
+    agreed = []  # the batches of the fit (1-based) after which the processes agreed
+    monkeypatch.setattr(requeue_module, "world_size", lambda: world)
+    monkeypatch.setattr(requeue_module, "any_device", lambda flag, device: agreed.append(batches) or flag)
+    slurm = SimpleNamespace(_accelerator_connector=SimpleNamespace(cluster_environment=SLURMEnvironment()))
+    callback, module = AgreedRequeue(every_n_batches=3), SimpleNamespace(device=torch.device("cpu"))
+    callback.setup(slurm, module, "fit")
+    try:
+        for batches in range(1, 11):
+            callback.on_train_batch_end(slurm, module, None, None, (batches - 1) % 4)
+    finally:
+        callback.teardown(slurm, module, "fit")
+    assert agreed == agreed_after
 
 
 # ------------------------------------------------------------------------------ validation, unpadded

@@ -81,7 +81,7 @@ def test_overflowing_backward_is_left_to_the_scaler(path, device, monkeypatch):
             psi_before = {k: v.clone() for k, v in layer.state_dict().items() if k in ("buffer_gz", "count_gz")}
             grad_out[1, 2, 0, 0] = float("inf")
             out, gx, _, _ = train_step(layer, x, grad_out * 1024.0)
-            layer.raise_if_nonfinite()  # nothing left for MABNCallback or the next forward to raise
+            layer.raise_if_nonfinite()  # nothing left for MABNCallback to raise
             assert not torch.isfinite(gx).all(), "the scaler must see the overflow in the gradients"
             for key, value in psi_before.items():
                 assert torch.equal(layer.state_dict()[key], value), f"{key} changed by the overflowing backward"

@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from mabn import BatchRenorm2d, MABN2d
+from mabn.norm import managed
 
 pytestmark = pytest.mark.gpu
 
@@ -120,6 +121,26 @@ def test_non_finite_gradient_raises_and_leaves_state(name, device):
     for key in ("buffer_gz", "running_psi", "count_gz"):
         assert torch.equal(layer.state_dict()[key], after_forward[key]), key
         assert torch.equal(layer.state_dict()[key], before[key]), key
+
+
+@pytest.mark.parametrize("name", ["mabn", "brn_ghost"])
+def test_a_deferred_verdict_waits_in_the_flags_for_its_reader(name, device, monkeypatch):
+    """Where the verdict is not read at once (CUDA; here the CPU acting as it), a training step reads nothing on the
+    host: a non-finite batch raises nothing, neither does the next forward, and the flags keep the verdict until
+    ``raise_if_nonfinite`` reports it, once."""
+    monkeypatch.setattr(managed, "reads_at_once", lambda device: False)
+    layer = LAYERS[name]().to(device)
+    for x, g in _stream(3):
+        _train_step(layer, x, g)
+    before = copy.deepcopy(layer.state_dict())
+    layer(torch.full((6, 3, 4, 5), float("nan"), device=device))
+    assert layer.nonfinite_flags(torch.device(device)).tolist()[0]
+    for key, value in layer.state_dict().items():
+        assert torch.equal(value, before[key]), key
+    _train_step(layer, *next(_stream(1, seed=2)))  # a good batch: the layer does not look at the flags
+    with pytest.raises(FloatingPointError, match="non-finite"):
+        layer.raise_if_nonfinite()
+    layer.raise_if_nonfinite()  # reported: the flags are clear
 
 
 def test_eval_accepts_any_batch_and_changes_nothing():

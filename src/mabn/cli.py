@@ -18,7 +18,9 @@ For ``fit``:
 - every trainer gets ``RandomStateCallback`` (exact resume needs the generators' states), ``FailFast`` (a
   failing DDP process stops every process, naming its error), ``AgreedRequeue`` (SLURM's requeue
   checkpoint at a step every process agrees on) and ``OutOfMemoryReport`` (CUDA out of memory in a training
-  step is one line naming the per-device batch, the crop or image size, and what to lower).
+  step is one line naming the per-device batch, the crop or image size, and what to lower), with their default
+  settings unless ``trainer.callbacks`` lists one of them with its own, e.g.
+  ``--trainer.callbacks+ "{class_path: mabn.callbacks.AgreedRequeue, init_args: {every_n_batches: 20}}"``.
 """
 
 from __future__ import annotations

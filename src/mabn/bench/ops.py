@@ -16,8 +16,7 @@ MABN2d runs on its Triton path (row ``mabn``), the one a CUDA tensor takes, and 
 torch ops``: the CPU's, the one for ``sync_stats`` and ``MABN_FUSED=0``, and the definition that torch.compile
 fuses). For CPU tensors the Triton path is selected as for a CUDA tensor, and each launch is replaced by the host
 work of the direct launch short of the launch itself (its arguments packed), so that nothing needs a GPU: the
-counts are the CUDA path's except for the one ``copy_`` of the non-finite flags to host memory that a training
-forward on CUDA adds, and the host time leaves out the launch calls.
+counts are the CUDA path's, and the host time leaves out the launch calls.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """MABNCallback: the phase policy of MABN2d/BatchRenorm2d per module group, stream resets, statistics logging,
-the loss scale and the non-finite check before each optimizer step.
+the loss scale and the non-finite check, one optimizer step late.
 
 The official layer keeps its own forward counter, which breaks in known ways: fine-tuning from a checkpoint
 with a large counter skips warm-up, and the paper keeps the heads on batch statistics for their first
@@ -10,6 +10,14 @@ the streams when a fit starts from a pre-trained backbone, and logs the batch st
 Under a loss scaler (``precision="16-mixed"``) the callback hands the scale of every backward to the MABN2d
 layers (``MABN2d.loss_scale``), so psi's moving average stays in the loss's units when the scaler changes the
 scale, and an overflowing backward is skipped by the scaler as with any other layer rather than refused.
+
+On CUDA the layers keep their non-finite verdicts in device flags (``mabn.norm.managed``): reading them at every
+step would stall the GPU. At each optimizer step the callback raises what the previous step's copy of every
+layer's flags holds, then starts the copy of this step's (``LateNonfiniteCheck``), so the host never waits for the
+device. A non-finite statistic of step s thus stops the fit at step s + 1, before that step's update: the update of
+step s may have taken its NaN gradient, which is why the pending copy is also read before a checkpoint is saved,
+before validation and at the end of training, so that no NaN weights are validated or saved and a NaN of the last
+step is not lost.
 
 The layers' state on several devices is PerDeviceStreams' (``mabn.callbacks.streams``); ``norm_callbacks``
 gives a model both.
@@ -26,7 +34,7 @@ from torch import Tensor, nn
 
 from ..models import logged_norms
 from ..norm import MABN2d
-from ..norm.managed import ManagedNorm, managed_norms, raise_if_any_nonfinite
+from ..norm.managed import LateNonfiniteCheck, ManagedNorm, managed_norms
 from .policy import NormPolicy, PhaseRule
 from .streams import PerDeviceStreams
 from .syncbn import SyncBatchNormCheck, has_sync_batchnorm
@@ -45,6 +53,7 @@ class MABNCallback(pl.Callback):
         self._step, self._log_now, self._graphed = 0, False, False
         self._scaler: torch.amp.GradScaler | None = None  # the fit's loss scaler, and its scale on the device
         self._loss_scale: Tensor | None = None
+        self._nonfinite = LateNonfiniteCheck({})
 
     # -- setup -------------------------------------------------------------------------------------
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -63,6 +72,7 @@ class MABNCallback(pl.Callback):
             )
         logged = self.policy.log_layers
         self._logging = logged if logged is not None else logged_norms(list(self._layers))
+        self._nonfinite = LateNonfiniteCheck(self._layers)
         missing = [n for n in self._logging if n not in self._layers]
         if missing:
             raise ValueError(f"MABNCallback: log_layers {missing} are not MABN2d/BatchRenorm2d layers of the model")
@@ -119,9 +129,8 @@ class MABNCallback(pl.Callback):
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
     ) -> None:
-        # On CUDA the layers report non-finite statistics late (reading them at once would stall the GPU at
-        # every layer): collect the verdicts here, before a NaN gradient can reach the weights.
-        raise_if_any_nonfinite(self._layers.values())
+        # After the backward, so the copy holds every verdict of this step's forwards and backwards.
+        self._nonfinite.step(trainer.global_step)
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, idx: int
@@ -136,7 +145,18 @@ class MABNCallback(pl.Callback):
             for logger in trainer.loggers:
                 logger.log_metrics(metrics, step=self._step)  # the step the statistics were taken at
 
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._nonfinite.check()
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._nonfinite.check()
+
     # -- checkpoint --------------------------------------------------------------------------------
+    def on_save_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        self._nonfinite.check()  # before the file is written: weights that took a NaN gradient are not saved
+
     def state_dict(self) -> dict[str, Any]:
         return {"resets": list(self.resets), "groups": self.policy.as_dict()["groups"]}
 

@@ -6,6 +6,12 @@ from every device), and the handler runs wherever each process happens to be whe
 gradient all-reduce on one device, between two steps on another. The collectives then pair up wrongly or
 wait forever. This handler only records the request; every ``every_n_batches`` training batches all
 processes agree, by one all-reduce, whether any of them got it, and then save and requeue together.
+
+The host reads the all-reduce's result, so it waits there until the device has run the step: at every batch that
+would keep the host from running ahead of the GPU. The agreement therefore comes every 50 batches by default, and a
+signal is acted on up to ``every_n_batches - 1`` batches after the one it arrived in: the checkpoint is written that
+many steps later, out of SLURM's lead time (``--signal=SIGUSR1@120`` in scripts/slurm/train.sbatch). A single
+process reads its own flag at the end of every batch: no collective, no wait.
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ from typing import Any
 import pytorch_lightning as pl
 from lightning_fabric.plugins.environments import SLURMEnvironment
 
-from ..process import any_device
+from ..process import any_device, world_size
 
 log = logging.getLogger(__name__)
 
@@ -53,11 +59,11 @@ def requeue(command: Sequence[str], job_id: str) -> None:
 class AgreedRequeue(pl.Callback):
     """Replaces Lightning's SLURM auto-requeue handler (fit under ``SLURMEnvironment`` with
     ``auto_requeue``) by one that saves ``hpc_ckpt_N.ckpt`` in ``default_root_dir``, where Lightning's own
-    resume looks. The processes check for a pending signal at the end of every ``every_n_batches``-th
-    training batch; after the save global rank 0 runs ``requeue_command JOB_ID``. Once per fit: SLURM ends
-    the job soon after."""
+    resume looks. Several processes check for a pending signal at the end of every ``every_n_batches``-th
+    training batch, one process at the end of every batch; after the save global rank 0 runs
+    ``requeue_command JOB_ID``. Once per fit: SLURM ends the job soon after."""
 
-    def __init__(self, every_n_batches: int = 1, requeue_command: Sequence[str] = ("scontrol", "requeue")) -> None:
+    def __init__(self, every_n_batches: int = 50, requeue_command: Sequence[str] = ("scontrol", "requeue")) -> None:
         if every_n_batches < 1:
             raise ValueError(f"every_n_batches must be at least 1, got {every_n_batches}")
         self.every_n_batches = every_n_batches
@@ -66,6 +72,7 @@ class AgreedRequeue(pl.Callback):
         self._previous: Any = None
         self._requested = False
         self._done = False
+        self._batches = 0  # training batches ended in this fit, across epochs (one may hold fewer than n)
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         environment = trainer._accelerator_connector.cluster_environment  # what Lightning's handler consults
@@ -78,6 +85,7 @@ class AgreedRequeue(pl.Callback):
         self._signum = environment.requeue_signal
         self._previous = signal.signal(self._signum, self._record)
         self._requested = self._done = False
+        self._batches = 0
 
     def _record(self, signum: int, frame: FrameType | None) -> None:
         # Nothing else: the main thread may be inside a collective or holding any lock.
@@ -86,8 +94,11 @@ class AgreedRequeue(pl.Callback):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
+        if self._signum is None or self._done:
+            return
         # Every process runs the same training batches, so all reach this collective together.
-        if self._signum is None or self._done or (batch_idx + 1) % self.every_n_batches:
+        self._batches += 1
+        if world_size() > 1 and self._batches % self.every_n_batches:
             return
         if not any_device(self._requested, pl_module.device):
             return

@@ -173,7 +173,6 @@ class BatchRenorm2d(ManagedNorm):
         n, _, h, w = x.shape
         b, sdt = n // groups, stat_dtype(x)
         synced = self.sync_stats and sync_group()
-        host = self._begin_training_forward(x)
         with torch.no_grad():
             if synced:
                 mu, var = _moments_across_devices(x, groups)
@@ -208,7 +207,6 @@ class BatchRenorm2d(ManagedNorm):
             for running, batch in ((self.running_mean, mu), (self.running_std, sigma)):
                 updated = running.lerp(batch.mean(0).to(running.dtype), 1.0 - self.momentum)
                 running.copy_(torch.where(ok, updated, running))
-        self._end_training_forward(x, host)
 
         if synced:
             return _SyncBRNFunction.apply(x, self.weight, self.bias, mu, var, r, d, self.eps)

@@ -1,12 +1,13 @@
 """What MABN2d and BatchRenorm2d share as layers that MABNCallback manages: a phase policy that also lives on the
 device, statistics logging, and non-finite statistics reported without stalling a GPU.
 
-Both layers refuse to store a non-finite statistic (one NaN would poison their moving averages for good). On
-the CPU the verdict is read at once and the step raises. On CUDA reading it would stall the GPU at every layer,
-so it is kept in sticky device flags, which each training forward copies to host memory without waiting: the
-next training forward raises; so do ``raise_if_nonfinite`` and MABNCallback before every optimizer step. While
-a CUDA graph is captured, and inside a region that ``torch.compile`` traces (on any device), nothing may read the
-device from the host: the verdicts stay in the flags and MABNCallback's check before the optimizer step remains.
+Both layers refuse to store a non-finite statistic (one NaN would poison their moving averages for good). Where
+``reads_at_once`` holds (the CPU, outside ``torch.compile``) the verdict is read at once and the step raises. On
+CUDA reading it would stall the GPU at every layer, and while a CUDA graph is captured or ``torch.compile`` traces
+nothing may read the device from the host: there the verdict stays in the layer's sticky device flags, and the
+layer reads nothing on the host. MABNCallback reports them one optimizer step late (``LateNonfiniteCheck``: a
+copy of every layer's flags into pinned host memory, read at the next step, when the GPU has long finished it); a
+training loop without the callback calls ``raise_if_nonfinite`` or ``raise_if_any_nonfinite`` itself.
 
 The flags and the policy's device copy exist from construction and move with the layer (``_apply``): a compiled
 forward reads and updates them in place, where creating them would make them outputs of the traced graph.
@@ -14,12 +15,19 @@ forward reads and updates them in place, where creating them would make them out
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 
 import torch
 from torch import Tensor, nn
 
 from ._checks import nonfinite_error
+
+
+def reads_at_once(device: torch.device) -> bool:
+    """Whether a layer on ``device`` reads a non-finite verdict on the host in the step that met it: on the CPU,
+    where the read costs nothing, but not inside a region that ``torch.compile`` traces (no host read there). On
+    CUDA it would stall the GPU at every layer: the verdict stays in the layer's device flags."""
+    return device.type == "cpu" and not torch.compiler.is_compiling()
 
 
 def _static(t: Tensor) -> Tensor:
@@ -54,10 +62,11 @@ class ManagedNorm(nn.Module):
         # When set, each training step leaves its per-channel statistics in last_stats (for logging).
         self.track_stats = False
         self.last_stats: dict[str, Tensor] | None = None
-        # Non-finite statistics met (see _check); on CUDA also their copy in host memory and the copy's event.
+        # Non-finite statistics met and not yet reported (see _check).
         self._flags = self._new_flags("cpu")
-        self._host_flags: Tensor | None = None
-        self._copied: torch.cuda.Event | None = None
+        # The tickets with which the programs of a Triton statistic kernel agree on its verdict, per direction
+        # (mabn_kernels): zero between launches.
+        self._tickets = self._new_tickets("cpu")
 
     # -- the callback's policy -------------------------------------------------------------------------
     @property
@@ -100,6 +109,12 @@ class ManagedNorm(nn.Module):
             self._flags = self._new_flags(device)
         return self._flags
 
+    def tickets(self, device: torch.device) -> Tensor:
+        """(len(NONFINITE),) int32 on ``device``, zero between launches: a statistic kernel's tickets."""
+        if not _holds(self._tickets, device):
+            self._tickets = self._new_tickets(device)
+        return self._tickets
+
     def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> ManagedNorm:
         """``Module.to``, ``cuda``, ``to_empty``...: on another device, new flags there, as ``policy_flags`` and
         ``nonfinite_flags`` make them (the policy kept, no verdict); on the same device the same flags (a captured
@@ -108,6 +123,7 @@ class ManagedNorm(nn.Module):
         device = fn(self._flags).device
         if device != self._flags.device:
             self._policy_flags, self._flags = self._new_policy_flags(device), self._new_flags(device)
+            self._tickets = self._new_tickets(device)
         return self
 
     def _new_policy_flags(self, device: torch.device | str) -> Tensor:
@@ -116,48 +132,33 @@ class ManagedNorm(nn.Module):
     def _new_flags(self, device: torch.device | str) -> Tensor:
         return _static(torch.zeros(len(self.NONFINITE), dtype=torch.bool, device=device))
 
+    def _new_tickets(self, device: torch.device | str) -> Tensor:
+        return _static(torch.zeros(len(self.NONFINITE), dtype=torch.int32, device=device))
+
     def _check(self, ok: Tensor | None, direction: int, device: torch.device) -> None:
         """Record a statistic step's verdict: ``ok`` (a bool tensor), or None where a kernel wrote it into the
         flags already. The caller leaves every buffer unchanged when it is false."""
-        read_now = device.type == "cpu" and not torch.compiler.is_compiling()
+        at_once = reads_at_once(device)
         if ok is None:  # a kernel's verdict, already in the flags
-            if read_now:  # a kernel run on CPU tensors (Triton's interpreter, in tests)
+            if at_once:  # a kernel run on CPU tensors (Triton's interpreter, in tests)
                 self._raise(self.nonfinite_flags(device).tolist())
-        elif read_now:
+        elif at_once:
             if not bool(ok):
                 self._raise([i == direction for i in range(len(self.NONFINITE))])
         else:
             self.nonfinite_flags(device)[direction : direction + 1].logical_or_(ok.logical_not())
 
-    def _begin_training_forward(self, x: Tensor) -> bool:
-        """Raise what the previous training forward's copied flags hold (waits for that copy only); returns
-        whether this forward may touch the host (False while a CUDA graph is captured or torch.compile traces)."""
-        host = not (torch.compiler.is_compiling() or (x.is_cuda and torch.cuda.is_current_stream_capturing()))
-        if host and self._host_flags is not None:
-            self._copied.synchronize()
-            self._raise(self._host_flags.tolist())
-        return host
-
-    def _end_training_forward(self, x: Tensor, host: bool) -> None:
-        """On CUDA, start copying the flags to host memory, to be read by the next training forward."""
-        if not (x.is_cuda and host):
-            return
-        if self._host_flags is None:
-            self._host_flags = torch.zeros(len(self.NONFINITE), dtype=torch.bool, pin_memory=True)
-            self._copied = torch.cuda.Event()
-        self._host_flags.copy_(self.nonfinite_flags(x.device), non_blocking=True)
-        self._copied.record()
-
     def raise_if_nonfinite(self) -> None:
         """Raise if a step since the last report met a non-finite statistic (on CUDA: waits for the device)."""
         self._raise(self._flags.tolist())
 
-    def _raise(self, flags: list[bool]) -> None:
+    def _raise(self, flags: list[bool], where: str = "") -> None:
+        """Raise the error of the first direction set in ``flags``, after clearing the layer's flags (a verdict is
+        reported once); ``where`` ends the message."""
         if any(flags):
             self._flags.zero_()
-            if self._host_flags is not None:
-                self._host_flags.zero_()
-            raise nonfinite_error(type(self).__name__, self.NONFINITE[flags.index(True)])
+            error = nonfinite_error(type(self).__name__, self.NONFINITE[flags.index(True)])
+            raise FloatingPointError(f"{error}{where}")
 
     # -- what the callbacks read -----------------------------------------------------------------------
     # The exponential moving averages that inference uses: under DDP the devices' mean replaces them for
@@ -176,11 +177,60 @@ class ManagedNorm(nn.Module):
 
 
 def raise_if_any_nonfinite(layers: Iterable[ManagedNorm]) -> None:
-    """``raise_if_nonfinite`` of every layer, with one read of the device for all of them."""
+    """``raise_if_nonfinite`` of every layer, with one read of the device for all of them (which waits for it)."""
     layers = list(layers)
     if layers and bool(torch.cat([layer._flags for layer in layers]).any()):
         for layer in layers:
             layer.raise_if_nonfinite()
+
+
+class LateNonfiniteCheck:
+    """The non-finite flags of ``layers`` (by name), read one optimizer step late so that the host never waits for
+    the device: ``step(n)``, after the backward of optimizer step ``n``, raises what the previous call's copy
+    holds, then copies every layer's flags (one gather) into host memory, pinned on CUDA, without waiting;
+    ``check()`` raises what the last copy holds at once. The error names the step whose forward or backward met
+    the statistic and the first layer (in module order) that met it. MABNCallback runs one."""
+
+    def __init__(self, layers: Mapping[str, ManagedNorm]) -> None:
+        self._layers = list(layers.items())
+        self._host: Tensor | None = None  # the last copy
+        self._copied: torch.cuda.Event | None = None  # where the device finished it (CUDA)
+        self._step: int | None = None  # the optimizer step the last copy followed; None once it is read
+
+    def step(self, n: int) -> None:
+        """Raise what the previous copy holds, then start copying the flags as optimizer step ``n`` leaves them."""
+        self.check()
+        if not self._layers:
+            return
+        flags = torch.cat([layer._flags for _, layer in self._layers])
+        if self._host is None:  # at the first step, not at construction: only then are the layers on their device
+            self._host = torch.empty(flags.shape, dtype=flags.dtype, pin_memory=flags.is_cuda)
+            self._copied = torch.cuda.Event() if flags.is_cuda else None
+        self._host.copy_(flags, non_blocking=True)
+        if self._copied is not None:
+            self._copied.record()
+        self._step = n
+
+    def check(self) -> None:
+        """Raise what the last copy holds; waits for the device to finish that copy only."""
+        if self._step is None:
+            return
+        step, self._step = self._step, None
+        if self._copied is not None:
+            self._copied.synchronize()
+        flags = self._host.tolist()
+        if not any(flags):
+            return
+        met, start = [], 0
+        for name, layer in self._layers:  # each layer's share of the copy, in module order
+            own = flags[start : start + len(layer.NONFINITE)]
+            start += len(own)
+            if any(own):
+                met.append((name, layer, own))
+            layer._flags.zero_()  # the error below reports every verdict of the copy
+        name, layer, own = met[0]
+        more = f" and {len(met) - 1} more" if len(met) > 1 else ""
+        layer._raise(own, f" (at optimizer step {step}, layer {name}{more})")
 
 
 def managed_norms(module: nn.Module) -> dict[str, ManagedNorm]:
