@@ -40,25 +40,69 @@ def device() -> torch.device:
 
 
 class GraphStandIn:
-    """``torch.cuda.make_graphed_callables`` as a CPU can act it out: ``num_warmup_iters`` real training forwards
-    and backwards (gradients by autograd.grad, none accumulated), then the model's forward replaced by a
-    "replay" that runs the eager forward. Records the shapes it captured and replayed, over all models."""
+    """``torch.cuda.make_graphed_callables`` as a CPU can act it out, with what torch's does to memory:
+
+    - ``num_warmup_iters`` real training forwards and backwards (gradients by autograd.grad, none accumulated)
+      whose output gradients are NaN, as torch's ``torch.empty_like`` ones may read;
+    - then the model's forward replaced by a "replay", an autograd Function over (input, *parameters) as torch's
+      ``Graphed``: its forward copies the input into a static tensor and runs the eager forward, and returns
+      detached views of static output buffers; its backward returns detached views of static gradient buffers,
+      which autograd may adopt as ``.grad``;
+    - each replay first fills the static gradient buffers with NaN: in torch the forward graph's temporaries may
+      share their memory in the graphs' pool, and the backward graph rewrites them. A gradient kept in one across
+      a replay is corrupted, as on a GPU.
+
+    Records the shapes it captured and replayed, over all models."""
 
     def __init__(self) -> None:
         self.captured: list[tuple[int, ...]] = []
         self.replayed: list[tuple[int, ...]] = []
 
-    def __call__(self, model, sample_args, num_warmup_iters, allow_unused_input):
-        params = [p for p in model.parameters() if p.requires_grad]
+    def __call__(self, model, sample_args, num_warmup_iters, allow_unused_input, **options):
+        leaves = torch.utils._pytree.tree_leaves
+        params = tuple(model.parameters())
+        trainable = [p for p in params if p.requires_grad]
         for _ in range(num_warmup_iters):
-            outs = torch.utils._pytree.tree_leaves(model(*sample_args))
-            torch.autograd.grad(outs, params, [torch.ones_like(o) for o in outs], allow_unused=allow_unused_input)
+            outs = [o for o in leaves(model(*sample_args)) if o.requires_grad]
+            nan = [torch.full_like(o, float("nan")) for o in outs]
+            torch.autograd.grad(outs, trainable, nan, allow_unused=allow_unused_input)
         self.captured.append(tuple(sample_args[0].shape))
-        eager = model.forward
+        eager, stand_in = model.forward, self
+        static_input = sample_args[0].clone()
+        static: dict[str, object] = {}  # outputs, their tree spec, gradient buffers: made by the first replay
+
+        class Replay(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, x, *inputs):
+                static_input.copy_(x)
+                for buf in static.get("grads", ()):
+                    if buf is not None:
+                        buf.fill_(float("nan"))
+                with torch.enable_grad():
+                    flat, spec = torch.utils._pytree.tree_flatten(eager(static_input))
+                if "outputs" not in static:
+                    static.update(outputs=[torch.empty_like(o) for o in flat], spec=spec)
+                for buf, o in zip(static["outputs"], flat):
+                    buf.copy_(o.detach())
+                ctx.flat = flat
+                return tuple(o.detach() for o in static["outputs"])
+
+            @staticmethod
+            @torch.autograd.function.once_differentiable
+            def backward(ctx, *grads):
+                grads_in = torch.autograd.grad(ctx.flat, trainable, grads, allow_unused=True)
+                by_param = dict(zip(map(id, trainable), grads_in))
+                if "grads" not in static:
+                    static["grads"] = [None if by_param.get(id(p)) is None else torch.empty_like(p) for p in params]
+                for buf, p in zip(static["grads"], params):
+                    if buf is not None:
+                        buf.copy_(by_param[id(p)])
+                return (None, *(None if buf is None else buf.detach() for buf in static["grads"]))
 
         def replay(x):
-            self.replayed.append(tuple(x.shape))
-            return eager(x)
+            stand_in.replayed.append(tuple(x.shape))
+            out = Replay.apply(x, *params)
+            return torch.utils._pytree.tree_unflatten(list(out), static["spec"])
 
         model.forward = replay
         return model
@@ -66,8 +110,11 @@ class GraphStandIn:
 
 @pytest.fixture
 def graph_stand_in(monkeypatch) -> GraphStandIn:
-    """CUDA-graph capture on the CPU: the GPU checks pass and a ``GraphStandIn`` replaces torch's capture."""
+    """CUDA-graph capture on the CPU: the GPU checks pass, a ``GraphStandIn`` replaces torch's capture, and the
+    managed norms keep their non-finite verdicts in their flags as on a GPU (``reads_at_once``), where the
+    warm-ups' NaN gradients would otherwise raise at once."""
     import mabn.cudagraph
+    import mabn.norm.managed
     import mabn.tasks.base
 
     def no_check(model, device):
@@ -75,6 +122,7 @@ def graph_stand_in(monkeypatch) -> GraphStandIn:
 
     monkeypatch.setattr(mabn.cudagraph, "check_capturable", no_check)
     monkeypatch.setattr(mabn.tasks.base, "check_capturable", no_check)
+    monkeypatch.setattr(mabn.norm.managed, "reads_at_once", lambda device: False)
     stand_in = GraphStandIn()
     monkeypatch.setattr(torch.cuda, "make_graphed_callables", stand_in)
     return stand_in

@@ -143,6 +143,7 @@ def _fit(
     steps: int = 8,
     precision: str = "32-true",
     task: GraphTask | None = None,
+    accumulate: int = 1,
 ) -> tuple[GraphTask, list[dict]]:
     torch.manual_seed(0)
     task = task or GraphTask(cuda_graph, POLICY)
@@ -152,22 +153,79 @@ def _fit(
     # Not deterministic=True: CUDA's adaptive pooling backward has no deterministic implementation.
     trainer = quiet_trainer(
         tmp_path, accelerator=accelerator, devices=1, max_steps=steps, logger=logger, log_every_n_steps=50,
-        deterministic=False, precision=precision,
+        deterministic=False, precision=precision, accumulate_grad_batches=accumulate,
     )  # fmt: skip
     trainer.fit(task, DataLoader(data, batch_size=4, drop_last=True))
     rows = [r for r in csv.DictReader(open(Path(logger.log_dir) / "metrics.csv")) if r.get("norm/model.1/chi2_batch")]
     return task, rows
 
 
+def _flags_set(model: nn.Module) -> list[str]:
+    return [
+        name for name, m in model.named_modules() if isinstance(m, (MABN2d, BatchRenorm2d)) and bool(m._flags.any())
+    ]
+
+
 def test_graphed_fit_on_cpu_captures_once_and_trains_as_eagerly(tmp_path, graph_stand_in):
-    """The Trainer plumbing with the stand-in capture (whose "replays" are eager forwards): one capture, at the
-    first training batch; the warm-ups leave no trace, so training ends exactly where eager training does."""
+    """The Trainer plumbing with the stand-in capture: one capture, at the first training batch, whose warm-ups
+    backpropagate NaN gradients (torch's uninitialised ones) through MABN2d; they leave no trace, neither in the
+    buffers nor in the non-finite flags, so training ends exactly where eager training does."""
     (eager, eager_rows), (graphed, graphed_rows) = (_fit(tmp_path, g, "cpu") for g in (False, True))
     assert graph_stand_in.captured == [(4, 3, 8, 8)] and graph_stand_in.replayed == [(4, 3, 8, 8)] * 8
     assert graphed_rows == eager_rows and len(eager_rows) == 4
+    assert _flags_set(graphed.model) == []
     expected = eager.model.state_dict()
     for key, value in graphed.model.state_dict().items():
         assert torch.equal(value, expected[key]), key
+
+
+def test_capture_clears_the_flags_its_warmups_set(graph_stand_in):
+    """The warm-ups' NaN gradients make MABN2d's backward flag a non-finite psi; the capture clears what they set,
+    and the next optimizer step's check finds nothing."""
+    net = small_net("mabn")
+    net[1].policy = (False, False)
+    cudagraph.graph_training_forward(net, torch.randn(4, 3, 6, 6), warmup_iters=2)
+    assert _flags_set(net) == []
+    net(torch.randn(4, 3, 6, 6)).sum().backward()
+    net[1].raise_if_nonfinite()
+
+
+def test_graphed_fit_with_gradient_accumulation_equals_eager_fit(tmp_path, graph_stand_in):
+    """accumulate_grad_batches: 2 under CUDA graphs sums the two micro-batches' gradients exactly: a gradient that
+    stayed in the graphs' static buffer would be overwritten by the next replay (the stand-in, as torch, hands the
+    buffers out). Float64, so that only a wrong gradient can differ."""
+    fits = {g: _fit(tmp_path / str(g), g, "cpu", steps=4, precision="64-true", accumulate=2) for g in (False, True)}
+    (eager, eager_rows), (graphed, graphed_rows) = fits[False], fits[True]
+    assert graph_stand_in.replayed == [(4, 3, 8, 8)] * 8  # two micro-batches per optimizer step
+    assert graphed_rows == eager_rows
+    expected = eager.model.state_dict()
+    for key, value in graphed.model.state_dict().items():
+        torch.testing.assert_close(value, expected[key], rtol=1e-12, atol=1e-12, msg=key)
+
+
+@pytest.mark.parametrize("loop", ["accumulate 3", "zero_grad(set_to_none=False)"])
+def test_graphed_plain_loop_keeping_gradients_equals_eager(loop, graph_stand_in):
+    """A user's loop over a graphed model that keeps gradients between backward passes, by accumulating them or by
+    zeroing them in place, trains the eager loop's weights (float64)."""
+    torch.manual_seed(0)
+    eager = small_net("mabn").double()
+    eager[-2].p = 0.0  # no dropout: the two loops draw their randomness at different times
+    graphed = copy.deepcopy(eager)
+    gen = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(4, 3, 6, 6, generator=gen, dtype=torch.float64), torch.randint(0, 3, (4,), generator=gen))
+               for _ in range(6)]  # fmt: skip
+    cudagraph.graph_training_forward(graphed, batches[0][0])
+    micro = 3 if loop == "accumulate 3" else 1
+    for net in (eager, graphed):
+        opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
+        for t, (x, y) in enumerate(batches):
+            F.cross_entropy(net(x), y).backward()
+            if (t + 1) % micro == 0:
+                opt.step()
+                opt.zero_grad(set_to_none=micro > 1)
+    expected = eager.state_dict()
+    for key, value in graphed.state_dict().items():
+        torch.testing.assert_close(value, expected[key], rtol=1e-12, atol=1e-12, msg=key)
 
 
 def test_task_with_cuda_graph_on_cpu_fails_before_training(tmp_path):
@@ -357,3 +415,13 @@ def test_graphed_fit_equals_eager_fit(tmp_path, precision, rtol):
     expected = eager.model.state_dict()
     for key, value in graphed.model.state_dict().items():
         torch.testing.assert_close(value, expected[key], rtol=rtol, atol=1e-6, msg=key)
+
+
+@pytest.mark.parametrize("stage", ["pretrain", "cityscapes"])
+def test_stage_configs_let_cudnn_pick_its_algorithms_once(stage):
+    """Every training crop of a stage has one size, so cuDNN's benchmark picks each convolution's fastest
+    algorithm once; the validation's sliding windows have the crop's size too."""
+    import yaml
+
+    config = yaml.safe_load((Path(__file__).parents[1] / "configs" / f"{stage}.yaml").read_text())
+    assert config["trainer"]["benchmark"] is True

@@ -13,8 +13,17 @@ from the host during its forward or backward, and its training inputs must keep 
 - the capture's warm-up iterations leave every buffer as it was (MABN's streams, BN's running statistics),
   and the random state too;
 - MABN2d and BatchRenorm2d follow MABNCallback's policy through a device tensor the callback updates in
-  place, and their non-finite checks are the callback's, before each optimizer step; the logged layers'
-  statistics are the captured tensors, which every replay refreshes.
+  place, and MABNCallback reads their non-finite flags one optimizer step late, from a copy in pinned
+  host memory; the logged layers' statistics are the captured tensors, which every replay refreshes;
+- torch warms the callables up by backpropagating uninitialised gradients (``torch.empty_like``): the managed
+  norms' non-finite flags, which such garbage may set, are cleared with the buffers after capture.
+
+The gradients a graphed backward hands to autograd are detached views of the graphs' static buffers: a parameter
+whose ``.grad`` is None adopts the buffer itself, and the next replay overwrites it (the forward graph's
+temporaries may share its memory in the graphs' pool, and the backward graph writes it). A gradient still held
+when the next replay starts (gradient accumulation, ``zero_grad(set_to_none=False)``) is therefore moved out of
+the buffer first (``_GraphGradients``), so that accumulation sums the micro-batches exactly; NormTask drops the
+held buffers after each optimizer step, which has used them, so the usual step copies nothing.
 """
 
 from __future__ import annotations
@@ -26,6 +35,7 @@ import torch
 from torch import Tensor, nn
 
 from .norm import BatchRenorm2d, MABN2d
+from .norm.managed import managed_norms
 from .process import has_process_group, sync_group
 
 
@@ -114,15 +124,74 @@ def graph_training_forward(model: nn.Module, sample: Tensor, warmup_iters: int =
     with torch.no_grad():
         for name, buf in model.named_buffers():
             buf.copy_(buffers[name])
+        for layer in managed_norms(model).values():
+            layer.nonfinite_flags(sample.device).zero_()
     shape, dtype, device = sample.shape, sample.dtype, sample.device
+    gradients = _GraphGradients(tuple(model.parameters()))
 
     def forward(x: Tensor) -> object:
         if model.training and torch.is_grad_enabled() and x.shape == shape and x.dtype == dtype and x.device == device:
-            return graphed(x)
+            gradients.release()
+            return gradients.watch(graphed(x))
         return eager(x)
 
     forward.graphed_input = (shape, dtype, device)  # marks the model as captured (``is_graphed``)
+    forward.gradients = gradients
     model.forward = forward
+
+
+class _GraphGradients:
+    """The parameters' gradients that a graphed backward returns: views of its static buffers, which the next
+    replay overwrites. Their addresses are learnt from the first replay's backward (torch does not expose them);
+    they never change afterwards."""
+
+    def __init__(self, params: tuple[nn.Parameter, ...]) -> None:
+        self.params = params
+        self.static: list[int | None] | None = None  # per parameter: the data_ptr of its static gradient buffer
+
+    def watch(self, out: object) -> object:
+        """``out``, the replayed forward's output; until the static buffers are known, a hook on its backward
+        node records the gradients that node returns."""
+        if self.static is None:
+            node = next(t.grad_fn for t in torch.utils._pytree.tree_leaves(out) if t.grad_fn is not None)
+            handle = None
+
+            def learn(grad_inputs: tuple[Tensor | None, ...], grad_outputs: tuple[Tensor | None, ...]) -> None:
+                # The node's inputs are the graph's input followed by the model's parameters.
+                grads = grad_inputs[len(grad_inputs) - len(self.params) :]
+                self.static = [None if g is None else g.data_ptr() for g in grads]
+                handle.remove()
+
+            handle = node.register_hook(learn)
+        return out
+
+    def _held(self) -> list[tuple[nn.Parameter, Tensor]]:
+        if self.static is None:
+            return []
+        return [
+            (p, p.grad)
+            for p, ptr in zip(self.params, self.static)
+            if ptr is not None and p.grad is not None and p.grad.data_ptr() == ptr
+        ]
+
+    def release(self) -> None:
+        """Before a replay: every gradient still held in a static buffer moves into memory of its own."""
+        for p, grad in self._held():
+            p.grad = grad.clone()
+
+    def drop(self) -> None:
+        """After an optimizer step has used them: the gradients held in static buffers are let go (set to None,
+        as ``zero_grad()`` does), so that the next replay has nothing to move out."""
+        for p, _ in self._held():
+            p.grad = None
+
+
+def drop_graph_gradients(model: nn.Module) -> None:
+    """After an optimizer step of a graphed ``model``: its gradients held in the graphs' static buffers are set to
+    None (see ``_GraphGradients``); nothing for a model that is not graphed."""
+    gradients = getattr(model.forward, "gradients", None)
+    if gradients is not None:
+        gradients.drop()
 
 
 def is_graphed(model: nn.Module) -> bool:

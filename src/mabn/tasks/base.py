@@ -13,7 +13,7 @@ import torch
 from pytorch_lightning.utilities import rank_zero_info
 
 from ..callbacks import NormPolicy, norm_callbacks
-from ..cudagraph import check_capturable, training_call, why_not_capturable
+from ..cudagraph import check_capturable, drop_graph_gradients, training_call, why_not_capturable
 from ..errors import ConfigError
 from ..models import ARCHS, DEFAULT_ARCH
 from ..norm import NORM_PRESETS
@@ -170,6 +170,12 @@ class NormTask(pl.LightningModule):
         if self.compile_mode:
             return self._compiled_model(images)
         return training_call(self.model, images, self.cuda_graph)
+
+    def optimizer_step(self, *args: Any, **kwargs: Any) -> None:
+        super().optimizer_step(*args, **kwargs)
+        # The step has used the gradients: under CUDA graphs let go of those held in the graphs' static buffers, so
+        # that the next replay has none to move out (zero_grad would set them to None after the next forward).
+        drop_graph_gradients(self.model)
 
     def on_train_batch_start(self, batch: object, batch_idx: int) -> None:
         if self.compile_mode and self._first_step_started is None:
