@@ -58,13 +58,19 @@ test-slow: $(STAMP)
 test-gpu: $(STAMP)
 	MABN_TEST_DEVICE=cuda $(PY) -m pytest -q -m gpu
 
-# The first thing to run whenever a GPU is at hand, its report in runs/bench/bench-cuda.md (OUT=docs: the docs'
-# docs/bench-cuda.md), rewritten as each part ends:
-# the chain of a real stage-2 run (fit killed and resumed on the default path under DDP, test, predict, export, two
-# ranks over gloo with CUDA graphs), then the PSPNet-101 step at crop 713 (CUDA graphs, eager, bf16-mixed, compiled).
-# make test-gpu after it. A GPU machine without this checkout's packages: docs/testing.md#on-a-gpu.
-gpu-check: $(STAMP)
-	$(PY) -m mabn bench check $(if $(OUT),--out "$(OUT)")
+# The first thing to run whenever a GPU is at hand (docs/testing.md#on-a-gpu), in one call of at most 8 minutes:
+# sections in order of value, each stopped at its own time limit (480 s in all), the report in
+# runs/bench/bench-cuda.md (OUT=docs: docs/bench-cuda.md) rewritten as each ends: the chain of a real stage-2 run
+# (fits killed and resumed, CUDA graphs against eager, test, predict, export, two ranks under bf16-mixed), stage 2's
+# PSPNet-101 step, stage 1's ResNet-101 step, stage 2's step compiled; each ratio MABN / BN against its target.
+# SECTIONS=stage2,stage1: some of them (chain, stage2, stage1, compiled); DRY_RUN=1: the sections, their limits and
+# the report's path; ARGS: further options of python -m mabn bench check, e.g. ARGS="--limits compiled=400".
+# PY=python: the machine's own Python instead of .venv, which is then not built (a lent GPU machine with its own
+# torch, after scripts/gpu/wheels.sh install); the checkout's src/ is on its path either way. make test-gpu after it.
+SECTIONS ?=
+gpu-check: $(if $(filter $(VENV)/bin/python,$(PY)),$(STAMP))
+	PYTHONPATH="$(CURDIR)/src$(if $(PYTHONPATH),:$(PYTHONPATH))" $(PY) -m mabn bench check \
+		$(if $(OUT),--out "$(OUT)") $(if $(SECTIONS),--sections "$(SECTIONS)") $(if $(DRY_RUN),--dry-run) $(ARGS)
 
 # The wheels a lent GPU machine lacks (smp, albumentations, jsonargparse, ...) into .gpu-wheels/, to carry there.
 gpu-wheels: $(STAMP)

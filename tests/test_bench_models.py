@@ -12,8 +12,8 @@ from functools import partial
 import pytest
 import torch
 
-from mabn.bench import chain, infer, report, step
-from mabn.commands.bench import main, run_check
+from mabn.bench import infer, report, step
+from mabn.commands.bench import main
 from mabn.models import PSPNet
 
 CPU = torch.device("cpu")
@@ -147,32 +147,29 @@ def test_bench_cli_check_needs_cuda(capsys):
     assert "check needs a CUDA device, got --device cpu" in capsys.readouterr().err
 
 
-def test_check_saves_each_section_as_it_ends(monkeypatch, tmp_path):
-    """A GPU check cut short (a session's end, a failure) keeps what it ran, in the report: the chain first, then
-    each step section."""
-    calls = []
+def test_step_measures_the_rows_asked_for_against_their_bn():
+    """``rows`` (what make gpu-check times): bn and mabn alone, in the bench's order; a row without the BN it is
+    compared with is refused."""
+    with pspnet_on("resnet18"):
+        rows = step.run(CPU, repeats=1, crop=32, batch=2, num_classes=4, rows=("mabn", "bn"))
+    assert [r.norm for r in rows] == ["bn", "mabn"] and rows[0].time_ratio == 1.0
+    table = step.table(rows, 1, 32, 2)
+    assert "mabn + stats logging" not in table  # no note for a row not measured
+    for wrong in (("mabn",), ("bn", "mabn compiled"), ("bn", "mabn", "bn32")):
+        with pytest.raises(ValueError, match="rows must be some of"):
+            step.run(CPU, repeats=1, crop=32, batch=2, num_classes=4, rows=wrong, compile_mode="default")
 
-    def fake_chain(plan, device, save):
-        save("### The chain of a stage-2 run\n\n(every link passed)")
-        return []
 
-    def fake_run(device, repeats, crop, batch, cuda_graph, compile_mode, precision):
-        calls.append((crop, cuda_graph, compile_mode, precision))
-        if len(calls) == 3:
-            raise RuntimeError("cut short")
-        return [step.StepRow("bn", 0.1, 2**30, 1.0, 1.0), step.StepRow("mabn", 0.105, 2**30, 1.05, 1.0)]
+def test_stage_one_network_is_the_classification_tasks():
+    """``--model resnet101`` builds stage 1's network as ClassificationTask does: MABN in ghost batches with centred
+    convs, BN over the device's whole batch (the bn32 backbone's)."""
+    from torch import nn
 
-    monkeypatch.setattr(chain, "run", fake_chain)
-    monkeypatch.setattr(step, "run", fake_run)
-    out, sections = tmp_path / "bench-cuda.md", []
+    from mabn.norm import CenConv2d, MABN2d
 
-    def save(chart):
-        return report.write(out, CPU, "python -m mabn bench check", sections, chart, [], "env")
-
-    with pytest.raises(RuntimeError, match="cut short"):
-        run_check(CPU, 1, 2, "reduce-overhead", sections, save)
-    assert calls == [(713, True, None, None), (713, False, None, None), (713, True, None, "bf16-mixed")]
-    text = out.read_text()
-    assert text.index("### The chain of a stage-2 run") < text.index("### PSPNet-101 training step")
-    assert text.count("### PSPNet-101 training step: batch 2, crop 713x713") == 2 and "as CUDA graphs" in text
-    assert "bf16-mixed" not in text and out.with_suffix(".png").is_file()
+    mabn = step.build("mabn", 10, "resnet101", 2)
+    norms = [m for m in mabn.modules() if isinstance(m, MABN2d)]
+    assert len(norms) == 104 and all(m.norm_batch_size == 2 for m in norms)
+    assert any(isinstance(m, CenConv2d) for m in mabn.modules()) and mabn.fc.out_features == 10
+    bn = step.build("bn", 10, "resnet101", 2)
+    assert sum(isinstance(m, nn.BatchNorm2d) for m in bn.modules()) == 104

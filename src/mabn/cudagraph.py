@@ -29,6 +29,7 @@ held buffers after each optimizer step, which has used them, so the usual step c
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections.abc import Iterator
 
 import torch
@@ -37,6 +38,9 @@ from torch import Tensor, nn
 from .norm import BatchRenorm2d, MABN2d
 from .norm.managed import managed_norms
 from .process import has_process_group, sync_group
+
+# Whether make_graphed_callables takes capture_error_mode (a GPU machine may bring another torch than the pinned one).
+_HAS_CAPTURE_MODE = "capture_error_mode" in inspect.signature(torch.cuda.make_graphed_callables).parameters
 
 
 def _blocking_layers(model: nn.Module) -> list[tuple[str, str]]:
@@ -112,8 +116,9 @@ def graph_training_forward(model: nn.Module, sample: Tensor, warmup_iters: int =
     # buffers, and the random state that dropout draws from, so that the graphs continue the eager stream).
     buffers = {name: buf.clone() for name, buf in model.named_buffers()}
     rng_devices = [sample.device] if sample.is_cuda else []
-    # Under DDP the communication threads keep working while this thread captures.
-    options = {"capture_error_mode": "thread_local"} if has_process_group() else {}
+    # Under DDP the communication threads keep working while this thread captures; torch before 2.12 has no such
+    # option, and captures in its global mode.
+    options = {"capture_error_mode": "thread_local"} if has_process_group() and _HAS_CAPTURE_MODE else {}
     # The graphs' input is a tensor of their own: each replay copies the batch into it. Parameters the
     # training forward does not use get no gradient, as in eager training.
     with _without_autocast_cache(), torch.random.fork_rng(rng_devices, device_type="cuda"):

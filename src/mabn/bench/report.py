@@ -62,11 +62,12 @@ def write(
     step_rows: list[StepRow],
     infer_rows: list[InferRow],
     env: str,
+    title: str = "Measured cost per norm",
 ) -> tuple[Path, Path | None]:
-    """Write ``out`` (markdown: command, environment, sections) and, when there are ratios to plot, the PNG
-    chart beside it with the same stem; returns both paths."""
+    """Write ``out`` (markdown: ``title``, command, environment, sections) and, when there are ratios to plot, the
+    PNG chart beside it with the same stem; returns both paths."""
     png = out.with_suffix(".png") if step_rows or infer_rows else None
-    lines = [f"## Measured cost per norm ({device.type.upper()})", "", f"`{command}`", "", env, ""]
+    lines = [f"## {title} ({device.type.upper()})", "", f"`{command}`", "", env, ""]
     for section in sections:
         lines += [section, ""]
     if png is not None:

@@ -1,14 +1,18 @@
 """Training-step benchmark: forward, backward and SGD step per norm, time and peak memory vs BN.
 
-Two models: PSPNet-101 as the segmentation stage trains it (2 images per device), and torchvision's ResNet-50 at
-small inputs (e.g. batch 8 at 160 px), where the norms and the per-layer host work weigh more; for ResNet-50 also a
+Three models: PSPNet-101 as the segmentation stage trains it (2 images per device), ResNet-101 as stage 1 trains it
+(``mabn.models.resnet``, the network ClassificationTask builds: 32 images of 224 px per device, BRN and MABN over
+ghost batches, BN over the device's whole batch as the ``bn32`` backbone), and torchvision's ResNet-50 at small
+inputs (e.g. batch 8 at 160 px), where the norms and the per-layer host work weigh more; for ResNet-50 also a
 user's plain loop (``convert_norm(model, "mabn")``, ``torch.optim.SGD``), with and without ``mabn.keep_centred``.
-Compiled rows (``torch.compile``, fullgraph) run beside the eager ones and are compared with compiled BN.
+Compiled rows (``torch.compile``, fullgraph) run beside the eager ones and are compared with compiled BN. ``rows``
+picks a subset of the rows (``make gpu-check`` measures bn and mabn alone).
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
 from types import SimpleNamespace
@@ -22,12 +26,12 @@ from torch import nn
 from ..callbacks import MABNCallback, NormPolicy
 from ..cudagraph import training_call
 from ..data.cityscapes import IGNORE_INDEX
-from ..models import PSPNet
+from ..models import PSPNet, resnet
 from ..norm import convert_norm
 from ..norm.cenconv import keep_centred
 from .measure import median_times, peak_memory
 
-MODELS = {"pspnet101": "PSPNet-101", "resnet50": "ResNet-50"}
+MODELS = {"pspnet101": "PSPNet-101", "resnet101": "ResNet-101 (stage 1)", "resnet50": "ResNet-50"}
 BF16 = "bf16-mixed"  # the one mixed precision the step bench runs (Lightning's name for it)
 NORMS = ("bn", "gn", "brn", "mabn")
 LOGGED = "mabn + stats logging"  # MABN with MABNCallback's statistics logging at every step
@@ -63,10 +67,13 @@ class StepRow:
 def build(norm: str, num_classes: int = 19, model: str = "pspnet101", norm_batch_size: int | None = 2) -> nn.Module:
     """``model`` with ``norm``, BRN and MABN normalizing groups of ``norm_batch_size`` (None: the whole batch).
     BN is plain ``nn.BatchNorm2d`` over the batch: at PSPNet's batch of 2 that is the ghost batch of 2 without
-    the ghost-batch machinery, so it is the fastest BN baseline. GN has no batch dimension to split."""
+    the ghost-batch machinery, so it is the fastest BN baseline; at stage 1's 32 images it is the ``bn32``
+    backbone's BN. GN has no batch dimension to split."""
     groups = norm_batch_size if norm in ("brn", "mabn") else None
     if model == "pspnet101":
         return PSPNet(num_classes, norm, groups, STEADY_STATE)
+    if model == "resnet101":  # stage 1's network, built as ClassificationTask.build_model builds it
+        return resnet(norm, num_classes, groups, STEADY_STATE, arch="resnet101")
     net = torchvision.models.resnet50(num_classes=num_classes)  # weights=None: never downloads
     options = {**STEADY_STATE.get(norm, {}), "norm_batch_size": groups} if norm in ("brn", "mabn") else {}
     return convert_norm(net, norm, **options)
@@ -146,6 +153,10 @@ def _batch(
     return images.to(device), labels.to(device)
 
 
+def _say(line: str) -> None:
+    print(line, flush=True)
+
+
 def row_names(compile_mode: str | None, model: str = "pspnet101") -> tuple[str, ...]:
     """The rows a run measures: every norm eager, for ResNet-50 the plain loops, and with ``compile_mode`` the
     compiled ones."""
@@ -164,6 +175,8 @@ def run(
     norm_batch_size: int | None = NORM_BATCH_SIZE,
     compile_mode: str | None = None,
     precision: str | None = None,
+    rows: Sequence[str] | None = None,
+    say: Callable[[str], None] = _say,
 ) -> list[StepRow]:
     """Time and peak memory of one training step per norm, all on the same images and labels.
 
@@ -172,11 +185,19 @@ def run(
     is reported); then one step per row is measured for peak memory, then ``repeats`` interleaved rounds are
     timed (median reported). With ``cuda_graph`` (CUDA) every eager model's training forward and backward are
     CUDA graphs: the memory step is the one that captures them, so its peak includes the capture's.
-    ``num_classes``: 19 (Cityscapes) for PSPNet-101, 1000 for ResNet-50 when not given. ``precision``:
+    ``num_classes``: 19 (Cityscapes) for PSPNet-101, 1000 for the ResNets when not given. ``precision``:
     ``bf16-mixed`` runs each forward and loss under bfloat16 autocast, as Lightning's precision of that name.
+    ``rows``: the rows to measure, in ``row_names``' order (default: all of them), with the row each is compared
+    with (``bn``, ``bn compiled``). ``say``: where the progress lines go (default: printed).
     """
     if precision not in (None, BF16):
         raise ValueError(f"precision must be {BF16!r} or None (float32), got {precision!r}")
+    names = row_names(compile_mode, model)
+    chosen = names if rows is None else tuple(n for n in names if n in rows)
+    unknown = sorted(set(rows or ()) - set(names))
+    bases = {"bn compiled" if n.endswith(" compiled") else "bn" for n in chosen}
+    if unknown or not chosen or not bases <= set(chosen):
+        raise ValueError(f"rows must be some of {', '.join(names)} with the bn row each is compared with, got {rows}")
     if norm_batch_size and batch % norm_batch_size:
         raise ValueError(f"batch must be a multiple of the normalization batch {norm_batch_size}, got {batch}")
     dense = model == "pspnet101"
@@ -185,7 +206,7 @@ def run(
     images, labels = _batch(batch, crop, num_classes, device, dense)
     trainers: dict[str, Any] = {}
     first_step: dict[str, float] = {}
-    for name in row_names(compile_mode, model):
+    for name in chosen:
         torch.manual_seed(0)
         if name in (PLAIN, PLAIN_FORWARD):  # convert_norm's defaults: no ghost batches
             net = build("mabn", num_classes, model, None).to(device).train()
@@ -202,26 +223,26 @@ def run(
             started = time.perf_counter()
             trainers[name].step(images, labels)
             first_step[name] = time.perf_counter() - started
-            print(f"training step {name}: first step (compiling) {first_step[name]:.1f} s", flush=True)
+            say(f"training step {name}: first step (compiling) {first_step[name]:.1f} s")
             continue
         else:
             trainers[name] = _Trainer(net, precision=precision)
         trainers[name].step(*warmup)
         trainers[name].cuda_graph = cuda_graph  # captured at the measured shape, by the memory step below
-    if not trainers[LOGGED].logged:
+    if LOGGED in trainers and not trainers[LOGGED].logged:
         raise RuntimeError("MABNCallback logged no statistics: the logging row would measure nothing")
     steps = {name: partial(t.step, images, labels) for name, t in trainers.items()}
     peaks = {}
     for name, step in steps.items():
         peaks[name] = peak_memory(step, device)
-        print(f"training step {name}: peak memory {peaks[name] / 2**30:.3f} GiB", flush=True)
+        say(f"training step {name}: peak memory {peaks[name] / 2**30:.3f} GiB")
     times = median_times(steps, device, repeats, warmup=0)
     results = []
     for name in steps:
         base = "bn compiled" if name in first_step else "bn"
         ratios = (times[name] / times[base], peaks[name] / peaks[base])
         results.append(StepRow(name, times[name], peaks[name], *ratios, first_step.get(name)))
-        print(f"training step {name}: {times[name]:.3f} s, {ratios[0]:.3f} x {base}", flush=True)
+        say(f"training step {name}: {times[name]:.3f} s, {ratios[0]:.3f} x {base}")
     return results
 
 
@@ -255,11 +276,12 @@ def table(
         lines.append(
             f"| {r.norm} | {r.seconds:.3f} | {r.time_ratio:.3f} | {r.peak_bytes / 2**30:.3f} | {r.mem_ratio:.3f} |"
         )
-    lines += [
-        "",
-        f"`{LOGGED}`: MABN with `MABNCallback(NormPolicy(log_every_n_steps=1))` computing its statistics summary at "
-        "every step (the default logs every 50 steps).",
-    ]
+    lines.append("")
+    if any(r.norm == LOGGED for r in rows):
+        lines.append(
+            f"`{LOGGED}`: MABN with `MABNCallback(NormPolicy(log_every_n_steps=1))` computing its statistics summary "
+            "at every step (the default logs every 50 steps)."
+        )
     if any(r.norm == PLAIN for r in rows):
         lines.append(
             f'`{PLAIN}`: a user\'s loop, `convert_norm(model, "mabn")` (the whole batch) and `torch.optim.SGD` with '
@@ -278,4 +300,4 @@ def table(
             f"`compiled` rows: `torch.compile(model, fullgraph=True, mode={compile_mode!r})` of the forward and "
             f"backward, their ratios to `bn compiled`; the first step, which compiles, took {firsts}."
         )
-    return "\n".join(lines)
+    return "\n".join(lines).rstrip()

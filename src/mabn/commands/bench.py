@@ -2,91 +2,41 @@
 the same run, and the GPU check of a whole run.
 
 norm: norm layers alone, forward+backward time and peak memory. step: a training step (forward, backward, SGD)
-per norm, time and peak memory, of PSPNet-101 or of ResNet-50 (--model), eager and with --compile also compiled.
-infer: images per second of the folded PSPNet-101 per norm and of the GroupNorm one. all: the three in one run,
-into one report (what `make bench` runs). chain: a short stage-2 run's whole chain, each link a command of the
-product (fit killed and resumed, test, predict, export, two DDP ranks), see ``mabn.bench.chain``. check (CUDA, what
-`make gpu-check` runs): the chain, then the PSPNet-101 step at crop 713 CUDA-graphed, eager, both again under
-bf16-mixed, then eager beside compiled (``--compile``, default reduce-overhead) in float32 and bf16-mixed, into
-runs/bench/bench-cuda.md, rewritten as each part ends. ops: the host work
-of one norm layer's training forward and backward, the GPU eager step's bottleneck at small batches: ATen operators
-and Triton launches counted, host time on a tiny input (on the CPU through MABN's CUDA path, see ``mabn.bench.ops``).
+per norm, time and peak memory, of PSPNet-101, of stage 1's ResNet-101 or of ResNet-50 (--model), eager and with
+--compile also compiled. infer: images per second of the folded PSPNet-101 per norm and of the GroupNorm one. all:
+the three in one run, into one report (what `make bench` runs). chain: a short stage-2 run's whole chain, each link
+a command of the product (fits killed and resumed, graphed against eager, test, predict, export, two DDP ranks),
+see ``mabn.bench.chain``. check (CUDA, what `make gpu-check` runs): sections in order of value, each stopped at
+its own time limit (``mabn.bench.check``): the chain, stage 2's PSPNet-101 step at crop 713, stage 1's ResNet-101
+step at 32 images of 224 px, stage 2's step compiled; --sections runs some of them, --limits sets their limits;
+the report, runs/bench/bench-cuda.md, is rewritten as each ends. ops: the host work of one norm layer's training
+forward and backward, the GPU eager step's bottleneck at small batches: ATen operators and Triton launches
+counted, host time on a tiny input (on the CPU through MABN's CUDA path, see ``mabn.bench.ops``).
 Reports go to runs/bench/ (``--out``: another folder, e.g. ``--out docs``, or a file).
---dry-run: check the options, print what would be measured (sections, models, rows, sizes, repeats) and the
-report's path, measure and write nothing; a CUDA-only command (check, --cuda-graph) is planned for CUDA anywhere.
+--dry-run: check the options, print what would be measured (sections, models, rows, sizes, repeats, time limits)
+and the report's path, measure and write nothing; a CUDA-only command (check, --cuda-graph) is planned for CUDA
+anywhere.
 """
 
 from __future__ import annotations
 
 import argparse
 import shlex
-import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import NamedTuple
 
 import torch
 
-from ..bench import chain, infer, norm, ops, report, step
+from ..bench import chain, check, infer, norm, ops, report, step
 from ..files import write_text_atomic
 from . import PROG, HelpFormatter, positive
 
 REPORTS = Path("runs/bench")  # where reports go unless --out names another place
-DEFAULT_REPEATS = {"norm": 15, "step": 5, "infer": 7, "check": 10, "ops": 1000}
-
-
-class CheckStep(NamedTuple):
-    """One training-step section of ``check``: PSPNet-101 at ``crop``, its eager rows CUDA-graphed or not, with
-    ``compiled`` also the compiled rows, in float32 or ``precision``."""
-
-    crop: int
-    graphed: bool = False
-    compiled: bool = False
-    precision: str | None = None
-
-
-# check: after the chain of a real run (``chain``), the step sections in the order they run: the recipe's crop
-# 713, CUDA graphs (the default path, seconds to set up) and eager before compiling (minutes for PSPNet-101, longer
-# with MABN), float32 before bf16-mixed; the report is rewritten after each, so that a check cut short by a GPU
-# session's end keeps what it measured.
-CHECK_PLAN = (
-    CheckStep(713, graphed=True),
-    CheckStep(713),
-    CheckStep(713, graphed=True, precision=step.BF16),
-    CheckStep(713, precision=step.BF16),
-    CheckStep(713, compiled=True),
-    CheckStep(713, compiled=True, precision=step.BF16),
-)
+DEFAULT_REPEATS = {"norm": 15, "step": 5, "infer": 7, "check": 5, "ops": 1000}
 
 
 def _norm_batch(text: str) -> int | None:
     return None if text == "whole" else positive(text)
-
-
-def run_check(
-    device: torch.device,
-    repeats: int,
-    batch: int,
-    compile_mode: str,
-    sections: list[str],
-    save: Callable[[list[step.StepRow]], tuple[Path, Path | None]],
-) -> list[str]:
-    """The chain of a real run, then the sections of CHECK_PLAN in order, each in ``sections`` and saved as it
-    ends, by ``save(chart rows)``: the chart shows the CUDA-graph rows (the default path). Returns the failed links
-    of the chain."""
-    sections.append("")
-    links = chain.run(chain.Plan().fresh(), device, lambda text: (sections.__setitem__(0, text), save([])))
-    chart: list[step.StepRow] = []
-    for n, section in enumerate(CHECK_PLAN, 1):
-        mode = compile_mode if section.compiled else None
-        rows = step.run(device, repeats, section.crop, batch, cuda_graph=section.graphed, compile_mode=mode,
-                        precision=section.precision)  # fmt: skip
-        sections.append(step.table(rows, repeats, section.crop, batch, section.graphed, compile_mode=mode,
-                                   precision=section.precision))  # fmt: skip
-        chart = chart or rows
-        md, _ = save(chart)
-        print(f"check: {n} of {len(CHECK_PLAN)} step sections measured, wrote {md}", flush=True)
-    return chain.failed(links)
 
 
 def report_path(args: argparse.Namespace, device: torch.device) -> Path | None:
@@ -133,17 +83,11 @@ def plan(
         lines.append(f"norm layers alone: {len(norm.SHAPES)} shapes{scale}, bn, brn, mabn; {repeats('norm')} repeats")
     if args.what in ("step", "all"):
         lines.append(step_line(args.crop, args.cuda_graph, args.compile))
-    if args.what in ("chain", "check"):
-        shape = chain.Plan()
-        lines.append(
-            f"chain of a stage-2 run: {shape.arch} PSPNet at crop {shape.crop}, {chain.FIT_STEPS} steps; fit killed "
-            "after its first checkpoint, resumed, test, predict, export, two ranks over gloo"
-        )
-    if args.what == "check":
-        for n, section in enumerate(CHECK_PLAN, 1):
-            mode = (args.compile or "reduce-overhead") if section.compiled else None
-            line = step_line(section.crop, section.graphed, mode, section.precision)
-            lines.append(f"section {n} of {len(CHECK_PLAN)}: {line}")
+    if args.what == "chain":
+        lines.append(chain.describe(chain.Plan()))
+    if args.what == "check":  # its own lines, report included
+        sections = check.select(args.sections, args.limits)
+        return lines + check.plan_lines(sections, check_options(args, device, repeats), out)
     if args.what == "ops":
         lines.append(f"host work per norm layer: input {'x'.join(map(str, ops.SHAPE))}; {repeats('ops')} repeats")
     if args.what in ("infer", "all"):
@@ -156,6 +100,11 @@ def plan(
     else:
         lines.append(f"report: {out} and its chart {out.with_suffix('.png')}")
     return lines
+
+
+def check_options(args: argparse.Namespace, device: torch.device, repeats: Callable[[str], int]) -> check.Options:
+    """What the check's sections take from the command line."""
+    return check.Options(str(device), repeats("check"), args.compile or "reduce-overhead")
 
 
 def main(argv: list[str]) -> int:
@@ -189,7 +138,8 @@ def main(argv: list[str]) -> int:
         nargs="?",
         const="default",
         metavar="MODE",
-        help="step: also time bn and mabn through torch.compile in this mode (default: torch's default)",
+        help="step: also time bn and mabn through torch.compile in this mode (default: torch's default); check: the "
+        "compiled section's mode (default reduce-overhead)",
     )
     parser.add_argument(
         "--cuda-graph", action="store_true", help="step: replay each model's forward and backward as CUDA graphs"
@@ -203,14 +153,32 @@ def main(argv: list[str]) -> int:
     parser.add_argument(
         "--out",
         type=Path,
-        help="the markdown report, with its PNG chart beside it, or a folder for it (default: runs/bench/, as "
+        help="the markdown report (step, infer, all: with a PNG chart beside it), or a folder for it (default: "
+        "runs/bench/, as "
         "bench-<device>.md for all and check, bench-<what>-<device>.md for the others; norm and ops write only when "
         "given). --out docs: the reports the docs quote",
     )
     parser.add_argument(
+        "--sections",
+        metavar="KEY,...",
+        help="check: the sections to run, comma-separated, in the check's order (default: all of "
+        f"{', '.join(s.key for s in check.SECTIONS)})",
+    )
+    parser.add_argument(
         "--dry-run", action="store_true", help="check the options and print the plan; measure and write nothing"
     )
+    parser.add_argument(
+        "--limits",
+        metavar="KEY=S,...",
+        help="check: time limits in seconds in place of the sections' own, e.g. compiled=400 (a call of its own)",
+    )
     args = parser.parse_args(argv)
+    if args.what != "check" and (args.sections or args.limits):
+        parser.error("--sections and --limits are options of check")
+    try:
+        check.select(args.sections, args.limits)
+    except ValueError as err:
+        parser.error(f"--sections/--limits: {err}")
     if args.norm_batch and args.batch % args.norm_batch:
         parser.error(f"--batch must be a multiple of {args.norm_batch}, got {args.batch}")
     needs_cuda = args.cuda_graph or args.what == "check"
@@ -259,17 +227,23 @@ def main(argv: list[str]) -> int:
         print(f"chain: {len(links) - len(broken)} of {len(links)} links passed; report {out}")
         return 1 if broken else 0
     if args.what == "check":
-        broken = run_check(device, repeats("check"), args.batch, args.compile or "reduce-overhead", sections, save)
-        if broken:
-            print(f"check: the chain's links {', '.join(broken)} failed; report {out}", file=sys.stderr)
-            return 1
+        assert out is not None
+
+        def save_check(outcomes: list[check.Outcome]) -> None:
+            report.write(out, device, command, check.report_parts(outcomes), [], [], env, title="GPU check")
+
+        chosen = check.select(args.sections, args.limits)
+        outcomes = check.run(chosen, check_options(args, device, repeats), save_check)
+        broken = [o.section.key for o in outcomes if not o.ok]
+        print(f"check: report {out}" + (f"; not ok: {', '.join(broken)}" if broken else ""), flush=True)
+        return 1 if broken else 0
     if args.what in ("infer", "all"):
         infer_rows = infer.run(device, repeats("infer"), size)
         sections.append(infer.table(infer_rows, repeats("infer"), size))
     print()
     print("\n\n".join(sections))
 
-    if out is None or args.what == "check":  # check wrote its report as each section ended
+    if out is None:
         return 0
     if args.what in ("norm", "ops"):  # the table alone
         write_text_atomic(out, sections[0] + "\n")

@@ -1,0 +1,242 @@
+"""``python -m mabn bench check`` (``make gpu-check``): its sections fit one GPU call (each within its limit, the
+limits within the budget), run in order, each stopped at its limit while the next still runs, and the report holds
+what every section measured, the targets met or not, as soon as the section ends.
+
+The orchestration runs here with stand-in sections (functions of this module, which the step process imports by
+name); the step sections' own measurement runs on a ResNet-18 PSPNet at a tiny crop, eager on the CPU. The chain's
+links run on CPU processes in tests/test_chain.py (slow suite)."""
+
+from __future__ import annotations
+
+import re
+import shlex
+import subprocess
+import sys
+import time
+from functools import partial
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from mabn.bench import chain, check, step
+from mabn.commands.bench import main
+from mabn.models import PSPNet
+
+ROOT = Path(__file__).resolve().parents[1]
+SECTION_LINE = re.compile(r"^section (\d+) of (\d+): (\w+), limit (\d+) s: (.+)$")
+
+
+def _sections(text: str) -> list[tuple[str, int]]:
+    """(key, limit) of each section a dry run lists, checking their numbering."""
+    found = [SECTION_LINE.match(line) for line in text.splitlines()]
+    matches = [m for m in found if m]
+    assert [int(m[1]) for m in matches] == list(range(1, len(matches) + 1))
+    assert all(int(m[2]) == len(matches) for m in matches)
+    return [(m[3], int(m[4])) for m in matches]
+
+
+def test_dry_run_lists_the_sections_in_order_within_one_gpu_call(capsys):
+    assert main(["check", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    sections = _sections(out)
+    assert [key for key, _ in sections] == ["chain", "stage2", "stage1", "compiled"]
+    limits = [limit for _, limit in sections]
+    assert all(0 < limit <= check.MAX_SECTION_S == 240 for limit in limits)
+    assert sum(limits) <= check.MAX_TOTAL_S == 480
+    assert f"total limit: {sum(limits)} s" in out
+    assert "report: runs/bench/bench-cuda.md, rewritten as each section ends" in out
+    assert "nothing is measured or written" in out and not Path("runs/bench/bench-cuda.md").exists()
+    # What each measures, in its line: the chain's runs, the stages' sizes and paths.
+    lines = {m[3]: m[5] for m in map(SECTION_LINE.match, out.splitlines()) if m}
+    assert "killed after its first epoch's checkpoint and resumed" in lines["chain"] and "bf16-mixed" in lines["chain"]
+    assert "batch 2, 713x713" in lines["stage2"] and "eager, bf16-mixed" in lines["stage2"]
+    assert "ResNet-101 (stage 1) training step, batch 32, 224x224" in lines["stage1"]
+    assert "600,480 iterations on 8 GPUs" in lines["stage1"]
+    assert "compiled, float32 (reduce-overhead, first step timed)" in lines["compiled"]
+
+
+def test_sections_runs_some_sections_in_the_checks_order(capsys):
+    assert main(["check", "--dry-run", "--sections", "stage1,chain", "--out", "docs"]) == 0
+    out = capsys.readouterr().out
+    assert _sections(out) == [("chain", 180), ("stage1", 45)]
+    assert "report: docs/bench-cuda.md" in out and "total limit: 225 s" in out
+    with pytest.raises(SystemExit) as exit_info:
+        main(["check", "--dry-run", "--sections", "stage2,stage3"])
+    assert exit_info.value.code == 2
+    assert "unknown section(s) stage3; choose from chain, stage2, stage1, compiled" in capsys.readouterr().err
+    # A section in a call of its own may take longer than the one call's plan gives it.
+    assert main(["check", "--dry-run", "--sections", "compiled", "--limits", "compiled=400"]) == 0
+    out = capsys.readouterr().out
+    assert _sections(out) == [("compiled", 400)] and "total limit: 400 s" in out
+    for limits in ("compiled=0", "compiled", "stage3=10"):
+        with pytest.raises(SystemExit):
+            main(["check", "--dry-run", "--limits", limits])
+
+
+def test_make_gpu_check_takes_dry_run_sections_and_another_python(tmp_path):
+    make = ["make", "-s", "-C", str(ROOT), "gpu-check", f"VENV={tmp_path / 'no-venv'}"]
+    run = subprocess.run([*make, "DRY_RUN=1", "SECTIONS=stage2", f"PY={sys.executable}"], capture_output=True,
+                         text=True, timeout=120)  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    assert _sections(run.stdout) == [("stage2", 80)]
+    # PY=python3: the machine's own Python runs the check with the checkout's src/ on its path, and no .venv is
+    # built for it (a lent GPU machine has its own torch).
+    recipe = subprocess.run([*make, "-n", "PY=python3", "OUT=docs"], capture_output=True, text=True, timeout=60)
+    assert recipe.returncode == 0, recipe.stderr
+    words = recipe.stdout.replace("\\\n", " ").split()
+    assert words[0].startswith(f'PYTHONPATH="{ROOT}/src')
+    assert words[1:] == ["python3", "-m", "mabn", "bench", "check", "--out", '"docs"'], recipe.stdout
+
+
+def test_recipe_iterations_are_the_results_pages():
+    assert check.recipe_iterations(1) == 600_480 and check.recipe_iterations(2) == 37_200
+    results = (ROOT / "docs" / "results.md").read_text()
+    assert "| 600,480 |" in results and "| 37,200 |" in results
+
+
+def test_the_chain_moves_the_recipes_policy_groups():
+    config = yaml.safe_load((ROOT / "configs" / "cityscapes.yaml").read_text())
+    assert tuple(config["model"]["init_args"]["norm_policy"]["groups"]) == chain.POLICY_GROUPS
+    command = chain.Plan().fit(Path("run"), chain.FIT_EPOCHS, accumulate=chain.ACCUMULATE)
+    text = shlex.join(command)
+    for group in chain.POLICY_GROUPS:
+        assert f"--model.init_args.norm_policy.groups.{group}.renorm_first_step {chain.PHASE_STEPS[1]}" in text
+    assert f"--trainer.accumulate_grad_batches {chain.ACCUMULATE}" in text
+
+
+# Stand-in sections: module-level functions, which the step process imports from this module by name.
+def _quick(ratio: float, job: check.Job) -> check.Measured:
+    job.say("quick: measured")
+    return check.Measured("### Quick\n\nits table", {f"{LABEL}: step time": ratio})
+
+
+def _hangs(job: check.Job) -> check.Measured:
+    job.say("hangs: started, about to hang")
+    job.show("### Hangs\n\nits first table")
+    time.sleep(600)
+    raise AssertionError("not stopped at its limit")
+
+
+def _fails(job: check.Job) -> check.Measured:
+    raise RuntimeError("cuDNN said no")
+
+
+LABEL = "stage 2, stand-in"
+
+
+def _describe(options: check.Options) -> str:
+    return "a stand-in"
+
+
+def test_each_section_is_stopped_at_its_limit_and_saved_as_it_ends(tmp_path):
+    """The step process runs one section after another; one that hangs is killed at its limit (with what it said
+    and showed kept), one that raises is reported, and the next sections still run, each in the report as soon as
+    it ends."""
+    targets = (check.Target(f"{LABEL}: step time", 1.05), check.Target(f"{LABEL}: peak memory", 1.02))
+    sections = [
+        check.Section("first", 30, partial(_quick, 1.01), _describe, targets),
+        check.Section("hangs", 3, _hangs, _describe),
+        check.Section("fails", 30, _fails, _describe),
+        check.Section("after", 30, partial(_quick, 1.2), _describe),
+    ]
+    reports: list[str] = []
+
+    def write(outcomes: list[check.Outcome]) -> None:
+        reports.append("\n\n".join(check.report_parts(outcomes)))
+
+    start = time.monotonic()
+    outcomes = check.run(sections, check.Options(device="cpu"), write)
+    assert time.monotonic() - start < 100
+    assert [o.status for o in outcomes] == [
+        "ok",
+        "timed out after 3 s",
+        "failed: RuntimeError: cuDNN said no",
+        "ok",
+    ]
+    assert 3 <= outcomes[1].seconds < 10
+    final = reports[-1]
+    assert "| first | 30 | ok |" in final and "| hangs | 3 | timed out after 3 s |" in final
+    assert f"| {LABEL}: step time | 1.010 | <= 1.05 | met |" in final
+    assert f"| {LABEL}: peak memory |  | <= 1.02 | not measured |" in final
+    assert "### Hangs\n\nits first table" in final and "hangs: started, about to hang" in final
+    assert "cuDNN said no" in final and final.count("its table") == 2
+    # Saved as each section ended: the first's table before the hanging one was stopped.
+    ended_first = next(r for r in reports if "| first | 30 | ok |" in r)
+    assert "its table" in ended_first and "| hangs | 3 | not run |" in ended_first
+    assert any("| hangs | 3 | running |" in r and "### Hangs" in r for r in reports)  # shown while it ran
+
+
+def test_a_section_here_runs_in_this_process(monkeypatch):
+    """The chain section runs in the check's process (its links are subprocesses): its failed links fail it."""
+    seen = {}
+
+    def fake_chain(plan, device, save, deadline):
+        seen.update(device=device, left=deadline - time.monotonic(), work=plan.work)
+        save("### The chain of a stage-2 run\n\n(half of it)")
+        link = chain.Link("export", ["false"], status="exit 1", checked=["FAILED: exit 0"])
+        return [link]
+
+    monkeypatch.setattr(chain, "run", fake_chain)
+    monkeypatch.setattr(chain.Plan, "fresh", lambda plan: chain.Plan(work=Path("elsewhere")))
+    reports = []
+    (outcome,) = check.run(check.select("chain"), check.Options(device="cpu"), lambda o: reports.append(o[0].markdown))
+    assert seen == {"device": torch.device("cpu"), "left": pytest.approx(180, abs=10), "work": Path("elsewhere")}
+    assert reports[:2] == ["", "### The chain of a stage-2 run\n\n(half of it)"]  # written as the chain goes
+    assert outcome.status == "failed: export" and not outcome.ok
+    assert "| export | exit 1 |" in outcome.markdown
+
+
+def test_step_sections_measure_every_target_they_declare(monkeypatch):
+    """A step section's ratios fill each of its targets, with the stage's hours on 8 GPUs beside each table
+    (a ResNet-18 PSPNet at crop 32 on the CPU, eager in float32 and bf16-mixed)."""
+    monkeypatch.setattr(step, "PSPNet", partial(PSPNet, arch="resnet18"))
+    work = check.StepWork(2, "pspnet101", 2, 32, (check.StepPath("eager"), check.StepPath("eager", step.BF16)))
+    said, shown = [], []
+    job = check.Job(check.Options(device="cpu", repeats=1), time.monotonic() + 60, said.append, shown.append)
+    measured = check.measure_steps(work, job)
+    assert set(measured.ratios) == {t.label for t in work.targets()}
+    assert len(measured.ratios) == 4 and all(r > 0 for r in measured.ratios.values())
+    assert measured.markdown.count("### PSPNet-101 training step: batch 2, crop 32x32") == 2
+    assert measured.markdown.count("Stage 2 on 8 GPUs") == 2 and "37,200 iterations" in measured.markdown
+    assert "training step mabn: peak memory" in "\n".join(said) and shown[-1] == measured.markdown
+    rows = [line for line in measured.markdown.splitlines() if line.startswith("| bn") or line.startswith("| mabn")]
+    assert [r.split("|")[1].strip() for r in rows] == ["bn", "mabn"] * 2
+
+
+def test_the_plans_targets():
+    labels = [t.label for t in check.STAGE2.targets()]
+    assert len(labels) == 8 and "stage 2, PSPNet-101 batch 2 crop 713, CUDA graphs, float32: step time" in labels
+    stage1 = {t.label: t.limit for t in check.STAGE1.targets()}
+    assert stage1 == {
+        "stage 1, ResNet-101 batch 32 224 px, CUDA graphs, float32: step time": 1.05,
+        "stage 1, ResNet-101 batch 32 224 px, CUDA graphs, float32: peak memory": 1.02,
+        "stage 1, ResNet-101 batch 32 224 px, eager, float32: step time": 1.15,
+        "stage 1, ResNet-101 batch 32 224 px, eager, float32: peak memory": 1.02,
+    }
+    compiled = {t.label.split(": ")[1]: t.limit for t in check.COMPILED.targets()}
+    assert compiled == {"step time": 1.05, "peak memory": 1.02, "first step (compiling)": 2.0}
+    assert check.Target("x", 1.05).row(1.06).endswith("| not met |")
+
+
+def test_the_command_writes_the_report_and_fails_on_a_section_not_ok(monkeypatch, tmp_path, capsys):
+    """``python -m mabn bench check`` through its command line (stand-in sections in this process, no GPU): the
+    report as it stands after each section, exit status 1 when one did not end ok."""
+    from mabn.bench import report
+
+    target = check.Target(f"{LABEL}: step time", 1.05)
+    sections = (
+        check.Section("quick", 30, partial(_quick, 1.2), _describe, (target,), here=True),
+        check.Section("fails", 30, _fails, _describe, here=True),
+    )
+    monkeypatch.setattr(check, "SECTIONS", sections)
+    monkeypatch.setattr(report, "header", lambda device: "a GPU, torch 2")
+    assert main(["check", "--device", "cuda", "--out", str(tmp_path), "--sections", "quick,fails"]) == 1
+    text = (tmp_path / "bench-cuda.md").read_text()
+    assert text.startswith("## GPU check (CUDA)\n\n`python -m mabn bench check --device cuda --out ")
+    assert "| quick | 30 | ok |" in text and "| fails | 30 | failed: RuntimeError: cuDNN said no |" in text
+    assert f"| {LABEL}: step time | 1.200 | <= 1.05 | not met |" in text and "### Quick" in text
+    assert not list(tmp_path.glob("*.png"))  # tables only: the GPU machine need not have matplotlib
+    out = capsys.readouterr().out
+    assert "check: quick: ok" in out and f"check: report {tmp_path / 'bench-cuda.md'}; not ok: fails" in out
