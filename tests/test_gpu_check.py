@@ -130,6 +130,7 @@ def _describe(options: check.Options) -> str:
     return "a stand-in"
 
 
+@pytest.mark.slow  # two spawned step processes, each importing torch: about 20 s
 def test_each_section_is_stopped_at_its_limit_and_saved_as_it_ends(tmp_path):
     """The step process runs one section after another; one that hangs is killed at its limit (with what it said
     and showed kept), one that raises is reported, and the next sections still run, each in the report as soon as
