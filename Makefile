@@ -27,8 +27,11 @@ NORM_ARGS  = --norm $(NORM) $(if $(DATA),--data "$(DATA)") $(if $(BACKBONE),--ba
 DRY_RUN  ?=
 STAGE_ARGS = $(NORM_ARGS) --gpus $(GPUS) --nodes $(NODES) $(if $(RESUME),--resume "$(RESUME)") $(if $(DRY_RUN),--dry-run) \
 	-- $(ARGS)
-# make slurm: the STAGE to submit (GPUS per node: 8 when left at 0); AFTER=<job id> starts it only once that job
-# has succeeded (stage 2 after stage 1); DRY_RUN=1 prints the sbatch and srun commands and checks the Trainer arguments.
+# make slurm: the STAGE to submit (pretrain, cityscapes or segment; GPUS per node: 8 when left at 0); AFTER=<job id>
+# starts it only once that job has succeeded (stage 2 after stage 1, whose backbone the check then expects from it).
+# Every submission is checked first (the stage's dry run in the job's layout): a job that fails it is not
+# submitted, every problem is printed and the exit status is 2. DRY_RUN=1 prints the sbatch and srun commands,
+# checks, and submits nothing.
 STAGE    ?= cityscapes
 AFTER    ?=
 
@@ -91,8 +94,8 @@ cityscapes: $(STAMP)
 segment: $(STAMP)
 	$(PY) -m mabn segment $(STAGE_ARGS)
 
-# A stage as a SLURM job with one task per GPU (GPUS per node, NODES); requeued on preemption, and the
-# requeued job resumes from the newest checkpoint.
+# A stage as a SLURM job with one task per GPU (GPUS per node, NODES), checked here before sbatch; requeued on
+# preemption, and the requeued job resumes from the newest checkpoint.
 slurm: $(STAMP)
 	GPUS=$(if $(filter 0,$(GPUS)),8,$(GPUS)) NODES=$(NODES) AFTER=$(AFTER) PYTHON=$(PY) \
 		scripts/slurm/submit.sh $(if $(DRY_RUN),--dry-run) $(STAGE) \

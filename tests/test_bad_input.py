@@ -127,7 +127,6 @@ CASES: list[tuple[str, str, list[str], Callable[[Path], None] | None, str]] = [
     ("batch-not-whole-ghost-batches", CS, ["--", "--data.init_args.global_batch_size", "6",
      "--model.init_args.norm_batch_size", "4"], None,
      "global_batch_size=6 does not split into normalization batches of norm_batch_size=4"),
-    ("global-batch-over-devices", CS, ["--gpus", "3", "--dry-run"], None, "global_batch_size=8 does not split over 3"),
     ("syncbn-on-cpu", CS, ["--norm", "syncbn"], None, "NORM=syncbn synchronizes BatchNorm"),
     ("missing-backbone", CS, ["--backbone", "{w}/pretrain/nope.pt"], None, "BACKBONE={w}/pretrain/nope.pt: no such"),
     ("real-stage-2-without-stage-1", CS, ["--data", "{w}/cityscapes"], None,
@@ -216,3 +215,40 @@ def test_grayscale_and_rgba_images_train(work, capsys):
     assert (work / "runs/cityscapes/gn/checkpoints/last.ckpt").is_file()
     stage.main(["pretrain", "--data", str(work / "imagenet"), "--norm", "gn", "--", *IMAGENET_FIT])
     assert (work / "runs/pretrain/gn/checkpoints/last.ckpt").is_file()
+
+
+def _bomb(path: Path, width: int, height: int) -> None:
+    """A PNG of a few bytes whose header claims ``width`` x ``height`` pixels (a decompression bomb's header)."""
+    import struct
+    import zlib
+
+    Image.new("L", (1, 1)).save(path)
+    data = bytearray(path.read_bytes())
+    ihdr = 8 + 8  # signature, then the IHDR chunk's length and type
+    data[ihdr : ihdr + 8] = struct.pack(">II", width, height)
+    data[ihdr + 13 : ihdr + 17] = struct.pack(">I", zlib.crc32(bytes(data[ihdr - 4 : ihdr + 13])))
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("side", [17_000, 40_000])  # PIL warns up to twice its limit and raises above
+def test_an_image_over_the_pixel_limit_is_one_line_naming_the_file(tmp_path, side):
+    from mabn.data.errors import DatasetError
+    from mabn.data.images import MAX_IMAGE_PIXELS, image_size, read_image
+
+    assert Image.MAX_IMAGE_PIXELS == MAX_IMAGE_PIXELS == 2**28 < side * side
+    bomb = tmp_path / "bomb.png"
+    _bomb(bomb, side, side)
+    for read in (lambda: read_image(bomb), lambda: image_size(bomb, "label")):
+        with pytest.raises(DatasetError) as info:
+            read()
+        line = str(info.value)
+        assert "\n" not in line and line.startswith("cannot read ") and f" file {bomb}: Image size (" in line
+        assert "pixels) exceeds limit of " in line  # PIL names 2 * MAX_IMAGE_PIXELS above twice the limit
+        print(line)  # what the user reads (docs/reliability.md)
+
+
+def test_an_image_of_cityscapes_size_is_read(tmp_path):
+    from mabn.data.images import read_image
+
+    Image.new("RGB", (2048, 1024)).save(tmp_path / "city.png")
+    assert read_image(tmp_path / "city.png").shape == (1024, 2048, 3)

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import pytorch_lightning as pl
 import torch
+import torch.nn.functional as F
 import yaml
 from torch import nn
 
@@ -22,9 +23,11 @@ from helpers.trainer import BARE, STAGE2_FIT
 from mabn import cli, launch
 from mabn.callbacks import MABNCallback, PhaseRule
 from mabn.commands import fit
+from mabn.data.cityscapes import IGNORE_INDEX
 from mabn.models import BackboneError, PSPNet, resnet101, save_backbone
 from mabn.norm import BatchRenorm2d, CenConv2d, MABN2d
 from mabn.tasks import SegmentationTask
+from mabn.tasks.segmentation import probs_loss
 
 NORM_TYPES = (nn.BatchNorm2d, nn.SyncBatchNorm, nn.GroupNorm, nn.LayerNorm, nn.InstanceNorm2d, BatchRenorm2d, MABN2d)
 EXPECTED_NORM = {"bn": nn.BatchNorm2d, "gn": nn.GroupNorm, "brn": BatchRenorm2d, "mabn": MABN2d}
@@ -200,6 +203,17 @@ def test_short_fit_logs_miou_and_saves_checkpoints(tiny_cityscapes, tmp_path, mo
     assert trainer.state.finished and trainer.global_step == 2
     miou = trainer.callback_metrics["val/miou"].item()
     assert math.isfinite(miou) and 0.0 <= miou <= 1.0
+    # val/loss: the cross-entropy of the class probabilities validation scores, averaged over the val images
+    val_loss = trainer.callback_metrics["val/loss"].item()
+    task = cli_obj.model.eval()
+    with torch.no_grad():
+        losses = [(probs_loss(task.predict_probs(x), y).item(), len(x)) for x, y in cli_obj.datamodule.val_dataloader()]
+        logits = torch.randn(2, 19, 5, 7, dtype=torch.float64)
+        labels = torch.randint(0, 19, (2, 5, 7))
+        labels[0, 0] = IGNORE_INDEX
+    assert val_loss == pytest.approx(sum(v * n for v, n in losses) / sum(n for _, n in losses), rel=1e-5)
+    expected = F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX)  # of the logits: the same cross-entropy
+    assert probs_loss(logits.softmax(1), labels).item() == pytest.approx(expected.item(), rel=1e-12)
     ckpt_cb = trainer.checkpoint_callback
     best, last = Path(ckpt_cb.best_model_path), Path(ckpt_cb.last_model_path)
     assert best.is_file() and last.is_file()

@@ -35,6 +35,7 @@ from helpers.ddp_task import Tiny, tiny_dataset
 from helpers.trainer import BARE, QUIET
 from mabn.callbacks import AgreedRequeue, FailFast, RandomStateCallback
 from mabn.callbacks.failfast import one_line
+from mabn.callbacks.requeue import TERMINATED_EXIT, requeue, slurm_job_id
 from mabn.callbacks.rng import RNG_KEY
 from mabn.callbacks.streams import STREAMS_KEY
 from mabn.cli import run_cli
@@ -86,13 +87,13 @@ class KillRank0(pl.Callback):
 
 
 class SignalProbe(pl.Callback):
-    """Sends this process SIGUSR1 at the start of batch ``at[rank]``, records every collective called while a
-    SIGUSR1 handler runs and the global step of every checkpoint this process takes part in."""
+    """Sends this process ``signum`` (SIGUSR1) at the start of batch ``at[rank]``, records every collective called
+    while its handler runs and the global step of every checkpoint this process takes part in."""
 
     COLLECTIVES = ("all_reduce", "all_gather", "all_gather_object", "broadcast", "broadcast_object_list", "barrier")
 
-    def __init__(self, root: Path, at: tuple[int, int]) -> None:
-        self.root, self.at = root, at
+    def __init__(self, root: Path, at: tuple[int, int], signum: int = signal.SIGUSR1) -> None:
+        self.root, self.at, self.signum = root, at, signum
         self.in_handler = False
         self.in_handler_calls: list[str] = []
         self.saved_at: list[int] = []
@@ -100,7 +101,7 @@ class SignalProbe(pl.Callback):
     def on_train_start(self, trainer, pl_module):
         for name in self.COLLECTIVES:
             setattr(dist, name, self._watched(name, getattr(dist, name)))
-        installed = signal.getsignal(signal.SIGUSR1)
+        installed = signal.getsignal(self.signum)
 
         def handler(signum, frame):
             self.in_handler = True
@@ -109,7 +110,7 @@ class SignalProbe(pl.Callback):
             finally:
                 self.in_handler = False
 
-        signal.signal(signal.SIGUSR1, handler)
+        signal.signal(self.signum, handler)
 
     def _watched(self, name, collective):
         def call(*args, **kwargs):
@@ -121,7 +122,7 @@ class SignalProbe(pl.Callback):
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         if batch_idx == self.at[trainer.global_rank]:
-            os.kill(os.getpid(), signal.SIGUSR1)
+            os.kill(os.getpid(), self.signum)
 
     def on_save_checkpoint(self, trainer, pl_module, checkpoint):
         self.saved_at.append(trainer.global_step)
@@ -130,6 +131,9 @@ class SignalProbe(pl.Callback):
         record = {"in_handler": self.in_handler_calls, "saved_at": self.saved_at}
         (self.root / f"probe-rank{trainer.global_rank}.json").write_text(json.dumps(record))
 
+    def on_exception(self, trainer, pl_module, exception):  # SIGTERM's exit
+        self.on_train_end(trainer, pl_module)
+
 
 def _worker(scenario: str, root: Path) -> None:
     if scenario == "sigusr1":
@@ -137,6 +141,10 @@ def _worker(scenario: str, root: Path) -> None:
         command = [sys.executable, "-c", f"import sys; open({str(log)!r}, 'a').write(sys.argv[1] + '\\n')"]
         probe = SignalProbe(root, at=(3, 1))  # rank 1 first, at batch 1; rank 0 at batch 3
         callbacks = [AgreedRequeue(every_n_batches=3, requeue_command=command), RandomStateCallback(), probe]
+        _trainer(root, callbacks, max_steps=4).fit(Tiny(), _train_loader())
+    elif scenario == "sigterm":
+        probe = SignalProbe(root, at=(3, 1), signum=signal.SIGTERM)  # rank 1 at batch 1; rank 0 would at batch 3
+        callbacks = [AgreedRequeue(every_n_batches=3, requeue_command=["false"]), RandomStateCallback(), probe]
         _trainer(root, callbacks, max_steps=4).fit(Tiny(), _train_loader())
     elif scenario == "rank0-killed":
         _trainer(root, [FailFast(grace_s=5), KillRank0()], max_steps=8).fit(Tiny(), _train_loader())
@@ -270,12 +278,36 @@ def test_requeue_signal_saves_one_checkpoint_at_an_agreed_step_without_collectiv
     assert (tmp_path / "requeue.log").read_text() == f"{JOB_ID}\n"
 
 
-@pytest.mark.parametrize(("world", "agreed_after"), [(2, [3, 6, 9]), (1, list(range(1, 11)))])
+@pytest.mark.slow  # two processes started as srun would, each importing the CLI: ~15 s
+def test_sigterm_saves_one_checkpoint_at_the_next_batch_without_collectives_in_the_handler(tmp_path):
+    """SIGTERM reaches rank 1 at the start of batch 1 only (as a plain ``kill`` of one process). Both processes
+    agree at the end of that batch: both take part in one checkpoint at global step 2 holding both devices' random
+    states and norm streams, Lightning's broadcast never runs in the handler, nothing is requeued, and both exit
+    with status 143."""
+    results = _run_ranks("sigterm", tmp_path, SLURM_LIKE)
+    for r, (code, _, output) in enumerate(results):
+        assert code == TERMINATED_EXIT, (r, output[-3000:])
+    assert "SIGTERM: checkpoint saved at step 2 in " in results[0][2]
+    probes = [json.loads((tmp_path / f"probe-rank{r}.json").read_text()) for r in range(WORLD)]
+    for r, probe in enumerate(probes):
+        assert probe == {"in_handler": [], "saved_at": [2]}, r
+    assert sorted(p.name for p in tmp_path.glob("*.ckpt")) == ["hpc_ckpt_1.ckpt"]
+    ckpt = torch.load(tmp_path / "hpc_ckpt_1.ckpt", weights_only=True)
+    assert ckpt["global_step"] == 2
+    for key in (RNG_KEY, STREAMS_KEY):
+        assert ckpt[key]["world_size"] == WORLD and len(ckpt[key]["ranks"]) == WORLD, key
+
+
+@pytest.mark.parametrize(
+    ("world", "agreed_after"),
+    [(2, [1, 2, 3, 3, 4, 5, 6, 6, 7, 8, 9, 9, 10]), (1, list(range(1, 11)))],
+)
 def test_requeue_agreement_comes_every_n_batches_across_epochs_and_at_every_batch_alone(
     monkeypatch, world, agreed_after
 ):
-    """Several processes agree (a collective, read on the host) after every 3rd batch of the fit, epochs of 4
-    batches notwithstanding; one process looks at its own flag after every batch."""
+    """Several processes agree (a collective, read on the host) on SIGTERM after every batch and on the requeue
+    signal after every 3rd batch of the fit, epochs of 4 batches notwithstanding; one process looks at its own
+    flags after every batch (``any_device`` of one process is its own flag)."""
     agreed = []  # the batches of the fit (1-based) after which the processes agreed
     monkeypatch.setattr(requeue_module, "world_size", lambda: world)
     monkeypatch.setattr(requeue_module, "any_device", lambda flag, device: agreed.append(batches) or flag)
@@ -288,6 +320,35 @@ def test_requeue_agreement_comes_every_n_batches_across_epochs_and_at_every_batc
     finally:
         callback.teardown(slurm, module, "fit")
     assert agreed == agreed_after
+
+
+@pytest.mark.parametrize("job", ["42; echo pwned", "42\n", "42 43", "$(id)", "", "_42"])
+def test_a_job_id_that_is_not_only_digits_underscores_and_dashes_is_refused(monkeypatch, job):
+    monkeypatch.delenv("SLURM_ARRAY_JOB_ID", raising=False)
+    monkeypatch.setenv("SLURM_JOB_ID", job)
+    with pytest.raises(ValueError, match="is not a job id"):
+        slurm_job_id()
+
+
+def test_job_ids_of_jobs_and_array_tasks_pass(monkeypatch):
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    monkeypatch.delenv("SLURM_ARRAY_JOB_ID", raising=False)
+    assert slurm_job_id() == "4242"
+    monkeypatch.setenv("SLURM_ARRAY_JOB_ID", "4240")
+    monkeypatch.setenv("SLURM_ARRAY_TASK_ID", "7")
+    assert slurm_job_id() == "4240_7"
+
+
+def test_a_requeue_command_not_on_path_is_one_log_line_and_no_shell(monkeypatch, caplog):
+    calls = []
+    monkeypatch.setattr(requeue_module.subprocess, "call", lambda *a, **k: calls.append((a, k)) or 0)
+    with caplog.at_level("ERROR", logger=requeue_module.log.name):
+        requeue(["no-such-scontrol-here", "requeue"], "4242")
+    assert calls == []
+    assert caplog.messages == [
+        "Cannot requeue SLURM job 4242: 'no-such-scontrol-here' is not on PATH; the checkpoint is saved, "
+        "requeue the job by hand (scontrol requeue) or resubmit it"
+    ]
 
 
 # ------------------------------------------------------------------------------ validation, unpadded

@@ -1,5 +1,5 @@
-"""Both stages on any device count: the per-device and global batch, the lr by the linear scaling rule and the
-schedule in epochs, as ``--dry-run`` says them for 1 to 64 GPUs (docs/scaling.md), and as a fit says them."""
+"""Both stages on any device count: the per-device and global batch, the lr by the linear scaling rule, stage 1's
+warm-up and the schedule in epochs, as ``--dry-run`` says them for 1 to 64 GPUs (docs/scaling.md)."""
 
 from __future__ import annotations
 
@@ -8,10 +8,13 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
+import yaml
 
 from mabn import scaling
 from mabn.commands import stage as stage_command
 from mabn.errors import ConfigError
+from mabn.tasks.classification import ClassificationTask
 
 LAYOUTS = [(1, 1), (8, 1), (8, 2), (8, 4), (8, 8)]  # GPUs per node x nodes, as the issue's users run them
 CITYSCAPES_TRAIN = 2975  # the real split's size: the recipe's epochs are of it
@@ -53,13 +56,31 @@ def _numbers(text: str) -> list[float]:
     return [float(n) for n in re.findall(r"\d+(?:\.\d+)?", text)]
 
 
-@pytest.mark.parametrize(("gpus", "nodes"), LAYOUTS, ids=[f"{g}x{n}" for g, n in LAYOUTS])
-def test_stage2_keeps_16_up_to_8_devices_then_2_per_device_with_linear_lr_and_its_epochs(gpus, nodes, layouts, capsys):
+def _stage2_per_device(devices: int) -> int:
+    """The rule, stated apart from mabn.scaling: the most whole pairs per device whose global batch stays within
+    the paper's 16, and never less than one pair (so beyond 8 devices the global batch is 2 x devices)."""
+    pairs = [k for k in range(1, 9) if 2 * k * devices <= 16]
+    return 2 * max(pairs, default=1)
+
+
+STAGE2_LAYOUTS = [(d, 1) for d in range(1, 17)] + [(8, 4), (8, 8)]
+
+
+@pytest.mark.parametrize(("gpus", "nodes"), STAGE2_LAYOUTS, ids=[f"{g}x{n}" for g, n in STAGE2_LAYOUTS])
+def test_stage2_takes_the_most_pairs_within_16_per_device_with_linear_lr_and_its_epochs(gpus, nodes, layouts, capsys):
     lines = _dry_run(capsys, "cityscapes", layouts["cityscapes"], gpus, nodes, "--backbone", "none")
     devices = gpus * nodes
-    per_device = 16 // devices if devices <= 8 else 2  # the paper's 16, and never less than one pair per device
+    per_device = _stage2_per_device(devices)
     global_batch = per_device * devices
     assert f"{per_device} per device x {devices} device(s) = global batch {global_batch}" in lines["batch"]
+    why = lines["global batch"]
+    assert why.startswith(f"{global_batch}, ")
+    if global_batch == 16:
+        assert "the recipe's global_batch_size" in why
+    elif global_batch < 16:
+        assert "below the recipe's global_batch_size 16: 16 does not split" in why and f"over {devices} devices" in why
+    else:
+        assert f"above the recipe's global_batch_size 16: each of {devices} devices holds at least one" in why
     per_epoch = math.ceil(CITYSCAPES_TRAIN / devices) // per_device
     assert _numbers(lines["iterations"])[:3] == [per_epoch, CITYSCAPES_TRAIN, 200 * per_epoch]
     assert math.isclose(_numbers(lines["lr"])[3], 0.01 * global_batch / 16)
@@ -80,16 +101,58 @@ def test_stage1_keeps_120_epochs_with_drops_at_30_60_90_on_any_device_count(gpus
 
 
 def test_device_batch_rule():
-    """Independent statement of the rule: whole pairs, the recipe's 16 while 16 splits into whole pairs per
-    device, one pair per device (so a larger global batch) beyond 8 devices, and an error otherwise."""
+    """Every device count gets a batch: the most whole pairs per device within the global batch of 16, at least
+    one pair; without a normalization batch, single samples."""
     for devices in range(1, 65):
-        if devices in (1, 2, 4, 8):
-            assert scaling.device_batch(16, devices, 2) * devices == 16
-        elif devices > 8:
-            assert scaling.device_batch(16, devices, 2) == 2
-        else:
-            with pytest.raises(ConfigError, match=f"over {devices} devices .* use 1, 2, 4, 8 or more than 8 devices"):
-                scaling.device_batch(16, devices, 2)
+        assert scaling.device_batch(16, devices, 2) == _stage2_per_device(devices)
+        assert scaling.device_batch(16, devices, None) == max(1, 16 // devices)
+    with pytest.raises(ConfigError, match="global_batch_size=15 does not split into normalization batches"):
+        scaling.device_batch(15, 4, 2)
+
+
+def _pretrain_hparams(**override) -> dict:
+    config = yaml.safe_load((Path(__file__).resolve().parents[1] / "configs" / "pretrain.yaml").read_text())
+    return config["model"]["init_args"] | override
+
+
+def _lrs(hp: dict, shape: scaling.RunShape, steps: int) -> list[float]:
+    """The lr the stage-1 schedule gives at each of the first ``steps`` optimizer steps."""
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=shape.lr(hp["base_lr"], 256))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, ClassificationTask.lr_factor(hp, shape))
+    lrs = []
+    for _ in range(steps):
+        lrs.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+    return lrs
+
+
+def _shape(lines: dict[str, str], devices: int) -> scaling.RunShape:
+    per_epoch, samples, total = (int(n) for n in _numbers(lines["iterations"])[:3])
+    return scaling.RunShape(32, devices, 1, 2, samples, per_epoch, total)
+
+
+def test_stage1_warms_up_over_5_epochs_from_base_lr_when_the_global_batch_exceeds_256(layouts, capsys):
+    lines = _dry_run(capsys, "pretrain", layouts["pretrain"], 8, 8)
+    per_epoch = math.ceil(IMAGENET_CLASSES * IMAGENET_PER_CLASS / 64) // 32
+    warmup = 5 * per_epoch  # Goyal et al.: 5 epochs, from the lr of batch 256 (0.1) up to 0.1 x 2048 / 256
+    assert lines["lr"] == "0.1 x 2048 / 256 = 0.8 (linear in the global batch)"
+    assert lines["warm-up"].startswith(f"5 epochs ({warmup} iterations), from 0.1 to 0.8, as the global batch 2048")
+    assert lines["schedule"].startswith(f"linear warm-up from 0.1 over 5 epochs ({warmup} iterations), then")
+    lrs = _lrs(_pretrain_hparams(), _shape(lines, 64), warmup + 2)
+    assert math.isclose(lrs[0], 0.1)
+    assert all(math.isclose(lr, 0.1 + 0.7 * step / warmup) for step, lr in enumerate(lrs[:warmup]))
+    assert math.isclose(lrs[warmup], 0.8) and math.isclose(lrs[warmup + 1], 0.8)
+
+
+def test_stage1_at_256_has_no_warm_up_and_an_explicit_warmup_epochs_wins(layouts, capsys):
+    recipe = _dry_run(capsys, "pretrain", layouts["pretrain"], 8, 1)
+    assert recipe["warm-up"].startswith("none, as the global batch 256 does not exceed base_batch_size 256")
+    assert recipe["schedule"].startswith("lr x 0.1 at epochs 30, 60, 90")
+    assert _lrs(_pretrain_hparams(), _shape(recipe, 8), 3) == pytest.approx([0.1] * 3)
+    off = _dry_run(capsys, "pretrain", layouts["pretrain"], 8, 8, "--", "--model.init_args.warmup_epochs", "0")
+    assert off["warm-up"] == "none, as set (warmup_epochs: 0)"
+    assert _lrs(_pretrain_hparams(warmup_epochs=0), _shape(off, 64), 3) == pytest.approx([0.8] * 3)
 
 
 def test_iterations_follow_the_sampler_and_the_dropped_last_batch():

@@ -205,6 +205,89 @@ def test_the_lock_is_reentrant_in_its_process_and_a_probe_creates_nothing(tmp_pa
     assert runlock.in_use(tmp_path / "other") is None and not (tmp_path / "other").exists()
 
 
+def test_a_symlinked_lock_file_is_refused_and_its_target_left_untouched(tmp_path, request, monkeypatch, capsys):
+    """A ``.lock`` that is a symbolic link would have its target truncated and overwritten by the holder's
+    record: the run stops with one line instead, and the file it points to keeps its bytes."""
+    monkeypatch.chdir(tmp_path)
+    victim = tmp_path / "precious.txt"
+    victim.write_text("keep me\n")
+    folder = tmp_path / "run"
+    folder.mkdir()
+    (folder / runlock.LOCK_FILE).symlink_to(victim)
+    with pytest.raises(runlock.ConfigError, match="is not a regular file"):
+        runlock.lock(folder)
+    assert victim.read_text() == "keep me\n"
+    assert runlock.in_use(folder) is None  # the dry run's probe opens nothing through it either
+
+    code, _, err = _here(_fit(_config(tmp_path, str(folder))), request, monkeypatch, capsys)
+    assert code == 2
+    assert _error_line(err) == f"error: {folder / runlock.LOCK_FILE} is not a regular file (a symbolic link); remove it"
+    assert victim.read_text() == "keep me\n"
+
+
+def _held_elsewhere(folder: Path) -> int:
+    """A descriptor holding ``folder``'s lock as a process on another host would (its own open file, its record)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    fd = os.open(folder / runlock.LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o666)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    os.pwrite(fd, b'{"host": "node-dead", "pid": 4242, "started": "2026-01-01 00:00:00"}\n', 0)
+    return fd
+
+
+def test_a_requeued_job_retries_a_lock_held_from_another_host_for_the_lease(tmp_path, monkeypatch, capsys):
+    """After a requeue the dead predecessor's lock on another host is retried (NFS drops it after its lease):
+    the lock is taken once it is gone, with one line saying why the run waits; a lock still held when the lease
+    ends is "in use" as before."""
+    import threading
+
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
+    monkeypatch.setenv(runlock.LEASE_ENV, "10")
+    folder = tmp_path / "run"
+    fd = _held_elsewhere(folder)
+    threading.Timer(2.5, os.close, [fd]).start()  # the server drops the dead client's lock
+    start = time.monotonic()
+    runlock.lock(folder)
+    assert 2.0 < time.monotonic() - start < 9
+    assert _holder_fields(folder)["pid"] == os.getpid()
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines == [
+        f"{folder} is in use by another run (host node-dead, pid 4242, started 2026-01-01 00:00:00); this requeued "
+        f"job retries for up to 10 s ({runlock.LEASE_ENV}) while the lock of its predecessor expires"
+    ]
+    print(lines[0])  # what the user reads (docs/reliability.md)
+
+    monkeypatch.setenv(runlock.LEASE_ENV, "2")
+    other = tmp_path / "other"
+    fd = _held_elsewhere(other)
+    try:
+        start = time.monotonic()
+        with pytest.raises(runlock.FolderInUse, match="node-dead"):
+            runlock.lock(other)
+        assert 2.0 <= time.monotonic() - start < 5
+    finally:
+        os.close(fd)
+
+
+def test_a_first_start_does_not_wait_out_the_lease(tmp_path, monkeypatch):
+    monkeypatch.delenv("SLURM_RESTART_COUNT", raising=False)
+    folder = tmp_path / "run"
+    fd = _held_elsewhere(folder)
+    try:
+        start = time.monotonic()
+        with pytest.raises(runlock.FolderInUse):
+            runlock.lock(folder)
+        assert time.monotonic() - start < 3
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.parametrize("value", ["soon", "-1", "nan"])
+def test_a_lease_that_is_not_seconds_is_one_line(monkeypatch, value):
+    monkeypatch.setenv(runlock.LEASE_ENV, value)
+    with pytest.raises(runlock.ConfigError, match=f"{runlock.LEASE_ENV}="):
+        runlock.lease_s()
+
+
 def test_where_the_filesystem_has_no_locks_the_run_goes_on_with_one_warning(tmp_path, monkeypatch, capsys):
     def no_locks(fd, operation):
         raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
@@ -345,8 +428,9 @@ STAGES = {
                    ["--data.init_args.global_batch_size", "4", "--data.init_args.crop_size", "32",
                     "--model.init_args.log_predictions_every_n_epochs", "0"],
                    "error: CUDA out of memory in a training step (per-device batch 4, crop 32): lower "
-                   "--data.init_args.crop_size, or use more devices so each holds fewer images (global_batch_size "
-                   "splits over them)"),
+                   "--data.init_args.crop_size, use more devices so each holds fewer images (global_batch_size "
+                   "splits over them), or accumulate: --data.init_args.global_batch_size 2 "
+                   "--trainer.accumulate_grad_batches 2 (the same global batch)"),
     "pretrain": ("mabn.tasks.ClassificationTask", [],
                  ["--data.init_args.batch_size", "2", "--data.init_args.image_size", "32",
                   "--data.init_args.val_resize", "36"],

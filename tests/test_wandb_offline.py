@@ -6,9 +6,13 @@ in the offline run and in ``metrics.csv``, with one line naming the folder to ``
 from __future__ import annotations
 
 import csv
+import json
 import math
+import os
 import re
 import socket
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -141,3 +145,70 @@ def test_a_fit_with_wandb_unreachable_goes_on_offline(server, tmp_path, request,
         wandb_values = {int(r["trainer/global_step"]): r[key] for r in logged if key in r}
         assert csv_values and wandb_values.keys() == csv_values.keys(), key
         assert all(math.isclose(wandb_values[s], v, rel_tol=1e-6) for s, v in csv_values.items()), key
+
+
+def _run_record(run_dir: Path) -> dict:
+    """The run record of an offline run (its name, group and tags), read by ``wandb leet inspect``."""
+    env = {**os.environ, "WANDB_MODE": "offline"}
+    cmd = [sys.executable, "-m", "wandb", "leet", "inspect", "--json", str(run_dir)]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
+    assert result.returncode == 0, result.stderr
+    records = [json.loads(line) for line in result.stdout.splitlines() if line.strip()]
+    return next(r["run"] for r in records if r["type"] == "run")
+
+
+def test_a_fit_names_groups_and_tags_its_run(tmp_path, request, monkeypatch, capsys):
+    """``python -m mabn fit`` (in this process, wandb offline) with the stage and dataset a stage launch passes:
+    the run is ``<stage>-<norm>-<run folder name>``, grouped and tagged by stage, norm and dataset (the tiny
+    task has no decoder), and tags given in the config are kept."""
+    from mabn.__main__ import main
+
+    monkeypatch.syspath_prepend(str(Path(__file__).parent))  # cli_tiny, for the CLI's class paths
+    folder = tmp_path / "run"
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text(CONFIG.format(root=folder).replace("project: tiny}", "project: tiny, tags: [mine]}"))
+    monkeypatch.chdir(tmp_path)
+    wandb_session(request, monkeypatch, "offline")
+    args = ["fit", "--config", str(cfg), "--trainer.max_epochs", "1"]
+    args += ["--trainer.logger.init_args.stage", "cityscapes", "--trainer.logger.init_args.dataset", "tiny"]
+    assert main(args) in (0, None), capsys.readouterr().err[-3000:]
+    wandb.run.finish()
+
+    run = _run_record(offline_run(folder))
+    assert run["display_name"] == "cityscapes-bn-run"
+    assert run["run_group"] == "cityscapes-bn-tiny"
+    assert run["tags"] == ["stage:cityscapes", "norm:bn", "data:tiny", "mine"]
+
+
+def test_the_wandb_identity_of_a_segmentation_run(tmp_path, request, monkeypatch):
+    """A stage-2 run's name, group and tags, the decoder from the task's hyperparameters; a name given wins."""
+    from mabn.loggers import WandbLogger
+
+    wandb_session(request, monkeypatch, "disabled")
+    hparams = {"norm": "mabn", "decoder": "pspnet", "data_dir": "/data/cityscapes"}
+    logger = WandbLogger(save_dir=str(tmp_path / "runs" / "cityscapes" / "mabn"), stage="cityscapes")
+    logger._hparams = hparams
+    assert logger.run_identity() == {
+        "name": "cityscapes-mabn-mabn",
+        "group": "cityscapes-mabn-pspnet-cityscapes",
+        "tags": ["stage:cityscapes", "norm:mabn", "decoder:pspnet", "data:cityscapes"],
+    }
+    named = WandbLogger(save_dir=str(tmp_path / "x"), name="mine", group="g", dataset="demo-cityscapes")
+    named._hparams = hparams
+    assert named.run_identity() == {
+        "name": "mine",
+        "group": "g",
+        "tags": ["norm:mabn", "decoder:pspnet", "data:demo-cityscapes"],
+    }
+
+
+def test_the_stage_launch_passes_stage_and_dataset_to_the_wandb_logger(tmp_path, monkeypatch):
+    from mabn import launch
+    from mabn.cli import run_cli
+
+    monkeypatch.chdir(tmp_path)
+    args = launch.build_args("cityscapes", None, "mabn", 0, 1, [], dry_run=True)
+    loggers = run_cli(args, dry_run=True).config.fit.trainer.logger
+    wandb_args = [lg.init_args for lg in loggers if lg.class_path == "mabn.loggers.WandbLogger"]
+    assert [(a.stage, a.dataset) for a in wandb_args] == [("cityscapes", "demo-cityscapes")]
+    assert all("stage" not in lg.init_args for lg in loggers if lg.class_path != "mabn.loggers.WandbLogger")

@@ -21,6 +21,8 @@ For ``fit``:
   step is one line naming the per-device batch, the crop or image size, and what to lower), with their default
   settings unless ``trainer.callbacks`` lists one of them with its own, e.g.
   ``--trainer.callbacks+ "{class_path: mabn.callbacks.AgreedRequeue, init_args: {every_n_batches: 20}}"``.
+- where stdout or stderr is not a terminal (SLURM, CI, a pipe), Lightning's progress bar gives way to
+  ``LineProgress``: one line every 50 steps (``enable_progress_bar: false`` silences it too).
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ from jsonargparse import ArgumentParser, DefaultHelpFormatter, Namespace
 from pytorch_lightning.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
 
 from . import runlock, runs
-from .callbacks import AgreedRequeue, FailFast, OutOfMemoryReport, RandomStateCallback
+from .callbacks import AgreedRequeue, FailFast, OutOfMemoryReport, RandomStateCallback, use_line_progress
 from .commands import PROG, PlainTextHelp
 from .errors import ConfigError, UserError, explained, own_message
 from .files import AtomicCheckpointIO, write_text_atomic
@@ -383,10 +385,12 @@ class MabnCLI(LightningCLI):
             kwargs.setdefault("plugins", [*plugins, AtomicCheckpointIO()])
         trainer = super().instantiate_trainer(**kwargs)
         # Exact resume; CUDA out of memory in a training step as one line (before FailFast, which passes that line
-        # to the other processes); a failing DDP process stops all; SLURM's requeue checkpoint at an agreed step.
+        # to the other processes); a failing DDP process stops all; SLURM's requeue signal and SIGTERM (scancel,
+        # preemption, kill) save a checkpoint at a step every process agrees on, and SIGTERM then ends the run.
         for callback in (RandomStateCallback(), OutOfMemoryReport(), FailFast(), AgreedRequeue()):
             if not any(isinstance(c, type(callback)) for c in trainer.callbacks):
                 trainer.callbacks.append(callback)
+        use_line_progress(trainer)  # where the output is a file, one line per 50 steps instead of a redrawn bar
         return trainer
 
 

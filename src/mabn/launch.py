@@ -20,6 +20,7 @@ import shlex
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +32,8 @@ from .norm import NORM_PRESETS
 from .process import launch_rank, say
 from .tasks.classification import backbone_path
 
-CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+# The recipes, package data (configs/ of the repository, linked into the package): an installed copy carries them
+CONFIGS = Path(str(resources.files(__package__) / "configs")).resolve()
 DEMO_DATA = Path("data")
 RUNS = Path("runs")
 BACKBONES = Path("pretrain")
@@ -43,6 +45,15 @@ STAGE2 = ("cityscapes", "segment")  # the stages that fine-tune a stage-1 backbo
 
 class LaunchError(ConfigError):
     """A launch that cannot work as asked; the message says why and what to change."""
+
+
+class LaunchErrors(LaunchError):
+    """Every independent problem of a launch at once (data, norm, backbone, devices, the launcher's layout, the
+    LightningCLI's own check): ``messages``, one line each; the message of a single problem is that line."""
+
+    def __init__(self, messages: list[str]) -> None:
+        self.messages = list(messages)
+        super().__init__("\n".join(self.messages))
 
 
 def _demo_set(root: Path, generate: Callable[[Path], Path], marker: str) -> Path:
@@ -284,23 +295,66 @@ def plan(
 ) -> LaunchPlan:
     """The plan of a stage run (the demo profile without ``data``); nothing is generated or read here but file
     names. ``dry_run`` assumes a GPU machine; ``backbone_pending`` (with it): stage 1 writes the backbone before
-    this run starts. ``LaunchError`` for a launch that cannot work."""
-    launcher = check_cluster(gpus, nodes)
+    this run starts. ``LaunchErrors`` (a ``LaunchError``) for a launch that cannot work, naming every problem."""
+    found, problems = checked_plan(
+        stage, data, norm, gpus, nodes, extra, backbone, resume, dry_run, folder, backbone_pending
+    )  # fmt: skip
+    if problems:
+        raise LaunchErrors(problems)
+    return found
+
+
+def checked_plan(
+    stage: str,
+    data: Path | None,
+    norm: str,
+    gpus: int,
+    nodes: int,
+    extra: list[str],
+    backbone: str | Path | None = None,
+    resume: str | None = None,
+    dry_run: bool = False,
+    folder: Path | None = None,
+    backbone_pending: bool = False,
+) -> tuple[LaunchPlan, list[str]]:
+    """``plan``'s checks, each independent of the others' outcome: (the plan, the problems, one line each, in the
+    order launcher, norm, devices, data, backbone). Where a check failed the plan holds a stand-in (the given
+    data folder, or a folder inside it that is not there, norm mabn, one CPU process, no backbone), so that the
+    LightningCLI can still check the rest without reporting the same problems again."""
+    problems: list[str] = []
+
+    def attempt(check: Callable[[], Any], stand_in: Any = None) -> Any:
+        try:
+            return check()
+        except LaunchError as err:
+            problems.append(str(err))
+            return stand_in
+
+    launcher = attempt(lambda: check_cluster(gpus, nodes))
     label, preset = norm, STAGE1_PRESETS.get(norm)  # the run's name: the norm, or a stage-1 preset
+    norm_ok = True
     if preset is not None and stage != "pretrain":
-        raise LaunchError(
+        problems.append(
             f"NORM={label} is a stage-1 preset ({preset.description}); stage 2 loads its backbone into "
             f"NORM={preset.stage2_norms} with BACKBONE={backbone_path(BACKBONES / label, preset.norm)}"
         )
+        norm_ok = False
     norm = preset.norm if preset else norm
     if norm not in NORM_PRESETS:
         names = sorted([*NORM_PRESETS, *STAGE1_PRESETS])
-        raise LaunchError(f"NORM={norm}: unknown norm; choose one of {', '.join(names)}")
+        problems.append(f"NORM={norm}: unknown norm; choose one of {', '.join(names)}")
+        norm, norm_ok = "mabn", False  # the stand-in the LightningCLI checks the rest with
     cuda = True if dry_run else None
-    syncbn = norm_args(norm, gpus, nodes, cuda)  # first: a refused syncbn run says nothing else
-    hardware = trainer_args(gpus, nodes, cuda) + syncbn
+    devices_ok = gpus >= 0 and nodes >= 1 and not (gpus == 0 and nodes > 1)
+    # A refused syncbn run says nothing else about its devices (no "No CUDA device here" line).
+    syncbn = attempt(lambda: norm_args(norm, gpus, nodes, cuda), None) if norm_ok and devices_ok else []
+    hardware = attempt(lambda: trainer_args(gpus, nodes, True if syncbn is None else cuda), None)
+    hardware = (hardware if hardware is not None else trainer_args(0, 1)) + (syncbn or [])
     profile = PROFILES[stage]
-    configs, data_dir = profile.resolve(data)
+    resolved = attempt(lambda: profile.resolve(data))
+    if resolved is None:  # a data folder that is not the layout: a stand-in that no check reads from
+        resolved = [*profile.base, profile.config], data if data is None or not data.exists() else data / "(layout)"
+    configs, data_dir = resolved
     demo = data is None
     folder = run_dir(stage, label, demo, folder)
     args = ["fit"]
@@ -308,19 +362,26 @@ def plan(
         args += ["--config", str(CONFIGS / name)]
     args += ["--data.init_args.data_dir", str(data_dir), "--model.init_args.norm", norm]
     args += ["--trainer.default_root_dir", str(folder)]
+    # wandb's run name, group and tags (mabn.loggers.WandbLogger, the recipes' last logger): the stage and dataset
+    dataset = {"pretrain": "imagenet", "cityscapes": "cityscapes"}.get(stage) if data is not None else None
+    args += ["--trainer.logger.init_args.stage", stage]
+    args += ["--trainer.logger.init_args.dataset", dataset or data_dir.resolve().name]
     if stage == "pretrain":
         export_dir = BACKBONES / DEMO if demo else BACKBONES
         args += ["--model.init_args.export_dir", str(export_dir / label if preset else export_dir)]
         args += list(preset.args) if preset else []
     loading: list[str] = []
-    if stage in STAGE2:
-        loading, line = stage2_backbone(norm, backbone, demo, backbone_pending and dry_run)
-        say(line)
+    # Stage 1's export for an unknown norm is no file to look for: the norm's problem is the one to report.
+    if stage in STAGE2 and (norm_ok or backbone is not None):
+        found = attempt(lambda: stage2_backbone(norm, backbone, demo, backbone_pending and dry_run))
+        if found is not None:
+            loading, line = found
+            say(line)
     args += loading + (["--ckpt_path", resume] if resume else [])
     return LaunchPlan(
         stage, label, profile, demo, data_dir, folder, tuple(hardware), tuple(loading), resume,
         (*args, *hardware, *extra), launcher,
-    )  # fmt: skip
+    ), problems  # fmt: skip
 
 
 def build_args(*args: Any, **kwargs: Any) -> list[str]:

@@ -11,10 +11,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from lightning_fabric.utilities.logger import _convert_params
 from pytorch_lightning.core.saving import save_hparams_to_yaml
 from pytorch_lightning.loggers import CSVLogger as _CSVLogger
 from pytorch_lightning.loggers import WandbLogger as _WandbLogger
 from pytorch_lightning.loggers.csv_logs import ExperimentWriter
+from pytorch_lightning.loggers.logger import DummyExperiment
 
 from .files import first_line, write_atomic, write_text_atomic
 
@@ -56,7 +58,15 @@ class WandbLogger(_WandbLogger):
     An online start that fails (server unreachable or not answering within ``online_timeout`` seconds, wandb's
     ``init_timeout``; a refused key) never ends the training: the run goes on offline, same id and folder, and
     one line says which folder to ``wandb sync`` later. wandb's login adds up to 10 s to the timeout when the
-    server does not answer (two 5 s look-ups of the account, fixed in wandb)."""
+    server does not answer (two 5 s look-ups of the account, fixed in wandb).
+
+    The run is named ``<stage>-<norm>-<run folder name>`` (e.g. ``cityscapes-mabn-mabn``), grouped by
+    ``<stage>-<norm>-<decoder>-<dataset>`` and tagged ``stage:<stage>``, ``norm:<norm>``, ``decoder:<decoder>``
+    and ``data:<dataset>``, from ``stage`` and ``dataset`` (``python -m mabn <stage>`` sets both), the task's
+    hyperparameters (``norm``, ``decoder``) and ``save_dir``; a part that is unknown is left out (a plain
+    ``python -m mabn fit`` has no stage; the dataset is then the name of the data's ``data_dir``). A ``name`` or
+    ``group`` given wins, and ``tags`` given are added to these. In a fit the run starts when Lightning logs the
+    hyperparameters, after the setup hooks."""
 
     def __init__(
         self,
@@ -65,6 +75,8 @@ class WandbLogger(_WandbLogger):
         offline: bool | None = None,
         id: str | None = None,
         online_timeout: float = 45.0,
+        stage: str | None = None,
+        dataset: str | None = None,
         **kwargs: Any,
     ):
         if offline is None:
@@ -79,11 +91,39 @@ class WandbLogger(_WandbLogger):
         # front of a failing run's one-line error; unset, wandb says nothing.
         if self._wandb_init.get("anonymous") is None:
             self._wandb_init.pop("anonymous", None)
+        self._stage, self._dataset = stage, dataset
+        self._hparams: dict[str, Any] = {}
+
+    def run_identity(self) -> dict[str, Any]:
+        """The run's ``name``, ``group`` and ``tags`` for ``wandb.init`` (see the class's doc)."""
+        hp, init = self._hparams, self._wandb_init
+        dataset = self._dataset or (Path(str(hp["data_dir"])).name if hp.get("data_dir") else None)
+        norm, decoder = hp.get("norm"), hp.get("decoder")
+        folder = Path(str(self._save_dir)).resolve().name if self._save_dir else None
+        facts = {"stage": self._stage, "norm": norm, "decoder": decoder, "data": dataset}
+        tags = [f"{key}:{value}"[:64] for key, value in facts.items() if value]  # wandb's limit: 64 characters
+        return {
+            "name": init.get("name") or "-".join(str(p) for p in (self._stage, norm, folder) if p) or None,
+            "group": init.get("group") or "-".join(str(p) for p in (self._stage, norm, decoder, dataset) if p) or None,
+            "tags": list(dict.fromkeys([*tags, *(init.get("tags") or [])])) or None,
+        }
+
+    def log_hyperparams(self, params: Any) -> None:
+        # Lightning logs the task's (and the data's) hyperparameters first thing in a fit: they name the run.
+        self._hparams = dict(_convert_params(params) or {})
+        super().log_hyperparams(params)
 
     @property
     def experiment(self):
         import wandb
 
+        if self._experiment is None and not self._hparams and sys._getframe(1).f_code.co_name == "_call_setup_hook":
+            # Lightning starts the loggers' experiments before the setup hooks, for their metadata (this logger's
+            # version is its id, known already); the run starts at log_hyperparams instead, named after them.
+            return DummyExperiment()
+        if self._experiment is None:
+            self._wandb_init.update(self.run_identity())
+            self._name = self._wandb_init["name"]
         try:
             run = super().experiment
         except (wandb.Error, TimeoutError) as err:  # CommError, AuthenticationError, UsageError; or wandb's own wait

@@ -18,6 +18,16 @@ lock; with the ``nolock`` mount option a lock is seen on its own machine only). 
 ``-o flock`` (``-o localflock``: its own node only; by default the call fails). Where the call fails (ENOLCK,
 EOPNOTSUPP, ENOSYS) the run goes on, and one line says that the folder is not locked.
 
+The lock file is opened with ``O_NOFOLLOW`` and used only when it is a regular file: a ``.lock`` that is a symbolic
+link (its target would be truncated and overwritten by the holder's record), a folder or a device stops the run
+with ``<folder>/.lock is not a regular file (a symbolic link); remove it`` before anything is written.
+
+A requeued SLURM job (``SLURM_RESTART_COUNT`` above 0) may start on another node while the server still keeps the
+lock of its dead predecessor: an NFS server drops a vanished client's locks only after its lease (90 s by
+default). A lock held from another host is therefore retried for ``$MABN_LOCK_LEASE_S`` seconds (default 120)
+before the folder counts as in use; a first start, or a holder on this host (whose end the kernel sees at once),
+waits only the moment ``SETTLE_S``. Settings are environment variables, as elsewhere in mabn (``MABN_FUSED``).
+
 After locking, the holder writes its host, process id and start time into the lock file; a refused run reads
 them back for its error line. The file itself is never removed: a lock file that nobody holds is free.
 """
@@ -29,6 +39,7 @@ import fcntl
 import json
 import os
 import socket
+import stat
 import sys
 import time
 from dataclasses import dataclass
@@ -43,6 +54,9 @@ UNSUPPORTED = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS}
 # A dry run's probe holds a shared lock for an instant, and a holder writes its line just after locking: both
 # are waited out this long before a folder counts as taken, or a holder as unrecorded.
 SETTLE_S = 1.0
+# How long a requeued SLURM job retries a lock held from another host (NFS keeps a dead client's locks ~90 s).
+LEASE_ENV = "MABN_LOCK_LEASE_S"
+DEFAULT_LEASE_S = 120.0
 
 _held: dict[Path, int] = {}  # folder (resolved) -> the open descriptor that holds its lock in this process
 _unlockable: set[Path] = set()  # folders whose filesystem has no locks, said once per process
@@ -98,6 +112,48 @@ def _read_holder(fd: int) -> Holder | None:
         time.sleep(0.05)
 
 
+def _requeued() -> bool:
+    """Whether this is a SLURM job that has been requeued (its predecessor may have held the lock elsewhere)."""
+    count = os.environ.get("SLURM_RESTART_COUNT", "")
+    return count.isdigit() and int(count) > 0
+
+
+def lease_s() -> float:
+    """``$MABN_LOCK_LEASE_S`` (default 120): how long a requeued job retries a lock held from another host."""
+    value = os.environ.get(LEASE_ENV, "")
+    if not value:
+        return DEFAULT_LEASE_S
+    try:
+        seconds = float(value)
+    except ValueError:
+        raise ConfigError(f"{LEASE_ENV}={value!r} is not a number of seconds") from None
+    if not seconds >= 0:
+        raise ConfigError(f"{LEASE_ENV}={value!r} is not a number of seconds (0 or more)")
+    return seconds
+
+
+def _foreign(fd: int) -> bool:
+    """Whether the holder recorded in the lock file ``fd`` ran on another host (or is not recorded)."""
+    try:
+        return json.loads(os.pread(fd, 4096, 0).decode())["host"] != socket.gethostname()
+    except (ValueError, KeyError, TypeError, OSError):
+        return True
+
+
+def _open_lock_file(path: Path, flags: int) -> int:
+    """``path`` opened with ``flags`` and ``O_NOFOLLOW``; a ``ConfigError`` unless it is a regular file."""
+    try:
+        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK, 0o666)
+    except OSError as err:
+        if err.errno == errno.ELOOP:  # O_NOFOLLOW met a symbolic link
+            raise ConfigError(f"{path} is not a regular file (a symbolic link); remove it") from None
+        raise
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise ConfigError(f"{path} is not a regular file; remove it")
+    return fd
+
+
 def _holds(folder: Path) -> bool:
     """Whether this process holds ``folder``'s lock, on the lock file that is there now (not one of a folder
     that was removed and made again)."""
@@ -124,15 +180,29 @@ def lock(folder: Path) -> None:
     with write_faults(path):
         folder.mkdir(parents=True, exist_ok=True)
         # Read-write: NFS grants an exclusive lock only on a descriptor open for writing.
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+        fd = _open_lock_file(path, os.O_RDWR | os.O_CREAT)
     try:
-        deadline = time.monotonic() + SETTLE_S
+        start = time.monotonic()
+        lease = lease_s() if _requeued() else 0.0
+        said = False
         while True:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 break
             except BlockingIOError:
-                if time.monotonic() > deadline:
+                waited = time.monotonic() - start
+                if lease > SETTLE_S and waited > SETTLE_S and waited <= lease and _foreign(fd):
+                    if not said:
+                        said = True
+                        print(
+                            f"{in_use_message(folder, _read_holder(fd))}; this requeued job retries for up to "
+                            f"{lease:g} s ({LEASE_ENV}) while the lock of its predecessor expires",
+                            file=sys.stderr,
+                            flush=True,
+                        )
+                    time.sleep(0.5)
+                    continue
+                if waited > SETTLE_S:
                     raise FolderInUse(
                         f"{in_use_message(folder, _read_holder(fd))}: wait for it to end, or pick another folder "
                         "with --run-dir (--trainer.default_root_dir)"
@@ -169,8 +239,8 @@ def in_use(folder: Path) -> str | None:
     if folder.resolve() in _held:
         return None
     try:
-        fd = os.open(folder / LOCK_FILE, os.O_RDONLY)
-    except OSError:  # never locked, or not readable: nothing to report
+        fd = _open_lock_file(folder / LOCK_FILE, os.O_RDONLY)
+    except (OSError, ConfigError):  # never locked, not readable, or not a file: the run itself says so
         return None
     try:
         try:

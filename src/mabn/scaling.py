@@ -1,9 +1,10 @@
 """How a run's batch and schedule follow its device count: one rule per stage (docs/scaling.md).
 
-- The per-device batch: stage 1 fixes it (32); stage 2 fixes the global batch (16) and splits it over the
-  devices while each share is a whole number of normalization batches, and beyond that many devices gives each
-  device one normalization batch, so the global batch grows with the devices (``device_batch``).
-- The lr follows the global batch (the linear scaling rule): base_lr x global batch / base batch.
+- The per-device batch: stage 1 fixes it (32); stage 2 fixes the global batch (16) as a ceiling: each device
+  takes the largest whole number of normalization batches that keeps the global batch at most 16, and never fewer
+  than one, so beyond 8 devices the global batch grows with the devices (``device_batch``).
+- The lr follows the global batch (the linear scaling rule): base_lr x global batch / base batch. Stage 1 warms it
+  up linearly over 5 epochs (Goyal et al.) when the global batch exceeds its base batch (``auto_warmup_epochs``).
 - The schedule is in epochs: warm-up, poly horizon and lr drops convert to iterations from the iterations per
   epoch the device count gives (``loader_batches``), so a run keeps the recipe's epochs on any number of
   devices. MABN's phase timelines stay in iterations, as in the paper.
@@ -21,9 +22,10 @@ from .errors import ConfigError
 
 
 def device_batch(global_batch: int, devices: int, norm_batch: int | None) -> int:
-    """The per-device batch of a run whose recipe fixes ``global_batch``: its share on each of ``devices`` when
-    that is a whole number of normalization batches of ``norm_batch`` (None: the device's whole batch), and one
-    normalization batch per device once there are more devices than the global batch holds."""
+    """The per-device batch of a run whose recipe fixes ``global_batch``: the largest whole number of
+    normalization batches of ``norm_batch`` (None: single samples) per device that keeps the global batch at most
+    ``global_batch``, and never fewer than one normalization batch, so on more devices than ``global_batch``
+    holds normalization batches the global batch exceeds it."""
     unit = norm_batch or 1
     if global_batch < 1 or devices < 1:
         raise ConfigError(f"global_batch_size={global_batch} over {devices} device(s): both must be >= 1")
@@ -32,16 +34,27 @@ def device_batch(global_batch: int, devices: int, norm_batch: int | None) -> int
             f"global_batch_size={global_batch} does not split into normalization batches of "
             f"norm_batch_size={unit}: use a multiple of {unit}"
         )
-    if devices * unit > global_batch:
-        return unit
-    share, rest = divmod(global_batch, devices)
-    if rest or share % unit:
-        splits = [d for d in range(1, global_batch // unit + 1) if (global_batch // unit) % d == 0]
-        raise ConfigError(
-            f"global_batch_size={global_batch} does not split over {devices} devices into whole normalization "
-            f"batches of {unit}: use {', '.join(map(str, splits))} or more than {global_batch // unit} devices"
+    return max(1, global_batch // (devices * unit)) * unit
+
+
+def device_batch_reason(global_batch: int, devices: int, norm_batch: int | None) -> str:
+    """Why ``device_batch`` gives the global batch it gives, in words (the dry run's ``global batch:`` line)."""
+    unit = norm_batch or 1
+    per_device = device_batch(global_batch, devices, norm_batch)
+    run = per_device * devices
+    what = f"normalization batches of {unit}" if norm_batch else "samples"
+    each = f"{per_device // unit} x {unit}" if norm_batch else f"{per_device}"
+    if run == global_batch:
+        return f"{run}, the recipe's global_batch_size ({each} per device on {devices} device(s))"
+    if run < global_batch:
+        return (
+            f"{run}, below the recipe's global_batch_size {global_batch}: {global_batch} does not split into whole "
+            f"{what} over {devices} devices, so each takes the most that keep the global batch at most "
+            f"{global_batch} ({each})"
         )
-    return share
+    least = f"one normalization batch of {unit}" if norm_batch else "one sample"
+    above = f"above the recipe's global_batch_size {global_batch}"
+    return f"{run}, {above}: each of {devices} devices holds at least {least}"
 
 
 def loader_batches(samples: int, per_device: int, devices: int) -> int:
@@ -54,6 +67,15 @@ def iterations_per_epoch(batches: int, accumulate: int = 1) -> int:
     """Optimizer steps per epoch of ``batches`` loader batches: a step also ends a partial accumulation window
     (as Lightning's fit loop runs them)."""
     return math.ceil(batches / accumulate)
+
+
+GOYAL_WARMUP_EPOCHS = 5.0  # Goyal et al. (2017): the gradual warm-up that goes with the linear scaling rule
+
+
+def auto_warmup_epochs(global_batch: int, base_batch: int) -> float:
+    """The warm-up of a run whose lr is scaled by the linear scaling rule: ``GOYAL_WARMUP_EPOCHS`` when the global
+    batch exceeds ``base_batch`` (the lr is scaled up), none otherwise (the recipe's batch or a smaller one)."""
+    return GOYAL_WARMUP_EPOCHS if global_batch > base_batch else 0.0
 
 
 def linear_lr(base_lr: float, global_batch: int, base_batch: int) -> float:

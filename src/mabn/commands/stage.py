@@ -6,13 +6,16 @@ one LightningCLI (``mabn.cli``) that checks the whole configuration, takes the r
 builds the data module, generates the demo set. ``--resume auto`` continues from the newest checkpoint of the
 experiment folder, so a killed or requeued job restarts with the same command; ``--dry-run`` checks everything
 (and the SLURM or torchrun environment), prints the run's plan and its LightningCLI command, and builds, generates
-and writes nothing. Lightning's DDP launcher runs this command again in each further process: those take no lock,
-and wait for process 0's demo set.
+and writes nothing. A launch that cannot work stops with exit status 2 and an ``error:`` line: a dry run (the check
+``make slurm`` runs before it submits) one for each independent problem (launcher layout, norm, devices, data,
+backbone, then the LightningCLI's check of the rest), a run its first. Lightning's DDP launcher runs this command
+again in each further process: those take no lock, and wait for process 0's demo set.
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 from .. import cli, launch
@@ -54,7 +57,7 @@ def main(argv: list[str]) -> int:
     extra = unknown + argv[cut + 1 :]
     end_process_group_at_exit()  # every run, whatever its norm: a DDP worker must exit cleanly
     try:
-        plan = launch.plan(
+        plan, problems = launch.checked_plan(
             stage,
             ns.data,
             ns.norm,
@@ -67,9 +70,32 @@ def main(argv: list[str]) -> int:
             folder=ns.run_dir,
             backbone_pending=ns.backbone_pending,
         )
+        if problems and not ns.dry_run:  # a run stops at its first problem
+            raise launch.LaunchError(problems[0])
+        if problems:  # a dry run names them all; its LightningCLI checks the rest on the plan's stand-ins
+            raise launch.LaunchErrors([*problems, *(m for m in cli_problems(plan) if m not in problems)])
         checked = cli.run_cli(list(plan.args), dry_run=ns.dry_run, prepare=plan.prepare_data)
-    except Exception as err:  # a configuration or data-layout mistake is one line; anything else a traceback
-        cli.exit_on_user_error(err)
+    except Exception as err:  # a configuration or data-layout mistake is one line each; anything else a traceback
+        exit_on_user_errors(err)
     if ns.dry_run:
         print("\n".join([*checked.plan_lines, *([plan.launcher] if plan.launcher else []), plan.command]))
     return 0
+
+
+def cli_problems(plan: launch.LaunchPlan) -> list[str]:
+    """The LightningCLI's check of ``plan``'s arguments as a dry run (it builds, reads and locks nothing): its
+    problem, or none; an error that is no user's mistake stays behind the launch's own problems."""
+    try:
+        cli.run_cli(list(plan.args), dry_run=True)
+    except Exception as err:
+        message = cli.user_error(err)
+        return [message] if message else []
+    return []
+
+
+def exit_on_user_errors(err: BaseException) -> None:
+    """``cli.exit_on_user_error``, with an ``error:`` line for each problem of a ``LaunchErrors``."""
+    if isinstance(err, launch.LaunchErrors) and len(err.messages) > 1:
+        print("\n".join(f"error: {message}" for message in err.messages), file=sys.stderr)
+        sys.exit(2)
+    cli.exit_on_user_error(err)

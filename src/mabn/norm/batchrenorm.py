@@ -177,13 +177,12 @@ class BatchRenorm2d(ManagedNorm):
             if synced:
                 mu, var = _moments_across_devices(x, groups)
             else:
-                # Per-sample sums are single fast passes; r, d and the running averages tolerate the
-                # E[x^2] - mu^2 form, while xhat below gets BN's own exact statistics.
-                count = b * h * w
-                mu = torch.sum(x, dim=(2, 3), dtype=sdt).view(groups, b, c).sum(1) / count
-                ex2 = torch.linalg.vector_norm(x, 2, dim=(2, 3), dtype=sdt).square().view(groups, b, c).sum(1) / count
-                var = (ex2 - mu * mu).clamp_min(0.0)
-            ok = torch.isfinite(var + mu).all()
+                # Each group's biased variance in two passes (var_mean): no E[x^2] - mu^2 cancellation when the
+                # mean is large against the spread. xhat below gets BN's own exact statistics.
+                var, mu = torch.var_mean(x.to(sdt).view(groups, b, c, h, w), dim=(1, 3, 4), correction=0)
+            # var + mu^2 is the second moment: a batch whose E[x^2] overflows the statistics dtype is refused, as
+            # when it was summed directly (var_mean alone keeps a finite mean and variance of |x| ~ 3e38).
+            ok = torch.isfinite(var + mu * mu).all()
             self._check(ok, 0, x.device)  # the CPU raises here; CUDA commits nothing below when not ok
             sigma = (var + self.eps).sqrt()
             run_mean, run_std, tracked = values_before_update(

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -15,7 +15,7 @@ from torchmetrics import MeanMetric
 from torchmetrics.classification import MulticlassAccuracy
 
 from ..models import DEFAULT_ARCH, resnet, save_backbone
-from ..scaling import RunShape
+from ..scaling import RunShape, auto_warmup_epochs
 from . import schedules
 from .base import NormTask, require
 
@@ -23,6 +23,15 @@ from .base import NormTask, require
 def backbone_path(export_dir: str | Path, norm: str, arch: str = DEFAULT_ARCH) -> Path:
     """Where stage 1 exports its backbone, and where stage 2 looks for it (``resnet101-<norm>.pt``)."""
     return Path(export_dir) / f"{arch}-{norm}.pt"
+
+
+def _goyal_warmup_multistep(
+    start: float, warmup_steps: int, milestones: Sequence[int], gamma: float, step: int
+) -> float:
+    """Goyal et al.'s gradual warm-up as a factor of the scaled lr: ``start`` at step 0, rising linearly to 1 at
+    ``warmup_steps``, times ``gamma`` at each milestone passed."""
+    ramp = start + (1 - start) * step / warmup_steps if step < warmup_steps else 1.0
+    return ramp * gamma ** sum(step >= m for m in milestones)
 
 
 def global_batch_size(trainer: pl.Trainer, per_device: int) -> int:
@@ -36,8 +45,11 @@ class ClassificationTask(NormTask):
     SGD with momentum; weight decay on every parameter, norm gamma and beta included; lr =
     ``base_lr`` x global batch / ``base_batch_size`` (the linear scaling rule), multiplied by ``lr_gamma`` at each of
     the ``milestones`` (epochs, converted to iterations at the run's iterations per epoch, so the drops stay at
-    the recipe's epochs on any number of devices). An optional linear lr warm-up over ``warmup_epochs`` (0 in the
-    paper) precedes the drops.
+    the recipe's epochs on any number of devices). A linear lr warm-up over ``warmup_epochs`` precedes the drops:
+    None (auto) is Goyal et al.'s 5 epochs when the global batch exceeds ``base_batch_size`` (the lr is scaled up)
+    and none otherwise (the paper's recipe at 256); a number is used as given. When the lr is scaled up the warm-up
+    rises linearly from ``base_lr`` (the lr of ``base_batch_size``) to the scaled lr, as Goyal et al.'s; otherwise
+    from 0.
     At the end of fitting the best checkpoint's backbone is exported to ``export_dir``.
     The norm, its phases and statistics logging (``norm_policy``), SGD's momentum and weight decay, ``cuda_graph``,
     ``compile`` and ``arch`` are the arguments every stage shares (``**shared``, see ``NormTask``); the backbone file
@@ -51,7 +63,7 @@ class ClassificationTask(NormTask):
         base_batch_size: int = 256,
         milestones: tuple[float, ...] = (30, 60, 90),
         lr_gamma: float = 0.1,
-        warmup_epochs: float = 0.0,
+        warmup_epochs: float | None = None,
         zero_init_residual: bool = False,
         label_smoothing: float = 0.0,
         export_dir: str | None = "pretrain",
@@ -71,12 +83,33 @@ class ClassificationTask(NormTask):
         super().check_hparams(hp)
         require(hp["base_batch_size"] > 0, "base_batch_size", hp["base_batch_size"], "must be > 0")
         require(hp["lr_gamma"] > 0, "lr_gamma", hp["lr_gamma"], "must be > 0")
-        require(hp["warmup_epochs"] >= 0, "warmup_epochs", hp["warmup_epochs"], "must be >= 0")
+        warmup = hp["warmup_epochs"]
+        require(warmup is None or warmup >= 0, "warmup_epochs", warmup, "must be >= 0 (or null: auto)")
         require(0 <= hp["label_smoothing"] < 1, "label_smoothing", hp["label_smoothing"], "must be in [0, 1)")
         epochs = list(hp["milestones"])
         require(
             epochs == sorted(epochs) and min(epochs, default=0) >= 0, "milestones", epochs, "must be increasing epochs"
         )
+
+    @staticmethod
+    def warmup_epochs(hp: Mapping[str, Any], shape: RunShape) -> float:
+        """The run's warm-up in epochs: ``warmup_epochs``, or when it is None Goyal et al.'s 5 epochs if the global
+        batch exceeds ``base_batch_size`` and none otherwise (``mabn.scaling.auto_warmup_epochs``)."""
+        given = hp["warmup_epochs"]
+        return auto_warmup_epochs(shape.global_batch, hp["base_batch_size"]) if given is None else given
+
+    @classmethod
+    def lr_factor(cls, hp: Mapping[str, Any], shape: RunShape) -> Callable[[int], float]:
+        """The lr schedule as a factor of the scaled lr by optimizer step (``LambdaLR``): the warm-up, then
+        ``lr_gamma`` at each milestone. Above ``base_batch_size`` the warm-up starts at ``base_lr``."""
+        warmup_steps = shape.iterations(cls.warmup_epochs(hp, shape))
+        milestones = [shape.iterations(m) for m in hp["milestones"]]
+        if shape.global_batch <= hp["base_batch_size"]:
+            return partial(
+                schedules.warmup_multistep, warmup_steps=warmup_steps, milestones=milestones, gamma=hp["lr_gamma"]
+            )
+        start = hp["base_batch_size"] / shape.global_batch
+        return partial(_goyal_warmup_multistep, start, warmup_steps, milestones, hp["lr_gamma"])
 
     @classmethod
     def plan_lines(cls, hp: Mapping[str, Any], shape: RunShape) -> list[str]:
@@ -84,10 +117,27 @@ class ClassificationTask(NormTask):
         drops = ", ".join(f"{m:g}" for m in hp["milestones"])
         steps = [shape.iterations(m) for m in hp["milestones"]]
         at = "" if None in steps else f" (iterations {', '.join(map(str, steps))})"
-        warmup = f"linear warm-up over {shape.epochs_text(hp['warmup_epochs'])}, then " if hp["warmup_epochs"] else ""
+        epochs = cls.warmup_epochs(hp, shape)
+        scaled_up = shape.global_batch > hp["base_batch_size"]
+        if epochs:
+            start = f" from {hp['base_lr']:g}" if scaled_up else ""
+            warmup = f"linear warm-up{start} over {shape.epochs_text(epochs)}, then "
+        else:
+            warmup = ""
+        base, batch = hp["base_batch_size"], shape.global_batch
+        if hp["warmup_epochs"] is not None:
+            why = f"set (warmup_epochs: {hp['warmup_epochs']:g})"
+        elif scaled_up:
+            why = f"the global batch {batch} exceeds base_batch_size {base} (Goyal et al.; warmup_epochs: null is auto)"
+        else:
+            why = f"the global batch {batch} does not exceed base_batch_size {base} (warmup_epochs: null is auto)"
+        lr = shape.lr(hp["base_lr"], base)
+        ramp = f"from {hp['base_lr']:g} to {lr:g}" if scaled_up else f"up to {lr:g}"
+        said = f"{shape.epochs_text(epochs)}, {ramp}, as {why}" if epochs else f"none, as {why}"
         return [
             *shape.lines(),
             shape.lr_line(hp["base_lr"], hp["base_batch_size"]),
+            f"warm-up: {said}",
             f"schedule: {warmup}lr x {hp['lr_gamma']:g} at epochs {drops}{at}",
         ]
 
@@ -119,12 +169,7 @@ class ClassificationTask(NormTask):
         shape = self.run_shape()
         lr = shape.lr(hp.base_lr, hp.base_batch_size)
         optimizer = torch.optim.SGD(self.parameters(), lr=lr, momentum=hp.momentum, weight_decay=hp.weight_decay)
-        factor = partial(
-            schedules.warmup_multistep,
-            warmup_steps=shape.iterations(hp.warmup_epochs),
-            milestones=[shape.iterations(m) for m in hp.milestones],
-            gamma=hp.lr_gamma,
-        )
+        factor = self.lr_factor(hp, shape)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 

@@ -16,6 +16,7 @@ from pytorch_lightning.utilities import rank_zero_info, rank_zero_warn
 
 from ..data.cityscapes import CLASS_NAMES, IGNORE_INDEX
 from ..data.images import IMAGENET_MEAN, IMAGENET_STD
+from ..errors import ConfigError
 from ..inference import sliding_window_logits
 from ..metrics import SegmentationMetric, format_iou_table
 from ..models import (
@@ -26,7 +27,7 @@ from ..models import (
     check_backbone,
     load_backbone_into,
 )
-from ..scaling import RunShape
+from ..scaling import RunShape, device_batch, device_batch_reason
 from . import schedules
 from .base import NormTask, require
 
@@ -140,10 +141,25 @@ class SegmentationTask(NormTask):
             ]
         return [
             *model,
-            *shape.lines(),
+            *shape.lines()[:1],
+            *cls.batch_reason(hp, shape),
+            *shape.lines()[1:],
             shape.lr_line(hp["base_lr"], hp["base_batch_size"], heads),
             f"schedule: linear warm-up over {warmup}, then poly {hp['poly_power']:g}{end}",
         ]
+
+    @staticmethod
+    def batch_reason(hp: Mapping[str, Any], shape: RunShape) -> list[str]:
+        """The ``global batch:`` line: why the devices hold the global batch they hold, by the rule of
+        ``mabn.scaling.device_batch`` over the recipe's global batch (``base_batch_size``, the batch ``base_lr``
+        belongs to); none where the per-device batch does not come from that rule."""
+        recipe, norm_batch = hp["base_batch_size"], shape.norm_batch
+        try:
+            if device_batch(recipe, shape.devices, norm_batch) != shape.per_device:
+                return []
+        except ConfigError:
+            return []
+        return [f"global batch: {device_batch_reason(recipe, shape.devices, norm_batch)}"]
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         images, labels = batch
@@ -171,10 +187,10 @@ class SegmentationTask(NormTask):
             return tuple(names)
         return CLASS_NAMES if n == len(CLASS_NAMES) else tuple(f"class {i}" for i in range(n))
 
-    def predict_classes(self, images: torch.Tensor) -> torch.Tensor:
-        """Class ids (N, H, W) of full images by the sliding-window protocol (``eval_crop``, ``eval_flip``,
-        ``eval_scales``): what validation, ``python -m mabn test`` and ``python -m mabn predict`` score."""
-        probs = sliding_window_logits(
+    def predict_probs(self, images: torch.Tensor) -> torch.Tensor:
+        """Class probabilities (N, K, H, W) of full images by the sliding-window protocol (``eval_crop``,
+        ``eval_flip``, ``eval_scales``)."""
+        return sliding_window_logits(
             self.model,
             images,
             self.hparams.num_classes,
@@ -182,12 +198,20 @@ class SegmentationTask(NormTask):
             flip=self.hparams.eval_flip,
             scales=self.hparams.eval_scales,
         )
-        return probs.argmax(1)
+
+    def predict_classes(self, images: torch.Tensor) -> torch.Tensor:
+        """Class ids (N, H, W) of full images by the sliding-window protocol: what validation, ``python -m mabn
+        test`` and ``python -m mabn predict`` score."""
+        return self.predict_probs(images).argmax(1)
 
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
         images, labels = batch
-        preds = self.predict_classes(images)
+        probs = self.predict_probs(images)
+        preds = probs.argmax(1)
         self.val_metric.update(preds, labels)
+        # The cross-entropy of the probabilities validation scores (the main head's, by sliding windows): no
+        # forward beyond the evaluation's own.
+        self.log("val/loss", probs_loss(probs, labels), sync_dist=True, batch_size=len(images))
         if batch_idx == 0 and self._log_predictions_now():
             self._log_predictions(images, preds, labels)
 
@@ -276,6 +300,12 @@ def pixel_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Cross-entropy averaged over the labelled pixels (``IGNORE_INDEX`` left out), and 0 for a batch without
     any, where the mean over no pixel would be NaN and poison the weights (a crop of void only)."""
     total = F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="sum")
+    return total / (labels != IGNORE_INDEX).sum().clamp(min=1)
+
+
+def probs_loss(probs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """``pixel_loss`` of class probabilities instead of logits (their log is the log-softmax of the logits)."""
+    total = F.nll_loss(probs.clamp_min(1e-12).log(), labels, ignore_index=IGNORE_INDEX, reduction="sum")
     return total / (labels != IGNORE_INDEX).sum().clamp(min=1)
 
 

@@ -1,0 +1,77 @@
+"""SIGTERM (``scancel``, SLURM's preemption, a plain ``kill``) saves ``hpc_ckpt_<n>.ckpt`` at the end of the
+training batch it arrived in, with no collective inside the signal handler, and the run exits with status 143;
+``--resume auto`` goes on from that checkpoint (``mabn.callbacks.AgreedRequeue``; docs/reliability.md). Two DDP
+processes: tests/test_ddp_failures.py."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from mabn.callbacks.requeue import TERMINATED_EXIT
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(autouse=True)
+def _tests_importable(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "tests"))
+
+
+def _process(argv: list[str], cwd: Path, **extra: str) -> subprocess.Popen:
+    path = os.pathsep.join([str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])
+    env = {**os.environ, "PYTHONPATH": path, "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1", **extra}
+    return subprocess.Popen([sys.executable, "-m", "mabn", *argv], cwd=cwd, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
+
+
+def _wait_for(marker: Path, proc: subprocess.Popen, seconds: float = 240) -> None:
+    deadline = time.monotonic() + seconds
+    while not marker.exists():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail(f"the run did not reach its marker: {proc.communicate()[1][-3000:]}")
+        time.sleep(0.1)
+
+
+@pytest.mark.slow  # two runs of the tiny task, each its own interpreter: ~20 s
+def test_sigterm_saves_at_the_next_batch_and_resume_auto_goes_on_from_it(tmp_path):
+    """The run holds at the end of step 5 and gets SIGTERM there: the checkpoint is that of step 6, the batch
+    the signal arrived in, the exit status 143 with one line saying so; the same command with --resume auto
+    resumes from it and ends at step 8."""
+    from helpers.cli_tiny import CONFIG
+
+    folder = tmp_path / "run"
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text(CONFIG.format(root=str(folder)))
+    command = ["fit", "--config", str(cfg), "--ckpt_path", "auto", "--trainer.max_epochs", "2"]
+    holding, release = tmp_path / "holding", tmp_path / "release"
+    markers = {"TINY_HOLD_AT_STEP": "5", "TINY_HOLDING_MARKER": str(holding), "TINY_RELEASE_MARKER": str(release)}
+    first = _process(command, tmp_path, **markers)
+    try:
+        _wait_for(holding, first)
+        first.send_signal(signal.SIGTERM)
+        time.sleep(0.5)  # the handler runs in the main thread, in its sleep loop
+        release.touch()
+        _, err = first.communicate(timeout=240)
+    finally:
+        release.touch()
+        first.kill()
+    assert first.returncode == TERMINATED_EXIT, err[-3000:]
+    line = f"SIGTERM: checkpoint saved at step 6 in {folder / 'hpc_ckpt_1.ckpt'}; the run stops here, and --resume auto goes on from it"  # noqa: E501
+    assert line in err.splitlines(), err[-3000:]
+    print(line)  # what the user reads (docs/reliability.md)
+    assert torch.load(folder / "hpc_ckpt_1.ckpt", weights_only=True)["global_step"] == 6
+
+    second = _process(command, tmp_path)
+    out, err = second.communicate(timeout=240)
+    assert second.returncode == 0, err[-3000:]
+    assert "hpc_ckpt_1.ckpt (epoch 1, step 6)" in out, out[-3000:]
+    assert torch.load(folder / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 8

@@ -1,0 +1,58 @@
+"""The recipes travel with the package: a wheel built from this checkout, installed (not editable) into a fresh
+virtual environment, runs ``python -m mabn cityscapes --dry-run`` from another folder with the configs it carries
+(``mabn/configs``, package data), none of the checkout's."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _run(*cmd: str | Path, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    result = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, cwd=cwd, timeout=300)
+    assert result.returncode == 0, f"{cmd}: {result.stdout[-2000:]}\n{result.stderr[-3000:]}"
+    return result
+
+
+@pytest.mark.slow
+def test_an_installed_wheel_runs_a_stage_with_its_own_configs(tmp_path):
+    # The wheel, built from a copy of the checkout (pip builds in the source folder), symlinks kept as they are.
+    tree = tmp_path / "tree"
+    tree.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, tree / name)
+    skip = shutil.ignore_patterns("__pycache__", "*.egg-info")
+    shutil.copytree(ROOT / "configs", tree / "configs", ignore=skip)
+    shutil.copytree(ROOT / "src", tree / "src", symlinks=True, ignore=skip)
+    pip = [sys.executable, "-m", "pip"]
+    _run(*pip, "wheel", "--no-deps", "--no-build-isolation", "--no-index", "-q", "-w", tmp_path / "dist", tree)
+    (wheel,) = (tmp_path / "dist").glob("mabn-*.whl")
+
+    # A fresh environment with the wheel installed; torch and the other dependencies come from this one's
+    # site-packages, appended to the new one's path once the wheel is in (so pip sees no other mabn).
+    env = tmp_path / "env"
+    _run(sys.executable, "-m", "venv", "--without-pip", env)
+    python = env / "bin" / "python"
+    _run(*pip, "--python", python, "install", "--no-deps", "--no-index", "-q", wheel)
+    site = Path(_run(python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])").stdout.strip())
+    (site / "zz-dependencies.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    where = _run(python, "-c", "import mabn.launch as m; print(m.__file__); print(m.CONFIGS)", cwd=elsewhere)
+    module, configs = (Path(line) for line in where.stdout.split())
+    assert module.is_relative_to(site) and configs == site / "mabn" / "configs"
+    assert (configs / "cityscapes.yaml").is_file() and (configs / "trainer" / "cpu.yaml").is_file()
+
+    out = _run(python, "-m", "mabn", "cityscapes", "--norm", "mabn", "--dry-run", cwd=elsewhere).stdout
+    command = next(line for line in out.splitlines() if line.startswith("python -m mabn fit "))
+    assert f"--config {configs / 'cityscapes.yaml'} --config {configs / 'demo' / 'cityscapes.yaml'}" in command
+    assert f"--trainer {configs / 'trainer' / 'cpu.yaml'}" in command
+    assert str(ROOT) not in out
