@@ -257,6 +257,19 @@ def test_the_cli_guards_every_trainer_once(tmp_path):
     assert next(c for c in trainer.callbacks if isinstance(c, AgreedRequeue)).every_n_batches == 20
 
 
+def _one_agreed_checkpoint(tmp_path: Path, step: int) -> None:
+    """Both ranks saved at ``step``, never inside a signal handler, into one ``hpc_ckpt_1.ckpt`` that holds every
+    device's random states and norm streams."""
+    probes = [json.loads((tmp_path / f"probe-rank{r}.json").read_text()) for r in range(WORLD)]
+    for r, probe in enumerate(probes):
+        assert probe == {"in_handler": [], "saved_at": [step]}, r
+    assert sorted(p.name for p in tmp_path.glob("*.ckpt")) == ["hpc_ckpt_1.ckpt"]
+    ckpt = torch.load(tmp_path / "hpc_ckpt_1.ckpt", weights_only=True)
+    assert ckpt["global_step"] == step
+    for key in (RNG_KEY, STREAMS_KEY):
+        assert ckpt[key]["world_size"] == WORLD and len(ckpt[key]["ranks"]) == WORLD, key
+
+
 # --------------------------------------------------------------------------- SLURM's requeue signal
 @pytest.mark.slow  # two processes started as srun would, each importing the CLI: ~15 s
 def test_requeue_signal_saves_one_checkpoint_at_an_agreed_step_without_collectives_in_the_handler(tmp_path):
@@ -267,14 +280,7 @@ def test_requeue_signal_saves_one_checkpoint_at_an_agreed_step_without_collectiv
     results = _run_ranks("sigusr1", tmp_path, SLURM_LIKE)
     for r, (code, _, output) in enumerate(results):
         assert code == 0, (r, output[-3000:])
-    probes = [json.loads((tmp_path / f"probe-rank{r}.json").read_text()) for r in range(WORLD)]
-    for r, probe in enumerate(probes):
-        assert probe == {"in_handler": [], "saved_at": [3]}, r
-    assert sorted(p.name for p in tmp_path.glob("*.ckpt")) == ["hpc_ckpt_1.ckpt"]
-    ckpt = torch.load(tmp_path / "hpc_ckpt_1.ckpt", weights_only=True)
-    assert ckpt["global_step"] == 3
-    for key in (RNG_KEY, STREAMS_KEY):
-        assert ckpt[key]["world_size"] == WORLD and len(ckpt[key]["ranks"]) == WORLD, key
+    _one_agreed_checkpoint(tmp_path, 3)
     assert (tmp_path / "requeue.log").read_text() == f"{JOB_ID}\n"
 
 
@@ -288,14 +294,7 @@ def test_sigterm_saves_one_checkpoint_at_the_next_batch_without_collectives_in_t
     for r, (code, _, output) in enumerate(results):
         assert code == TERMINATED_EXIT, (r, output[-3000:])
     assert "SIGTERM: checkpoint saved at step 2 in " in results[0][2]
-    probes = [json.loads((tmp_path / f"probe-rank{r}.json").read_text()) for r in range(WORLD)]
-    for r, probe in enumerate(probes):
-        assert probe == {"in_handler": [], "saved_at": [2]}, r
-    assert sorted(p.name for p in tmp_path.glob("*.ckpt")) == ["hpc_ckpt_1.ckpt"]
-    ckpt = torch.load(tmp_path / "hpc_ckpt_1.ckpt", weights_only=True)
-    assert ckpt["global_step"] == 2
-    for key in (RNG_KEY, STREAMS_KEY):
-        assert ckpt[key]["world_size"] == WORLD and len(ckpt[key]["ranks"]) == WORLD, key
+    _one_agreed_checkpoint(tmp_path, 2)
 
 
 @pytest.mark.parametrize(

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from helpers.processes import wait_for
 from mabn.callbacks.requeue import TERMINATED_EXIT
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -32,15 +33,6 @@ def _process(argv: list[str], cwd: Path, **extra: str) -> subprocess.Popen:
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
 
 
-def _wait_for(marker: Path, proc: subprocess.Popen, seconds: float = 240) -> None:
-    deadline = time.monotonic() + seconds
-    while not marker.exists():
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            pytest.fail(f"the run did not reach its marker: {proc.communicate()[1][-3000:]}")
-        time.sleep(0.1)
-
-
 @pytest.mark.slow  # two runs of the tiny task, each its own interpreter: ~20 s
 def test_sigterm_saves_at_the_next_batch_and_resume_auto_goes_on_from_it(tmp_path):
     """The run holds at the end of step 5 and gets SIGTERM there: the checkpoint is that of step 6, the batch
@@ -56,7 +48,7 @@ def test_sigterm_saves_at_the_next_batch_and_resume_auto_goes_on_from_it(tmp_pat
     markers = {"TINY_HOLD_AT_STEP": "5", "TINY_HOLDING_MARKER": str(holding), "TINY_RELEASE_MARKER": str(release)}
     first = _process(command, tmp_path, **markers)
     try:
-        _wait_for(holding, first)
+        wait_for(holding, first)
         first.send_signal(signal.SIGTERM)
         time.sleep(0.5)  # the handler runs in the main thread, in its sleep loop
         release.touch()

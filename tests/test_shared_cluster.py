@@ -25,6 +25,7 @@ import pytest
 import torch
 
 from helpers.marks import default_suite_runs
+from helpers.processes import wait_for
 from helpers.trainer import QUIET, flags
 from helpers.wandb_reader import wandb_session
 from mabn import cli, runlock, runs
@@ -94,16 +95,6 @@ def _error_line(err: str) -> str:
     return errors[0]
 
 
-def _wait_for(marker: Path, proc: subprocess.Popen, seconds: float = 240) -> None:
-    """Until ``proc`` touches ``marker``; the test fails with its output if it ends first."""
-    deadline = time.monotonic() + seconds
-    while not marker.exists():
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            pytest.fail(f"the run did not reach its marker: {proc.communicate()[1][-3000:]}")
-        time.sleep(0.1)
-
-
 def _holder_fields(folder: Path) -> dict[str, str]:
     import json
 
@@ -166,7 +157,7 @@ def test_a_run_killed_while_it_holds_its_folder_is_resumed_without_clean_up(tmp_
     command = _fit(cfg, "--ckpt_path", "auto", "--trainer.max_epochs", "2")
     first = _process(command, tmp_path, **markers)
     try:
-        _wait_for(holding, first)
+        wait_for(holding, first)
         record = _holder_fields(folder)
         assert (record["host"], record["pid"]) == (socket.gethostname(), first.pid)
 

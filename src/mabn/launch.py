@@ -280,25 +280,10 @@ class LaunchPlan:
             self.profile.generate_demo(self.data_dir)
 
 
-def plan(
-    stage: str,
-    data: Path | None,
-    norm: str,
-    gpus: int,
-    nodes: int,
-    extra: list[str],
-    backbone: str | Path | None = None,
-    resume: str | None = None,
-    dry_run: bool = False,
-    folder: Path | None = None,
-    backbone_pending: bool = False,
-) -> LaunchPlan:
-    """The plan of a stage run (the demo profile without ``data``); nothing is generated or read here but file
-    names. ``dry_run`` assumes a GPU machine; ``backbone_pending`` (with it): stage 1 writes the backbone before
-    this run starts. ``LaunchErrors`` (a ``LaunchError``) for a launch that cannot work, naming every problem."""
-    found, problems = checked_plan(
-        stage, data, norm, gpus, nodes, extra, backbone, resume, dry_run, folder, backbone_pending
-    )  # fmt: skip
+def plan(*args: Any, **kwargs: Any) -> LaunchPlan:
+    """The plan of a stage run, from ``checked_plan``'s arguments; ``LaunchErrors`` (a ``LaunchError``) for a
+    launch that cannot work, naming every problem."""
+    found, problems = checked_plan(*args, **kwargs)
     if problems:
         raise LaunchErrors(problems)
     return found
@@ -317,10 +302,12 @@ def checked_plan(
     folder: Path | None = None,
     backbone_pending: bool = False,
 ) -> tuple[LaunchPlan, list[str]]:
-    """``plan``'s checks, each independent of the others' outcome: (the plan, the problems, one line each, in the
-    order launcher, norm, devices, data, backbone). Where a check failed the plan holds a stand-in (the given
-    data folder, or a folder inside it that is not there, norm mabn, one CPU process, no backbone), so that the
-    LightningCLI can still check the rest without reporting the same problems again."""
+    """The plan of a stage run (the demo profile without ``data``) and its checks; nothing is generated or read here
+    but file names. ``dry_run`` assumes a GPU machine; ``backbone_pending`` (with it): stage 1 writes the backbone
+    before this run starts. Each check is independent of the others' outcome: (the plan, the problems, one line
+    each, in the order launcher, norm, devices, data, backbone). Where a check failed the plan holds a stand-in
+    (the given data folder, or a folder inside it that is not there, norm mabn, one CPU process, no backbone), so
+    that the LightningCLI can still check the rest without reporting the same problems again."""
     problems: list[str] = []
 
     def attempt(check: Callable[[], Any], stand_in: Any = None) -> Any:
