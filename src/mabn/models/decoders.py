@@ -36,7 +36,7 @@ from segmentation_models_pytorch.decoders.deeplabv3.decoder import SeparableConv
 from torch import Tensor, nn
 
 from ..norm import convert_norm
-from .pspnet import PSPNet, seg_head
+from .pspnet import PSPNet, init_head, seg_head
 from .resnet import DEFAULT_ARCH, check_arch, norm_kwargs_for
 
 
@@ -152,14 +152,11 @@ class DecoderNet(nn.Module):
         self.decoder_name, self.output_stride = decoder, stride
         self.size_divisor = stride  # the smp decoders' upsamplings by 2, 4, 8 meet the skips' sizes then
         self.encoder = built.encoder
-        self.classifier = DecoderHead(built.decoder, built.segmentation_head)
+        head = built.segmentation_head
+        init_head(head, next(m for m in head.modules() if isinstance(m, nn.Conv2d)))  # smp's xavier start is ~10x
+        self.classifier = DecoderHead(built.decoder, head)
         if spec.aux:
             self.aux = seg_head(self.encoder.out_channels[-2], 256, num_classes, dropout)
-            for m in self.aux.modules():
-                if isinstance(m, nn.Conv2d):  # as PSPNet's heads
-                    nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
-                    if m.bias is not None:
-                        nn.init.zeros_(m.bias)
         else:
             self.aux = None
         _splice_separable_convs(self.classifier)

@@ -43,8 +43,27 @@ class PyramidPooling(nn.Module):
 
 
 def seg_head(cin: int, mid: int, num_classes: int, dropout: float) -> nn.Sequential:
-    """3x3 conv-norm-ReLU, dropout, 1x1 classifier."""
-    return nn.Sequential(conv_norm_relu(cin, mid, 3), nn.Dropout2d(dropout), nn.Conv2d(mid, num_classes, 1))
+    """3x3 conv-norm-ReLU, dropout, 1x1 classifier; initialized by ``init_head``."""
+    head = nn.Sequential(conv_norm_relu(cin, mid, 3), nn.Dropout2d(dropout), nn.Conv2d(mid, num_classes, 1))
+    init_head(head, head[-1])
+    return head
+
+
+CLASSIFIER_STD = 0.01
+
+
+def init_head(module: nn.Module, classifier: nn.Conv2d | None = None) -> None:
+    """He initialization (fan-out) for ``module``'s convs and ``classifier``, the conv that yields the logits, drawn
+    near zero (normal, std ``CLASSIFIER_STD``), as mmsegmentation starts its heads: He's fan-out of a classifier is
+    its class count, whose logits would start at a std of 4 to 10 and the loss far above ln K; biases zero."""
+    for m in module.modules():
+        if isinstance(m, nn.Conv2d):
+            if m is classifier:
+                nn.init.normal_(m.weight, std=CLASSIFIER_STD)
+            else:
+                nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
+            if m.bias is not None:
+                nn.init.zeros_(m.bias)
 
 
 class PSPNet(nn.Module):
@@ -69,13 +88,9 @@ class PSPNet(nn.Module):
         self.encoder = smp.encoders.get_encoder(check_arch(arch), weights=None, output_stride=8)
         channels = self.encoder.out_channels
         self.ppm = PyramidPooling(channels[-1], bins)
+        init_head(self.ppm)
         self.classifier = seg_head(channels[-1] * 2, 512, num_classes, dropout)
         self.aux = seg_head(channels[-2], 256, num_classes, dropout)
-        for m in self.heads().modules():
-            if isinstance(m, nn.Conv2d):
-                nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
-                if m.bias is not None:
-                    nn.init.zeros_(m.bias)
         convert_norm(self, norm, **norm_kwargs_for(norm, norm_batch_size, norm_options))
 
     def heads(self) -> nn.ModuleList:
