@@ -641,11 +641,12 @@ def _make_n(case: Case, stdout: str) -> int:
         if words[:1] == [".venv/bin/ruff"] and words[1:] in (["check", "src", "tests"],
                                                             ["format", "--check", "src", "tests"]):  # fmt: skip
             continue
-        if words[:3] == [".venv/bin/python", "-m", "pytest"]:
-            gpu = "test-gpu" in command_targets(case)
+        gpu = "test-gpu" in command_targets(case)
+        # make test-gpu PY=python: the GPU machine's own Python, with the checkout's src/ on its path.
+        if words[:3] == [".venv/bin/python", "-m", "pytest"] or gpu and words[:3] == ["python", "-m", "pytest"]:
             if _gpu_tests(words[3:], env, case) if gpu else 0 if _test_files(words[3:], case) is not None else 1:
                 return 1
-            if not gpu and env:
+            if not gpu and env or gpu and set(env) - {"MABN_TEST_DEVICE", "PYTHONPATH"}:
                 case.say(f"unexpected environment of the test line: {env}")
                 return 1
             continue

@@ -11,9 +11,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 WHEELS=.gpu-wheels
-# wandb and onnxruntime stay out (the carried folder is limited to 64 MiB): the GPU check logs to no service,
+# pytest is there for make test-gpu PY=python. wandb and onnxruntime stay out (the carried folder is limited to 64 MiB): the GPU check logs to no service,
 # and export checks its ONNX file with onnxruntime only where it is installed.
-PACKAGES=(segmentation-models-pytorch albumentations jsonargparse onnx onnxscript torchmetrics)
+PACKAGES=(segmentation-models-pytorch albumentations jsonargparse onnx onnxscript torchmetrics pytest)
 PYTHON="${PYTHON:-.venv/bin/python}"
 
 if [[ "${1:-}" == "install" ]]; then

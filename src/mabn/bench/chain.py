@@ -8,11 +8,12 @@ the recipe's configuration under DDP with one process, with MABN's phase switche
   epoch, killed once it has saved that epoch's checkpoint and resumed with ``--resume auto``;
 - the same fit eagerly (``cuda_graph: false``), killed and resumed alike: the graphed run's losses (its CSV log)
   up to the kill and weights at the kill (a copy of ``last.ckpt`` taken then) are held to the eager run's in this
-  process, within ``LOSS_RTOL`` and ``WEIGHT_RTOL`` (CUDA graphs replay the kernels the eager step runs, but
-  cuDNN's benchmark may pick other algorithms per process, and TF32 convolutions round differently for each); the
-  graphed run's logged layers must renormalize from the policy's step on. After the resume the differences are
-  reported, not held: a resumed fit draws other augmentations than the uninterrupted one would, so two resumed
-  runs train on other crops;
+  process, within ``LOSS_RTOL`` and ``WEIGHT_RTOL``; the graphed run's logged layers must renormalize from the
+  policy's step on. Both compared fits choose their cuDNN algorithms deterministically (``COMPARED``): CUDA graphs
+  replay the kernels the eager step runs, but cuDNN's benchmark, timing the two fits that share the GPU, picks
+  other algorithms in each process, whose rounding the first steps of a fresh PSPNet-101 magnify. After the
+  resume the differences are reported, not held: a resumed fit draws other augmentations than the uninterrupted
+  one would, so two resumed runs train on other crops;
 - ``test``, ``predict`` and ``export`` of the resumed run's checkpoint;
 - two processes on the one device under ``bf16-mixed`` (two single-device nodes on localhost, started as
   ``torchrun`` starts them, over gloo), so that DDP's gradient all-reduce follows a CUDA-graphed backward.
@@ -65,6 +66,9 @@ CHECKPOINTS = [
 RANKS_PRECISION = "bf16-mixed"  # the two-rank fit's Trainer precision
 LOSS_RTOL = 1e-3  # graphed against eager: each step's logged loss
 WEIGHT_RTOL = 1e-3  # graphed against eager: |w_graphed - w_eager| / |w_eager| over the floating tensors of last.ckpt
+# The compared fits' Trainer: cuDNN's algorithms chosen by its heuristics, the same in both processes, and
+# deterministic where torch has them (``warn``: the adaptive pooling's backward has no deterministic kernel).
+COMPARED = ("--trainer.benchmark", "false", "--trainer.deterministic", "warn")
 GRAPHED = "run as CUDA graphs"  # what the default path logs when it captures (mabn.tasks.base)
 
 
@@ -323,8 +327,8 @@ def run(plan: Plan, device: torch.device, save: Callable[[str], object], deadlin
     demo_cityscapes.generate(plan.data, n_train=TRAIN_IMAGES, n_val=2, size=plan.image_size)
     graphed, eager = plan.work / "graphed", plan.work / "eager"
     last, eager_last = (folder / "checkpoints" / "last.ckpt" for folder in (graphed, eager))
-    fits = {"accumulate": ACCUMULATE, "cli": ()}
-    eager_fits = {"accumulate": ACCUMULATE, "cli": ("--model.init_args.cuda_graph", "false")}
+    fits = {"accumulate": ACCUMULATE, "cli": COMPARED}
+    eager_fits = {"accumulate": ACCUMULATE, "cli": (*COMPARED, "--model.init_args.cuda_graph", "false")}
     links = [
         Link("fit, killed after its first checkpoint", plan.fit(graphed, FIT_EPOCHS, **fits)),
         Link("fit, resumed", plan.fit(graphed, FIT_EPOCHS, "--resume", "auto", **fits)),

@@ -161,8 +161,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument(
         "--sections",
         metavar="KEY,...",
-        help="check: the sections to run, comma-separated, in the check's order (default: all of "
-        f"{', '.join(s.key for s in check.SECTIONS)})",
+        help="check: the sections to run, comma-separated, in the check's order (default: "
+        f"{', '.join(s.key for s in check.SECTIONS if not s.alone)}; "
+        f"{', '.join(s.key for s in check.SECTIONS if s.alone)} in a GPU call of its own)",
     )
     parser.add_argument(
         "--dry-run", action="store_true", help="check the options and print the plan; measure and write nothing"
@@ -170,7 +171,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument(
         "--limits",
         metavar="KEY=S,...",
-        help="check: time limits in seconds in place of the sections' own, e.g. compiled=400 (a call of its own)",
+        help="check: time limits in seconds in place of the sections' own, e.g. chain=240",
     )
     args = parser.parse_args(argv)
     if args.what != "check" and (args.sections or args.limits):
