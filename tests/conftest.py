@@ -113,14 +113,14 @@ def graph_stand_in(monkeypatch) -> GraphStandIn:
     """CUDA-graph capture on the CPU: the GPU checks pass, a ``GraphStandIn`` replaces torch's capture, and the
     managed norms keep their non-finite verdicts in their flags as on a GPU (``reads_at_once``), where the
     warm-ups' NaN gradients would otherwise raise at once."""
-    import mabn.cudagraph
     import mabn.norm.managed
     import mabn.tasks.base
+    import mabn.tasks.cudagraph
 
     def no_check(model, device):
         return None
 
-    monkeypatch.setattr(mabn.cudagraph, "check_capturable", no_check)
+    monkeypatch.setattr(mabn.tasks.cudagraph, "check_capturable", no_check)
     monkeypatch.setattr(mabn.tasks.base, "check_capturable", no_check)
     monkeypatch.setattr(mabn.norm.managed, "reads_at_once", lambda device: False)
     stand_in = GraphStandIn()
@@ -131,7 +131,7 @@ def graph_stand_in(monkeypatch) -> GraphStandIn:
 @pytest.fixture(scope="session")
 def tiny_cityscapes(tmp_path_factory) -> Path:
     """The generated Cityscapes layout of the short stage-2 fits: 4 training and 2 validation scenes of 32x64."""
-    from mabn.data import demo_cityscapes
+    from mabn.data.synthetic import cityscapes as demo_cityscapes
 
     return demo_cityscapes.generate(tmp_path_factory.mktemp("data") / "cs", n_train=4, n_val=2, size=(32, 64))
 
@@ -140,7 +140,7 @@ def tiny_cityscapes(tmp_path_factory) -> Path:
 def tiny_imagenet(tmp_path_factory) -> Path:
     """The generated ImageNet layout of the short stage-1 and ablation fits: 4 training and 2 validation images
     per class, 40x40."""
-    from mabn.data import demo_imagenet
+    from mabn.data.synthetic import imagenet as demo_imagenet
 
     return demo_imagenet.generate(tmp_path_factory.mktemp("data") / "cls", n_train=4, n_val=2, size=40)
 

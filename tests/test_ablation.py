@@ -11,13 +11,14 @@ import pytest
 import torch
 from torch import nn
 
-from mabn.ablation import train
-from mabn.ablation.probes import BatchNormProbe, MABNProbe
-from mabn.ablation.rows import KEY_ROWS, ROWS, ROWS_BY_KEY, layer_options, select
-from mabn.ablation.train import TrainConfig, build_model, lr_factor, train_run
-from mabn.commands import ablation
-from mabn.data import demo_imagenet
+from helpers.commands import run_mabn
+from mabn.data.synthetic import imagenet as demo_imagenet
 from mabn.norm import BatchRenorm2d, CenConv2d, GhostBatchNorm2d, MABN2d
+from mabn.tools.ablation import command as ablation
+from mabn.tools.ablation import train
+from mabn.tools.ablation.probes import BatchNormProbe, MABNProbe
+from mabn.tools.ablation.rows import KEY_ROWS, ROWS, ROWS_BY_KEY, layer_options, select
+from mabn.tools.ablation.train import TrainConfig, build_model, lr_factor, train_run
 
 
 def _norms(model: nn.Module) -> list[nn.Module]:
@@ -108,18 +109,18 @@ def test_mabn_probe_regular_statistic_is_the_whole_batch() -> None:
 
 
 def test_missing_dataset_is_one_error_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert ablation.main(["--data", str(tmp_path / "nowhere"), "--out", str(tmp_path / "out")]) == 2
-    err = capsys.readouterr().err
+    code, _, err = run_mabn(["ablation", "--data", str(tmp_path / "nowhere"), "--out", str(tmp_path / "out")], capsys)
+    assert code == 2
     assert err.startswith("error: ") and "nowhere" in err
-    assert ablation.main(["--data", str(tmp_path), "--rows", "bn3"]) == 2
-    assert "unknown rows" in capsys.readouterr().err
+    code, _, err = run_mabn(["ablation", "--data", str(tmp_path), "--rows", "bn3"], capsys)
+    assert code == 2 and "unknown rows" in err
     too_small = demo_imagenet.generate(tmp_path / "small", n_train=3, n_val=1, size=20)  # 30 < one batch of 32
-    assert ablation.main(["--data", str(too_small), "--out", str(tmp_path / "out")]) == 2
-    assert "holds 30 images; one gradient batch needs 32" in capsys.readouterr().err
+    code, _, err = run_mabn(["ablation", "--data", str(too_small), "--out", str(tmp_path / "out")], capsys)
+    assert code == 2 and "holds 30 images; one gradient batch needs 32" in err
     assert not (tmp_path / "out").exists()
     (tmp_path / "file").write_text("")
-    assert ablation.main(["--data", str(too_small), "--out", str(tmp_path / "file" / "out")]) == 2
-    assert capsys.readouterr().err == f"error: --out {tmp_path / 'file' / 'out'}: {tmp_path / 'file'} is not a folder\n"
+    code, _, err = run_mabn(["ablation", "--data", str(too_small), "--out", str(tmp_path / "file" / "out")], capsys)
+    assert code == 2 and err == f"error: --out {tmp_path / 'file' / 'out'}: {tmp_path / 'file'} is not a folder\n"
 
 
 def test_same_seed_same_start_and_data_whatever_the_norm(tiny_imagenet: Path, monkeypatch: pytest.MonkeyPatch) -> None:

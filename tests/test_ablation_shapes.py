@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from mabn.ablation import shapes
 from mabn.data.errors import DatasetError
+from mabn.tools.ablation import shapes
 
 
 def _files(root: Path) -> dict[str, bytes]:

@@ -9,9 +9,9 @@ import random
 import pytest
 from scipy import stats as scipy_stats
 
-from mabn.ablation.report import Summary, mark, table
-from mabn.ablation.rows import ROWS_BY_KEY
-from mabn.ablation.stats import paired_test
+from mabn.tools.ablation.report import Summary, mark, table
+from mabn.tools.ablation.rows import ROWS_BY_KEY
+from mabn.tools.ablation.stats import paired_test
 
 # (row, reference, p, low, high) as the hand-written incomplete beta function computed them before the ablation
 # switched to scipy's t-test: the switch must not move a reported p-value or interval.

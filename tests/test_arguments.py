@@ -12,14 +12,15 @@ from pathlib import Path
 
 import pytest
 
-from mabn import cli
+from mabn import errors
 from mabn.__main__ import COMMANDS, main
+from mabn.cli import lightning as cli
+from mabn.cli.launch import LaunchError
 from mabn.data.errors import DatasetError
 from mabn.errors import ConfigError, UserError
-from mabn.export import ExportError
-from mabn.launch import LaunchError
+from mabn.inference.export import ExportError
 from mabn.models import BackboneError
-from mabn.plots import PlotError
+from mabn.tools.plots import PlotError
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = str(ROOT / "configs" / "cityscapes.yaml")
@@ -130,8 +131,8 @@ def test_every_user_error_is_one_line_by_its_base(error):
         """A user error the handler has never heard of."""
 
     assert issubclass(error, UserError)
-    assert cli.user_error(RuntimeError("a bug")) is None
+    assert errors.user_error(RuntimeError("a bug")) is None
     for raised in (error("the file at fault"), Unlisted("the file at fault")):
         wrapped = RuntimeError("jsonargparse's wrapper")
         wrapped.__cause__ = raised
-        assert cli.user_error(wrapped) == "the file at fault"
+        assert errors.user_error(wrapped) == "the file at fault"

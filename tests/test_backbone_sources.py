@@ -12,10 +12,12 @@ import torch
 import torchvision
 from torch import nn
 
+from helpers.commands import run_mabn
 from helpers.trainer import STAGE1_FIT
-from mabn import cli, launch
-from mabn.commands import stage
-from mabn.data import demo_cityscapes, demo_imagenet
+from mabn.cli import launch
+from mabn.cli import lightning as cli
+from mabn.data.synthetic import cityscapes as demo_cityscapes
+from mabn.data.synthetic import imagenet as demo_imagenet
 from mabn.models import (
     BackboneError,
     check_backbone,
@@ -224,14 +226,7 @@ def test_which_stage1_norm_starts_which_encoder(source, centralized, target, rea
 
 
 def _launch(argv: list[str], capsys) -> tuple[int, str, str]:
-    capsys.readouterr()
-    try:
-        stage.main(argv)
-        code = 0
-    except SystemExit as exit_info:
-        code = exit_info.code
-    out = capsys.readouterr()
-    return code, out.out, out.err
+    return run_mabn(argv, capsys)
 
 
 def test_stage2_dry_runs_accept_a_bn_backbone_for_brn_and_syncbn_and_refuse_it_for_mabn(

@@ -20,9 +20,11 @@ import torch
 from PIL import Image
 
 from helpers.trainer import fit_flags
-from mabn import launch
-from mabn.commands import stage
-from mabn.data import demo_cityscapes, demo_imagenet, demo_segment
+from mabn.cli import launch
+from mabn.cli.commands import stage
+from mabn.data.synthetic import cityscapes as demo_cityscapes
+from mabn.data.synthetic import imagenet as demo_imagenet
+from mabn.data.synthetic import segment as demo_segment
 
 TINY_FIT = [
     *fit_flags(1, limit_val_batches=1, num_sanity_val_steps=1),

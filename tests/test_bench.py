@@ -5,7 +5,7 @@ import re
 
 import torch
 
-from mabn.bench import norm
+from mabn.tools.bench import norm
 
 
 def test_norm_bench_reports_finite_ratios_for_each_shape():
@@ -22,7 +22,7 @@ def test_norm_bench_reports_finite_ratios_for_each_shape():
 
 def test_interleaved_repeats_vary_who_runs_before_whom():
     """An order effect (a heavy candidate slowing the next one) must not always hit the same candidate."""
-    from mabn.bench.measure import median_times
+    from mabn.tools.bench.measure import median_times
 
     calls = []
     fns = {name: (lambda name=name: calls.append(name)) for name in "abcd"}

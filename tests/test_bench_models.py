@@ -12,9 +12,9 @@ from functools import partial
 import pytest
 import torch
 
-from mabn.bench import infer, report, step
-from mabn.commands.bench import main
 from mabn.models import PSPNet
+from mabn.tools.bench import infer, report, step
+from mabn.tools.bench.command import main
 
 CPU = torch.device("cpu")
 

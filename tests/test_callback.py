@@ -17,7 +17,7 @@ from helpers.wandb_reader import history, offline_run, wandb_session
 from mabn import BatchRenorm2d, MABN2d, convert_norm
 from mabn.callbacks import MABNCallback, PhaseRule, norm_callbacks
 from mabn.errors import ConfigError
-from mabn.loggers import WandbLogger
+from mabn.run.loggers import WandbLogger
 
 # What MABNCallback logs per MABN layer (norm/<layer>/<key>).
 MABN_LOGGED = ("chi2_batch", "chi2_sma", "chi2_ema", "psi_batch", "psi_bar", "r_mean", "r_clipped", "phase")

@@ -6,8 +6,8 @@ import pytest
 import torch
 from torch import nn
 
-from mabn.bench.measure import peak_memory
 from mabn.norm import CenConv2d
+from mabn.tools.bench.measure import peak_memory
 
 pytestmark = pytest.mark.gpu
 
@@ -105,9 +105,9 @@ def test_centring_after_sgd_steps_follows_the_forward_centring(sgd):
     ResNet with MABN through its warm-up, SMA and renormalization)."""
     import copy
 
-    from mabn.ablation.model import SmallResNet
     from mabn.norm import convert_norm
     from mabn.norm.cenconv import keep_centred
+    from mabn.tools.ablation.model import SmallResNet
 
     torch.manual_seed(0)
     options = {"warmup_iters": 2, "renorm_warmup_iters": 3, "buffer_size": 2, "norm_batch_size": 2}

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mabn.bench import chain
+from mabn.tools.bench import chain
 
 
 @pytest.mark.slow  # six product commands in subprocesses, one of them two DDP ranks: about two minutes

@@ -13,7 +13,7 @@ from PIL import Image
 from torch.utils.data import DataLoader
 from torchvision.datasets import Cityscapes
 
-from mabn.data import demo_cityscapes, once
+from mabn.data import once
 from mabn.data.cityscapes import (
     CLASS_NAMES,
     IGNORE_INDEX,
@@ -25,6 +25,7 @@ from mabn.data.cityscapes import (
 )
 from mabn.data.images import IMAGENET_MEAN, IMAGENET_STD
 from mabn.data.loading import seed_transform_worker
+from mabn.data.synthetic import cityscapes as demo_cityscapes
 
 # The official labelId -> trainId table over ids 0..33 (cityscapesscripts 2.3.0 `labels`); everything else is 255.
 OFFICIAL_LUT_0_33 = [255] * 7 + [0, 1, 255, 255, 2, 3, 4, 255, 255, 255, 5, 255, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15]

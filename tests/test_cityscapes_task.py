@@ -18,11 +18,12 @@ import torch.nn.functional as F
 import yaml
 from torch import nn
 
+from helpers.commands import run_mabn
 from helpers.marks import default_suite_runs
 from helpers.trainer import BARE, STAGE2_FIT
-from mabn import cli, launch
 from mabn.callbacks import MABNCallback, PhaseRule
-from mabn.commands import fit
+from mabn.cli import launch
+from mabn.cli import lightning as cli
 from mabn.data.cityscapes import IGNORE_INDEX
 from mabn.models import BackboneError, PSPNet, resnet101, save_backbone
 from mabn.norm import BatchRenorm2d, CenConv2d, MABN2d
@@ -52,13 +53,11 @@ def _fit_args(data: Path, norm: str, *extra: str) -> list[str]:
 
 
 def _cli_error_lines(args: list[str], capsys) -> tuple[int | str | None, list[str]]:
-    """Exit code and stderr lines of ``fit.main(args)``, which must exit."""
-    capsys.readouterr()  # drop what earlier calls in the test wrote
+    """Exit code and stderr lines of ``python -m mabn fit <args>``."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # Python warnings are not the CLI's report (pytest usually captures them)
-        with pytest.raises(SystemExit) as exit_info:
-            fit.main(args)
-    return exit_info.value.code, capsys.readouterr().err.strip().splitlines()
+        code, _, err = run_mabn(args, capsys)
+    return code, err.strip().splitlines()
 
 
 def _norms(module: nn.Module) -> list[nn.Module]:
@@ -310,7 +309,7 @@ def test_global_batch_splits_over_devices(tiny_cityscapes, tmp_path, monkeypatch
     assert [tuple(images.shape) for images, _ in batches] == [(4, 3, 32, 32)]
     assert [tuple(labels.shape) for _, labels in batches] == [(4, 32, 32)]
     assert on(2) == 2
-    assert on(3) == on(4) == 2  # more devices than pairs in the global batch: one pair each (mabn.scaling)
+    assert on(3) == on(4) == 2  # more devices than pairs in the global batch: one pair each (mabn.run.scaling)
 
 
 # 6. The norm policy

@@ -18,10 +18,10 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from helpers.marks import default_suite_runs
 from helpers.trainer import BARE
-from mabn.ablation.model import SmallResNet
 from mabn.norm import MABN2d, convert_norm
 from mabn.norm.managed import ManagedNorm, raise_if_any_nonfinite
 from mabn.tasks.base import NormTask
+from mabn.tools.ablation.model import SmallResNet
 
 pytestmark = pytest.mark.gpu
 

@@ -1,4 +1,4 @@
-"""CUDA-graph capture of the training forward and backward (mabn.cudagraph).
+"""CUDA-graph capture of the training forward and backward (mabn.tasks.cudagraph).
 
 On the CPU: what may be captured, the errors, and the wrapper's own logic around the capture (warm-ups leave
 the buffers unchanged, which inputs replay) with a stand-in for ``torch.cuda.make_graphed_callables``; what
@@ -21,8 +21,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-import mabn.cudagraph as cudagraph
 import mabn.norm.mabn as mabn_module
+import mabn.tasks.cudagraph as cudagraph
 from helpers.trainer import quiet_trainer
 from mabn import BatchRenorm2d, CenConv2d, MABN2d
 from mabn.callbacks import MABNCallback, NormPolicy

@@ -29,18 +29,19 @@ from helpers.ddp_layers import STEPS, WORLD, B, G, layer_data, layer_worker, mak
 from helpers.ddp_task import Tiny, tiny_dataset
 from helpers.trainer import BARE, QUIET
 from mabn import MABN2d, convert_norm
-from mabn.callbacks import RandomStateCallback, SyncBatchNormCheck, norm_callbacks
-from mabn.callbacks.rng import RNG_KEY, collect_rng_states
+from mabn.callbacks import SyncBatchNormCheck, norm_callbacks
 from mabn.callbacks.streams import STREAMS_KEY, PerDeviceStreams, configure_ddp
+from mabn.run import RandomStateCallback
+from mabn.run.rng import RNG_KEY, collect_rng_states
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
 def launch():
-    """mabn.launch, imported by the tests that use it: it pulls in the whole CLI (data, models), which the
+    """mabn.cli.launch, imported by the tests that use it: it pulls in the whole CLI (data, models), which the
     processes DDP spawns from this module would import for nothing."""
-    from mabn import launch
+    from mabn.cli import launch
 
     return launch
 

@@ -30,18 +30,18 @@ from lightning_fabric.plugins.environments.lightning import find_free_network_po
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-import mabn.callbacks.requeue as requeue_module
+import mabn.run.requeue as requeue_module
 from helpers.ddp_task import Tiny, tiny_dataset
 from helpers.trainer import BARE, QUIET
-from mabn.callbacks import AgreedRequeue, FailFast, RandomStateCallback
-from mabn.callbacks.failfast import one_line
-from mabn.callbacks.requeue import TERMINATED_EXIT, requeue, slurm_job_id
-from mabn.callbacks.rng import RNG_KEY
 from mabn.callbacks.streams import STREAMS_KEY
-from mabn.cli import run_cli
+from mabn.cli.lightning import run_cli
 from mabn.data.loading import make_loader
-from mabn.metrics import SegmentationMetric
+from mabn.run import AgreedRequeue, FailFast, RandomStateCallback
+from mabn.run.failfast import one_line
+from mabn.run.requeue import TERMINATED_EXIT, requeue, slurm_job_id
+from mabn.run.rng import RNG_KEY
 from mabn.tasks import ClassificationTask
+from mabn.tasks.metrics import SegmentationMetric
 
 WORLD = 2
 FAIL_AT_STEP = 3
@@ -247,8 +247,8 @@ data:
 def test_the_cli_guards_every_trainer_once(tmp_path):
     """Every trainer the CLI builds gets the guards; one the user configured is not added twice."""
     (tmp_path / "cfg.yaml").write_text(CLI_CONFIG)
-    mine = ["{class_path: mabn.callbacks.FailFast, init_args: {grace_s: 5}}",
-            "{class_path: mabn.callbacks.AgreedRequeue, init_args: {every_n_batches: 20}}"]  # fmt: skip
+    mine = ["{class_path: mabn.run.FailFast, init_args: {grace_s: 5}}",
+            "{class_path: mabn.run.AgreedRequeue, init_args: {every_n_batches: 20}}"]  # fmt: skip
     args = ["--config", str(tmp_path / "cfg.yaml")] + [a for m in mine for a in ("--trainer.callbacks+", m)]
     trainer = run_cli(args, run=False).trainer
     kinds = [type(c) for c in trainer.callbacks]

@@ -18,12 +18,14 @@ from torch import nn
 
 from helpers.marks import default_suite_runs
 from helpers.trainer import STAGE2_FIT
-from mabn import cli, export, launch
-from mabn.bench.infer import calibrate
+from mabn.cli import launch
+from mabn.cli import lightning as cli
+from mabn.inference import export
+from mabn.inference.checkpoint import load_task
 from mabn.models import DECODERS, DecoderNet, PSPNet, build_segmentation_model, resnet, save_backbone
 from mabn.norm import BatchRenorm2d, CenConv2d, MABN2d, convert_norm, fold_norms
 from mabn.tasks import SegmentationTask
-from mabn.tasks.restore import load_task
+from mabn.tools.bench.infer import calibrate
 
 ARCH = "resnet18"
 SHALLOW = ("--model.init_args.arch", ARCH)

@@ -24,7 +24,8 @@ make and ``set -e`` would:
   sets (WORLD_SIZE, RANK, LOCAL_RANK, GROUP_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT,
   TORCHELASTIC_RUN_ID), and the case checks that Lightning's SLURM or TorchElastic environment was detected and
   agreed with. A dry run must write nothing in the sandbox;
-- ``python -m mabn fit|validate`` is parsed and checked by ``mabn.cli.check`` (its dry run), ``--print_config``
+- ``python -m mabn fit|validate`` is parsed and checked by ``mabn.cli.lightning.check`` (its dry run),
+``--print_config``
   runs as is;
 - ``bench``, ``ablation`` and ``make bench|ablation|gpu-check`` run their ``--dry-run`` plan; the GPU tests that
   ``make gpu-check`` starts are checked (files exist, ``MABN_TEST_DEVICE=cuda``), not run;
@@ -140,7 +141,8 @@ class Assets:
 
 @pytest.fixture(scope="session")
 def assets(tmp_path_factory) -> Assets:
-    from mabn.data import demo_cityscapes, demo_segment
+    from mabn.data.synthetic import cityscapes as demo_cityscapes
+    from mabn.data.synthetic import segment as demo_segment
 
     root = tmp_path_factory.mktemp("docs-data")
     # ImageNet: 2 classes; 600 training images, enough for a batch of 32 on each of 16 devices (2 nodes x 8).
@@ -167,7 +169,7 @@ def assets(tmp_path_factory) -> Assets:
 def _tiny_fit(stage: str, data: Path, work: Path) -> Path:
     """The run folder of a two-step MABN fit of PSPNet on ResNet-18 at crop 32 of ``stage`` on ``data``, its
     norm statistics logged at every step (for plots)."""
-    from mabn.commands.stage import main as run_stage
+    from mabn.cli.commands.stage import main as run_stage
 
     folder = work / "runs" / stage / "mabn"
     extra = [
@@ -382,7 +384,7 @@ def _after_cut(argv: list[str], name: str) -> str | None:
 
 def _stage2_backbone(argv: list[str], case: Case) -> None:
     """Stage 2 runs after stage 1: the backbone file the command reads, where it reads it."""
-    from mabn.launch import STAGE1_PRESETS
+    from mabn.cli.launch import STAGE1_PRESETS
     from mabn.norm import NORM_PRESETS
     from mabn.tasks.classification import backbone_path
 
@@ -424,9 +426,9 @@ def _run_folder(folder: Path, case: Case, checkpoint: Path | None = None) -> Non
 
 def _ablation_results(code: str, case: Case) -> None:
     """The results.json files a snippet reads, written by the ablation's writer for the rows of their command."""
-    from mabn.ablation import report
-    from mabn.ablation.train import RunResult
-    from mabn.commands.ablation import DEFAULT_SEEDS, DEFAULT_STEPS
+    from mabn.tools.ablation import report
+    from mabn.tools.ablation.command import DEFAULT_SEEDS, DEFAULT_STEPS
+    from mabn.tools.ablation.train import RunResult
 
     for folder in sorted(set(re.findall(r"(runs/ablation[\w-]*)/results\.json", code))):
         assert folder in ABLATION_RUNS, f"{folder}: which rows? add them to ABLATION_RUNS"
@@ -441,7 +443,7 @@ def _ablation_results(code: str, case: Case) -> None:
             case.created |= {path, path.parent}
 
 
-EXAMPLE_SETS = {"data/demo-cityscapes": "demo_cityscapes", "data/demo-segment": "demo_segment"}
+EXAMPLE_SETS = {"data/demo-cityscapes": "cityscapes", "data/demo-segment": "segment"}
 
 
 def _example_sets(text: str, case: Case) -> None:
@@ -451,7 +453,7 @@ def _example_sets(text: str, case: Case) -> None:
     for folder, module in EXAMPLE_SETS.items():
         root = case.sandbox / folder
         if re.search(rf"(?<![\w/.-]){re.escape(folder)}\b", text) and not root.exists():
-            generator = importlib.import_module(f"mabn.data.{module}")
+            generator = importlib.import_module(f"mabn.data.synthetic.{module}")
             with contextlib.redirect_stdout(None):
                 generator.generate(root, n_train=16, n_val=2, size=(32, 64), seed=5)
             case.created |= {root, *root.rglob("*")}
@@ -479,8 +481,8 @@ def _with_dry_run(argv: list[str]) -> list[str]:
 
 def _mabn(argv: list[str], call: Call, case: Case) -> int:
     """``python -m mabn <argv>`` in this process, as the case's kind runs it."""
-    from mabn import cli
     from mabn.__main__ import main
+    from mabn.cli import lightning as cli
     from mabn.errors import UserError
 
     sub = argv[0] if argv else None

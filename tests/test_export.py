@@ -10,10 +10,11 @@ import pytorch_lightning as pl
 import torch
 from torch import nn
 
-from mabn import export
-from mabn.bench.infer import calibrate
-from mabn.commands import export as export_command
+from helpers.commands import run_mabn
+from mabn.cli.commands import export as export_command
+from mabn.inference import export
 from mabn.tasks import ClassificationTask, SegmentationTask
+from mabn.tools.bench.infer import calibrate
 
 NORM_OPS = ("batch_norm", "group_norm", "instance_norm", "layer_norm", "renorm")
 SIZE = (64, 64)
@@ -216,8 +217,9 @@ def test_an_onnx_model_off_at_the_second_size_is_refused(cls_checkpoint, tmp_pat
 
 
 def _error_line(capsys, argv) -> str:
-    assert export_command.main(argv) == 2
-    err = capsys.readouterr().err.strip()
+    code, _, err = run_mabn(["export", *argv], capsys)
+    assert code == 2
+    err = err.strip()
     assert len(err.splitlines()) == 1 and err.startswith("error: "), err
     return err
 
@@ -259,8 +261,6 @@ def test_bad_checkpoints_give_one_error_line_naming_the_file(tmp_path, capsys):
 def test_python_m_mabn_export_routes_to_the_exporter(tmp_path, capsys):
     """``python -m mabn export`` is ``mabn.__main__.main(["export", ...])``, run here in this process (the
     interpreter start itself is exercised by the CLI runs of tests/test_runs.py)."""
-    from mabn.__main__ import main
-
     missing = tmp_path / "missing.ckpt"
-    assert main(["export", str(missing)]) == 2
-    assert capsys.readouterr().err.strip() == f"error: checkpoint not found: {missing}"
+    code, _, err = run_mabn(["export", str(missing)], capsys)
+    assert code == 2 and err.strip() == f"error: checkpoint not found: {missing}"

@@ -20,9 +20,9 @@ import pytest
 import torch
 import yaml
 
-from mabn.bench import chain, check, step
-from mabn.commands.bench import main
 from mabn.models import PSPNet
+from mabn.tools.bench import chain, check, step
+from mabn.tools.bench.command import main
 
 ROOT = Path(__file__).resolve().parents[1]
 SECTION_LINE = re.compile(r"^section (\d+) of (\d+): (\w+), limit (\d+) s: (.+)$")
@@ -231,7 +231,7 @@ def test_the_plans_targets():
 def test_the_command_writes_the_report_and_fails_on_a_section_not_ok(monkeypatch, tmp_path, capsys):
     """``python -m mabn bench check`` through its command line (stand-in sections in this process, no GPU): the
     report as it stands after each section, exit status 1 when one did not end ok."""
-    from mabn.bench import report
+    from mabn.tools.bench import report
 
     target = check.Target(f"{LABEL}: step time", 1.05)
     sections = (

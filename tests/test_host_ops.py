@@ -1,5 +1,6 @@
 """MABN2d's eager training step on its CUDA (Triton) path stays host-light: the ATen operators that one layer's
-training forward and backward issue, counted as ``python -m mabn bench ops`` counts them (``mabn.bench.ops``), stay
+training forward and backward issue, counted as ``python -m mabn bench ops`` counts them (``mabn.tools.bench.ops``),
+stay
 within the bounds measured (docs/cost.md, "Host work per layer"). On a GPU at 2 images per device each operator is
 host time that the eager step waits for, so an added allocation, view or check fails here rather than as a slower
 GPU step. Counts, not timings: deterministic on any machine.
@@ -15,8 +16,8 @@ import math
 import pytest
 import torch
 
-from mabn.bench import ops
 from mabn.norm import MABN2d
+from mabn.tools.bench import ops
 
 pytestmark = pytest.mark.gpu
 

@@ -26,9 +26,10 @@ import torch
 import mabn
 import mabn.norm.managed
 from helpers.trainer import QUIET, flags
-from mabn import cli, launch
 from mabn.callbacks import MABNCallback
-from mabn.data import demo_imagenet
+from mabn.cli import launch
+from mabn.cli import lightning as cli
+from mabn.data.synthetic import imagenet as demo_imagenet
 from mabn.norm import MABN2d
 from mabn.norm.managed import managed_norms
 

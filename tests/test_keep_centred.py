@@ -12,7 +12,7 @@ import torchvision
 
 import mabn
 from mabn import CenConv2d, convert_norm, keep_centred
-from mabn.bench import step
+from mabn.tools.bench import step
 
 
 def _pair() -> tuple[torch.nn.Module, torch.nn.Module]:
@@ -117,7 +117,7 @@ def test_step_bench_has_the_plain_loop_rows_for_resnet50(monkeypatch, capsys):
     text = step.table(rows, 1, 32, 2, model="resnet50")
     assert f"| {step.PLAIN} |" in text and '`convert_norm(model, "mabn")` (the whole batch)' in text
 
-    from mabn.commands.bench import main
+    from mabn.tools.bench.command import main
 
     capsys.readouterr()
     main(["step", "--model", "resnet50", "--batch", "8", "--crop", "160", "--dry-run"])

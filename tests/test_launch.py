@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from mabn import launch
+from mabn.cli import launch
 
 LAYOUTS = {"pretrain": ("train", "val"), "cityscapes": ("leftImg8bit", "gtFine")}
 NAMES = {"pretrain": "ImageNet", "cityscapes": "Cityscapes"}

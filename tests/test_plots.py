@@ -10,8 +10,9 @@ import pytest
 import pytorch_lightning as pl
 from PIL import Image
 
-from mabn.commands.plots import main
-from mabn.plots import Series, figures, find_metrics, layer_statistics, read_metrics
+from helpers.commands import run_mabn
+from mabn.tools.plots import Series, figures, find_metrics, layer_statistics, read_metrics
+from mabn.tools.plots.command import main
 
 MABN_KEYS = ("chi2_batch", "chi2_sma", "chi2_ema", "psi_batch", "psi_bar", "r_mean", "r_clipped", "phase")
 BRN_KEYS = ("mu_batch", "mu_ema", "sigma_batch", "sigma_ema", "r_mean", "r_clipped", "d_abs_mean", "rmax", "dmax")
@@ -116,8 +117,9 @@ def test_unplottable_runs_fail_with_one_line_naming_the_path(tmp_path, capsys, c
     elif case == "bad_value":
         csv_file = _write_run(run)
         csv_file.write_text(csv_file.read_text().replace("0.2", "n/a", 1))
-    assert main([str(run)]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
+    code, _, err = run_mabn(["plots", str(run)], capsys)
+    assert code == 2
+    err = err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: ") and str(run) in err[0]
     if case == "no_stats":
         assert "norm/<layer>/<statistic>" in err[0]

@@ -11,14 +11,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from mabn import cli, launch
 from mabn.callbacks import NormPolicy, PhaseRule
-from mabn.data import demo_imagenet
+from mabn.cli import launch
+from mabn.cli import lightning as cli
+from mabn.data.synthetic import imagenet as demo_imagenet
 from mabn.errors import ConfigError
+from mabn.inference.checkpoint import load_task
 from mabn.norm import MABN2d
 from mabn.norm.phase import phase
 from mabn.tasks import ClassificationTask
-from mabn.tasks.restore import load_task
 
 
 @pytest.mark.parametrize(("moving", "renorm"), [(1, 1), (2, 100), (5, 3), (4, 5), (4, 4)])

@@ -14,12 +14,14 @@ import pytest
 import torch
 from PIL import Image
 
+from helpers.commands import run_mabn
 from helpers.trainer import fit_flags
-from mabn import cli, launch, predict
-from mabn.commands import test as evaluate
-from mabn.commands.predict import main as predict_main
-from mabn.data import demo_cityscapes
+from mabn.cli import launch
+from mabn.cli import lightning as cli
+from mabn.cli.commands import test as evaluate
 from mabn.data.cityscapes import CLASS_NAMES
+from mabn.data.synthetic import cityscapes as demo_cityscapes
+from mabn.inference import predict
 
 
 @pytest.fixture(scope="session")
@@ -41,16 +43,10 @@ def fitted(tmp_path_factory) -> tuple[Path, Path]:
     return data, Path(trainer.checkpoint_callback.best_model_path)
 
 
-def _run(main, argv: list[str], capsys) -> tuple[int, str, list[str]]:
-    """Exit code, stdout and stderr lines of a command's ``main``."""
-    capsys.readouterr()
-    try:
-        main(argv)
-        code = 0
-    except SystemExit as exit_info:
-        code = exit_info.code
-    out = capsys.readouterr()
-    return code, out.out, out.err.strip().splitlines()
+def _run(command: str, argv: list[str], capsys) -> tuple[int, str, list[str]]:
+    """Exit code, stdout and stderr lines of ``python -m mabn <command> <argv>``."""
+    code, out, err = run_mabn([command, *argv], capsys)
+    return code, out, err.strip().splitlines()
 
 
 def _official(results: Path, data: Path, monkeypatch, tmp_path: Path) -> dict:
@@ -72,7 +68,7 @@ def test_official_evaluator_on_predict_pngs_gives_the_miou_of_test(fitted, tmp_p
     data, ckpt = fitted
     monkeypatch.chdir(tmp_path)
     options = [str(ckpt), "--num-workers", "0", "--flip"]
-    code, out, err = _run(evaluate.main, options, capsys)
+    code, out, err = _run("test", options, capsys)
     assert code == 0, err
     assert "| class | IoU (%) |" in out and "| **mIoU** |" in out
     assert "crop 32, flip True, scales [1.0]" in out  # the checkpoint's crop and scales, flip asked for
@@ -80,7 +76,7 @@ def test_official_evaluator_on_predict_pngs_gives_the_miou_of_test(fitted, tmp_p
     result = evaluate.run_test(evaluate.parser().parse_args(options))  # the same run, for its float64 numbers
     assert f"| **mIoU** | **{100 * result['miou'].item():.2f}** |" in out
 
-    code, out, err = _run(predict_main, [*options, "--overlay"], capsys)
+    code, out, err = _run("predict", [*options, "--overlay"], capsys)
     assert code == 0, err
     folder = ckpt.parent.parent / "predictions" / f"{ckpt.stem}-val"
     frames = sorted(p.name[: -len("_gtFine_labelIds.png")] for p in (data / "gtFine" / "val").rglob("*labelIds.png"))
@@ -129,7 +125,7 @@ def test_predict_never_writes_into_another_runs_folder(fitted, tmp_path, monkeyp
     mine = out / "notes.txt"
     mine.write_text("a user's file")
     argv = [str(ckpt), "--images", str(images), "--out", str(out), "--num-workers", "0"]
-    code, _, err = _run(predict_main, argv, capsys)
+    code, _, err = _run("predict", argv, capsys)
     assert code == 2 and len(err) == 1, err
     assert (
         err[0].startswith(f"error: {out} already holds files of another run (no predict.json)")
@@ -139,13 +135,13 @@ def test_predict_never_writes_into_another_runs_folder(fitted, tmp_path, monkeyp
 
     fresh = tmp_path / "fresh"
     argv[argv.index(str(out))] = str(fresh)
-    assert _run(predict_main, argv, capsys)[0] == 0
+    assert _run("predict", argv, capsys)[0] == 0
     written = (fresh / "labelIds" / "street_labelIds.png").stat().st_mtime_ns
-    assert _run(predict_main, argv, capsys)[0] == 0  # the same run again continues in its folder
+    assert _run("predict", argv, capsys)[0] == 0  # the same run again continues in its folder
     assert (fresh / "labelIds" / "street_labelIds.png").stat().st_mtime_ns >= written
-    code, _, err = _run(predict_main, [*argv, "--flip"], capsys)  # other options: another run
+    code, _, err = _run("predict", [*argv, "--flip"], capsys)  # other options: another run
     assert code == 2 and "checkpoint " in err[0]
-    assert _run(predict_main, [*argv, "--flip", "--overwrite"], capsys)[0] == 0
+    assert _run("predict", [*argv, "--flip", "--overwrite"], capsys)[0] == 0
     assert json.loads((fresh / predict.MANIFEST).read_text())["flip"] is True
     assert not list(fresh.rglob("*.tmp"))
 
@@ -153,7 +149,7 @@ def test_predict_never_writes_into_another_runs_folder(fitted, tmp_path, monkeyp
 def test_test_refuses_a_checkpoint_of_stage_1(tmp_path, capsys):
     path = tmp_path / "stage1.ckpt"
     torch.save({"state_dict": {}, "hyper_parameters": {"_class_path": "mabn.tasks.ClassificationTask"}}, path)
-    code, _, err = _run(evaluate.main, [str(path)], capsys)
+    code, _, err = _run("test", [str(path)], capsys)
     assert code == 2 and err == [
         f"error: {path} is not a stage-2 checkpoint (mabn.tasks.ClassificationTask); "
         "expected mabn.tasks.segmentation.SegmentationTask"
@@ -165,7 +161,7 @@ def test_test_refuses_a_stage_2_checkpoint_whose_weights_do_not_fit_in_one_line(
     hparams = {"_class_path": "mabn.tasks.SegmentationTask", "norm": "bn", "num_classes": 3, "eval_scales": (1.0,)}
     state = {"model.classifier.2.weight": torch.zeros(5, 512, 1, 1)}  # 5 classes, where the arguments say 3
     torch.save({"state_dict": state, "hyper_parameters": hparams}, path)
-    code, _, err = _run(evaluate.main, [str(path)], capsys)
+    code, _, err = _run("test", [str(path)], capsys)
     assert code == 2 and len(err) == 1, err[-5:]
     assert err[0].startswith(f"error: {path} does not fit the SegmentationTask its hyper_parameters describe: "), err
     assert "1 mis-shaped key(s) (e.g. classifier.2.weight)" in err[0] and "missing key(s)" in err[0]

@@ -12,10 +12,10 @@ from helpers.trainer import BARE
 from helpers.wandb_reader import history, offline_run, wandb_session
 from mabn.data.cityscapes import CLASS_NAMES, IGNORE_INDEX, CityscapesDataModule
 from mabn.data.images import IMAGENET_MEAN, IMAGENET_STD
-from mabn.inference import sliding_window_logits
-from mabn.loggers import WandbLogger
+from mabn.run.loggers import WandbLogger
 from mabn.tasks import SegmentationTask
 from mabn.tasks.segmentation import display_image, prediction_masks
+from mabn.tasks.sliding import sliding_window_logits
 
 ARCH = "resnet18"  # what is logged does not depend on the encoder's depth
 

@@ -1,6 +1,6 @@
 """SIGTERM (``scancel``, SLURM's preemption, a plain ``kill``) saves ``hpc_ckpt_<n>.ckpt`` at the end of the
 training batch it arrived in, with no collective inside the signal handler, and the run exits with status 143;
-``--resume auto`` goes on from that checkpoint (``mabn.callbacks.AgreedRequeue``; docs/reliability.md). Two DDP
+``--resume auto`` goes on from that checkpoint (``mabn.run.AgreedRequeue``; docs/reliability.md). Two DDP
 processes: tests/test_ddp_failures.py."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from helpers.processes import wait_for
-from mabn.callbacks.requeue import TERMINATED_EXIT
+from mabn.run.requeue import TERMINATED_EXIT
 
 ROOT = Path(__file__).resolve().parents[1]
 

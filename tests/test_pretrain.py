@@ -10,12 +10,14 @@ import pytorch_lightning as pl
 import segmentation_models_pytorch as smp
 import torch
 
+from helpers.commands import run_mabn
 from helpers.marks import default_suite_runs
 from helpers.trainer import BARE, STAGE1_FIT
-from mabn import MABN2d, cli, convert_norm, launch
+from mabn import MABN2d, convert_norm
 from mabn.callbacks.policy import NormPolicy
-from mabn.commands import fit
-from mabn.data import demo_imagenet
+from mabn.cli import launch
+from mabn.cli import lightning as cli
+from mabn.data.synthetic import imagenet as demo_imagenet
 from mabn.models import BackboneError, load_backbone, load_backbone_into, norm_kwargs_for
 from mabn.tasks import ClassificationTask
 from mabn.tasks.classification import backbone_path
@@ -130,10 +132,9 @@ def _copy_tree(src: Path, dst: Path) -> Path:
 
 
 def _expect_error(capsys, args, *fragments):
-    with pytest.raises(SystemExit) as exit_info:
-        fit.main(args)
-    assert exit_info.value.code == 2
-    err = capsys.readouterr().err.strip().splitlines()
+    code, _, err = run_mabn(args, capsys)
+    assert code == 2
+    err = err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: "), err
     for fragment in fragments:
         assert fragment in err[0], err[0]

@@ -1,5 +1,5 @@
 """Without a terminal (SLURM's ``.out`` file, CI, a pipe) ``python -m mabn fit`` prints one progress line every N
-steps instead of redrawing a progress bar (``mabn.callbacks.LineProgress``); on a terminal Lightning's bar stays,
+steps instead of redrawing a progress bar (``mabn.run.LineProgress``); on a terminal Lightning's bar stays,
 and ``--trainer.enable_progress_bar false`` silences both."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import pytorch_lightning as pl
 from pytorch_lightning.callbacks import TQDMProgressBar
 
 from helpers.cli_tiny import CONFIG
-from mabn.callbacks import LineProgress, progress, use_line_progress
+from mabn.run import LineProgress, progress, use_line_progress
 
 TESTS = Path(__file__).parent
 LINE = re.compile(

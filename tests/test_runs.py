@@ -1,4 +1,5 @@
-"""One folder per experiment (``mabn.runs``, ``mabn.cli``): a new run never overwrites another, a restart with
+"""One folder per experiment (``mabn.run.folder``, ``mabn.cli.lightning``): a new run never overwrites another, a
+restart with
 ``--ckpt_path auto`` continues the same folder, CSV log and wandb run from the newest good checkpoint of the same
 task and norm, and a kill in the middle of a checkpoint write loses nothing (tests/helpers/cli_tiny.py is the task)."""
 
@@ -17,9 +18,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from helpers.commands import run_mabn
 from helpers.wandb_reader import wandb_session
-from mabn import runs
 from mabn.errors import ConfigError
+from mabn.run import folder as runs
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = "helpers.cli_tiny.TinyTask"
@@ -54,16 +56,8 @@ def _run(cmd: list[str], cwd: Path, **env: str) -> subprocess.CompletedProcess:
 def _run_here(cmd: list[str], request, monkeypatch, capsys) -> tuple[int, str, str]:
     """(exit code, stdout, stderr) of a ``_command`` run in this process through the same entry point,
     ``mabn.__main__.main``, with wandb disabled as in ``_env``: no interpreter to start where nothing is killed."""
-    from mabn.__main__ import main
-
     wandb_session(request, monkeypatch, "disabled")
-    capsys.readouterr()
-    try:
-        code = main(cmd[cmd.index("-m") + 2 :])  # the arguments after ``python -m mabn``
-    except SystemExit as exit_info:
-        code = exit_info.code
-    out = capsys.readouterr()
-    return code, out.out, out.err
+    return run_mabn(cmd[cmd.index("-m") + 2 :], capsys)  # the arguments after ``python -m mabn``
 
 
 def _rows(path: Path) -> list[dict[str, str]]:

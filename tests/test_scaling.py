@@ -11,9 +11,10 @@ import pytest
 import torch
 import yaml
 
-from mabn import scaling
-from mabn.commands import stage as stage_command
+from helpers.commands import run_mabn
+from mabn.cli.commands import stage as stage_command
 from mabn.errors import ConfigError
+from mabn.run import scaling
 from mabn.tasks.classification import ClassificationTask
 
 LAYOUTS = [(1, 1), (8, 1), (8, 2), (8, 4), (8, 8)]  # GPUs per node x nodes, as the issue's users run them
@@ -57,7 +58,7 @@ def _numbers(text: str) -> list[float]:
 
 
 def _stage2_per_device(devices: int) -> int:
-    """The rule, stated apart from mabn.scaling: the most whole pairs per device whose global batch stays within
+    """The rule, stated apart from mabn.run.scaling: the most whole pairs per device whose global batch stays within
     the paper's 16, and never less than one pair (so beyond 8 devices the global batch is 2 x devices)."""
     pairs = [k for k in range(1, 9) if 2 * k * devices <= 16]
     return 2 * max(pairs, default=1)
@@ -167,11 +168,9 @@ def test_missing_stage1_backbone_is_an_error_and_none_is_random_weights_on_purpo
     layouts, tmp_path, monkeypatch, capsys
 ):
     monkeypatch.chdir(tmp_path)  # no pretrain/ folder here
-    capsys.readouterr()
-    with pytest.raises(SystemExit) as missing:
-        stage_command.main(["cityscapes", "--data", str(layouts["cityscapes"]), "--dry-run"])
-    assert missing.value.code == 2
-    error = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    code, _, err = run_mabn(["cityscapes", "--data", str(layouts["cityscapes"]), "--dry-run"], capsys)
+    assert code == 2
+    error = [line for line in err.splitlines() if line.startswith("error:")]
     assert error == [
         "error: no stage-1 backbone pretrain/resnet101-mabn.pt: run stage 1 first (make pretrain NORM=mabn "
         "DATA=<imagenet>), give one with BACKBONE=<file>, or BACKBONE=none (--backbone none) to train the encoder "

@@ -1,6 +1,7 @@
 """Stage 2 on a dataset of the user's own (``python -m mabn segment --data DIR``, docs/your-data.md): the layout and
 ``classes.yaml``, a short fit whose tables name the dataset's classes, ``test`` and ``predict`` on its checkpoint,
-and one image predicted by ``predict``, by the Python API (``mabn.predict.load``) and by ``test``: one class map.
+and one image predicted by ``predict``, by the Python API (``mabn.inference.predict.load``) and by ``test``: one class
+map.
 The bad-data cases run through the entry point in tests/test_bad_input.py."""
 
 from __future__ import annotations
@@ -17,15 +18,16 @@ import torch
 import yaml
 from PIL import Image
 
+from helpers.commands import run_mabn
 from helpers.trainer import fit_flags
-from mabn import launch, predict
-from mabn.commands import stage
-from mabn.commands import test as evaluate
-from mabn.commands.predict import main as predict_main
-from mabn.data import demo_segment
+from mabn.cli import launch
+from mabn.cli.commands import stage
+from mabn.cli.commands import test as evaluate
 from mabn.data.classes import ClassTable, voc_palette
 from mabn.data.errors import DatasetError
 from mabn.data.folder import FolderDataset, find_pairs, fitting_crop
+from mabn.data.synthetic import segment as demo_segment
+from mabn.inference import predict
 from mabn.tasks import SegmentationTask
 
 NAMES = tuple(demo_segment.COLORS)
@@ -64,15 +66,10 @@ def fitted(tmp_path_factory) -> tuple[Path, Path, str]:
     return data, folder / "checkpoints" / "last.ckpt", printed.getvalue() + "\n".join(logged.lines)
 
 
-def _run(main, argv: list[str], capsys) -> tuple[int, str, list[str]]:
-    capsys.readouterr()
-    try:
-        main(argv)
-        code = 0
-    except SystemExit as exit_info:
-        code = exit_info.code
-    out = capsys.readouterr()
-    return code, out.out, out.err.strip().splitlines()
+def _run(command: str, argv: list[str], capsys) -> tuple[int, str, list[str]]:
+    """Exit code, stdout and stderr lines of ``python -m mabn <command> <argv>``."""
+    code, out, err = run_mabn([command, *argv], capsys)
+    return code, out, err.strip().splitlines()
 
 
 def test_segment_trains_on_the_layout_and_names_its_classes(fitted):
@@ -92,13 +89,13 @@ def test_segment_trains_on_the_layout_and_names_its_classes(fitted):
 def test_test_and_predict_read_the_class_table_from_the_checkpoint(fitted, tmp_path, monkeypatch, capsys):
     data, ckpt, _ = fitted
     monkeypatch.chdir(tmp_path)
-    code, out, err = _run(evaluate.main, [str(ckpt), "--num-workers", "0"], capsys)
+    code, out, err = _run("test", [str(ckpt), "--num-workers", "0"], capsys)
     assert code == 0, err
     assert f"on {data} split val (3 images): crop 32" in out
     assert all(f"| {name} |" in out for name in NAMES) and "| wall |" not in out
 
     out_dir = tmp_path / "val"
-    code, out, err = _run(predict_main, [str(ckpt), "--num-workers", "0", "--out", str(out_dir), "--overlay"], capsys)
+    code, out, err = _run("predict", [str(ckpt), "--num-workers", "0", "--out", str(out_dir), "--overlay"], capsys)
     assert code == 0, err
     frames = [f"scene{i:03d}" for i in range(3)]
     assert sorted(p.name for p in (out_dir / "masks").iterdir()) == [f"{f}.png" for f in frames]
@@ -131,7 +128,7 @@ def test_one_image_by_predict_by_the_python_api_and_by_test_is_one_class_map(fit
     monkeypatch.setattr(SegmentationTask, "predict_classes", predict_classes)
     by_test = tested[1]
 
-    code, _, err = _run(predict_main, [str(ckpt), "--images", str(image), "--num-workers", "0", *options], capsys)
+    code, _, err = _run("predict", [str(ckpt), "--images", str(image), "--num-workers", "0", *options], capsys)
     assert code == 0, err
     written = ckpt.parent.parent / "predictions" / "last-scene001" / "masks" / "scene001.png"
     table = ClassTable.read(data / "classes.yaml")
@@ -155,14 +152,14 @@ def test_predict_takes_a_glob(fitted, tmp_path, monkeypatch, capsys):
     data, ckpt, _ = fitted
     monkeypatch.chdir(tmp_path)
     pattern = str(data / "images" / "*" / "scene00[12].jpg")
-    code, out, err = _run(predict_main, [str(ckpt), "--images", pattern, "--out", "out", "--num-workers", "0"], capsys)
+    code, out, err = _run("predict", [str(ckpt), "--images", pattern, "--out", "out", "--num-workers", "0"], capsys)
     assert code == 2 and err[-1].startswith("error: images ") and "are both frame scene001" in err[-1]  # train, val
     pattern = str(data / "images" / "val" / "scene00[12].jpg")
-    code, out, err = _run(predict_main, [str(ckpt), "--images", pattern, "--out", "out", "--num-workers", "0"], capsys)
+    code, out, err = _run("predict", [str(ckpt), "--images", pattern, "--out", "out", "--num-workers", "0"], capsys)
     assert code == 0, err
     assert sorted(p.name for p in Path("out/masks").iterdir()) == ["scene001.png", "scene002.png"]
     assert predict.images_name([pattern]) == "val" and predict.images_name([data / "images"]) == "images"
-    code, _, err = _run(predict_main, [str(ckpt), "--images", "nothing/*.png", "--num-workers", "0"], capsys)
+    code, _, err = _run("predict", [str(ckpt), "--images", "nothing/*.png", "--num-workers", "0"], capsys)
     assert code == 2 and err == ["error: no .png/.jpg/.jpeg/.bmp/.tif/.tiff/.webp images match nothing/*.png"]
 
 

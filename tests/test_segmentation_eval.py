@@ -14,10 +14,10 @@ import torch.nn.functional as F
 from PIL import Image
 from torch import nn
 
-from mabn.data import demo_cityscapes
 from mabn.data.cityscapes import CLASS_NAMES, IGNORE_INDEX, label_ids_to_train_ids
-from mabn.inference import sliding_window_logits, window_starts
-from mabn.metrics import SegmentationMetric, format_iou_table
+from mabn.data.synthetic import cityscapes as demo_cityscapes
+from mabn.tasks.metrics import SegmentationMetric, format_iou_table
+from mabn.tasks.sliding import sliding_window_logits, window_starts
 
 
 def test_metric_on_a_hand_computed_example() -> None:

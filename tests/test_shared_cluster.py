@@ -1,6 +1,6 @@
-"""A shared cluster: one run per experiment folder at a time (``mabn.runlock``), the operating system refusing a
+"""A shared cluster: one run per experiment folder at a time (``mabn.run.lock``), the operating system refusing a
 write (a full disk, a quota, a read-only folder: ``mabn.errors.WriteError``), CUDA out of memory in a training
-step (``mabn.callbacks.OutOfMemoryReport``). Each ends with exit code 2 and one ``error:`` line, and loses
+step (``mabn.run.OutOfMemoryReport``). Each ends with exit code 2 and one ``error:`` line, and loses
 nothing: ``--ckpt_path auto`` (``--resume auto``) continues from the newest whole checkpoint.
 
 The runs are tests/helpers/cli_tiny.py's seconds-long task, and a tiny PSPNet / ResNet-18 for the out-of-memory lines;
@@ -24,15 +24,20 @@ from pathlib import Path
 import pytest
 import torch
 
+from helpers.commands import run_mabn
 from helpers.marks import default_suite_runs
 from helpers.processes import wait_for
 from helpers.trainer import QUIET, flags
 from helpers.wandb_reader import wandb_session
-from mabn import cli, runlock, runs
-from mabn.callbacks.oom import training_oom_line
-from mabn.data import demo_cityscapes, demo_imagenet
+from mabn import errors
+from mabn.cli import lightning as cli
+from mabn.data.synthetic import cityscapes as demo_cityscapes
+from mabn.data.synthetic import imagenet as demo_imagenet
 from mabn.errors import WriteError
-from mabn.files import write_atomic, write_text_atomic
+from mabn.run import folder as runs
+from mabn.run import lock as runlock
+from mabn.run.files import write_atomic, write_text_atomic
+from mabn.run.oom import training_oom_line
 
 ROOT = Path(__file__).resolve().parents[1]
 IN_USE = (
@@ -74,16 +79,8 @@ def _process(argv: list[str], cwd: Path, **env: str) -> subprocess.Popen:
 
 def _here(argv: list[str], request, monkeypatch, capsys) -> tuple[int, str, str]:
     """(exit code, stdout, stderr) of ``python -m mabn <argv>`` run in this process."""
-    from mabn.__main__ import main
-
     wandb_session(request, monkeypatch, "disabled")
-    capsys.readouterr()
-    try:
-        code = main(argv)
-    except SystemExit as exit_info:
-        code = exit_info.code
-    out = capsys.readouterr()
-    return code, out.out, out.err
+    return run_mabn(argv, capsys)
 
 
 def _error_line(err: str) -> str:
@@ -363,7 +360,7 @@ def test_each_write_fault_is_a_write_error_that_keeps_the_old_file(tmp_path, mon
         write_atomic(target, refused)
     assert str(info.value) == f"cannot write runs/x/config.yaml: {os.strerror(fault)}"
     print(f"error: {info.value}")  # what the user reads (docs/reliability.md)
-    assert cli.user_error(info.value) == str(info.value)
+    assert errors.user_error(info.value) == str(info.value)
     assert target.read_text() == "old" and not runs.stale_temporaries(tmp_path / "runs" / "x")
 
 

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from mabn import launch
-from mabn.commands import stage
+from mabn import errors
+from mabn.cli import launch
 
 ROOT = Path(__file__).resolve().parents[1]
 VENV = ROOT / ".venv"
@@ -100,7 +100,7 @@ def test_a_broken_job_submits_nothing_and_names_every_problem(checkout, tmp_path
 def test_a_good_job_is_checked_then_submitted_once(stage_name, after, checkout, tiny_cityscapes, tmp_path):
     """A job that passes its check is submitted once, in the layout it was checked in; with AFTER, with
     ``--dependency=afterok:<id>``, and its check knows the stage-1 backbone comes from that job."""
-    from mabn.data import demo_segment
+    from mabn.data.synthetic import segment as demo_segment
 
     repo, env = checkout
     data = tiny_cityscapes if stage_name == "cityscapes" else demo_segment.generate(tmp_path / "own", 4, 2, (32, 64))
@@ -154,9 +154,9 @@ def test_the_launch_reports_each_independent_problem(tmp_path):
 def test_one_problem_is_one_line_several_are_one_line_each(capsys):
     """The stage command's output: an ``error:`` line per problem, exit status 2."""
     with pytest.raises(SystemExit) as ended:
-        stage.exit_on_user_errors(launch.LaunchErrors(["first", "second"]))
+        errors.exit_on_user_error(launch.LaunchErrors(["first", "second"]))
     assert ended.value.code == 2
     assert capsys.readouterr().err == "error: first\nerror: second\n"
     with pytest.raises(SystemExit):
-        stage.exit_on_user_errors(launch.LaunchErrors(["only"]))
+        errors.exit_on_user_error(launch.LaunchErrors(["only"]))
     assert capsys.readouterr().err == "error: only\n"

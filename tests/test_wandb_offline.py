@@ -1,4 +1,4 @@
-"""A wandb server that cannot be reached never ends the training (``mabn.loggers.WandbLogger``): wandb asked to
+"""A wandb server that cannot be reached never ends the training (``mabn.run.loggers.WandbLogger``): wandb asked to
 go online (``WANDB_MODE=online``, an API key, as on a cluster's compute nodes) against a server that refuses the
 connection or never answers gives up after ``online_timeout`` seconds, and the run goes on offline, its metrics
 in the offline run and in ``metrics.csv``, with one line naming the folder to ``wandb sync`` later."""
@@ -20,6 +20,7 @@ import pytest
 import wandb
 
 from helpers.cli_tiny import CONFIG
+from helpers.commands import run_mabn
 from helpers.wandb_reader import history, offline_run, wandb_session
 
 TIMEOUT_S = 5  # online_timeout for the test; the product's default is 45 s
@@ -37,16 +38,8 @@ def silent_server():
 
 def _fit(cfg: Path, request, monkeypatch, capsys) -> tuple[int, str, str]:
     """(exit code, stdout, stderr) of ``python -m mabn fit --config cfg``, run in this process, wandb online."""
-    from mabn.__main__ import main
-
     wandb_session(request, monkeypatch, "online")
-    capsys.readouterr()
-    try:
-        code = main(["fit", "--config", str(cfg), "--trainer.max_epochs", "2"])
-    except SystemExit as exit_info:
-        code = exit_info.code
-    out = capsys.readouterr()
-    return code, out.out, out.err
+    return run_mabn(["fit", "--config", str(cfg), "--trainer.max_epochs", "2"], capsys)
 
 
 def _closed_port() -> int:
@@ -56,7 +49,7 @@ def _closed_port() -> int:
 
 
 def test_online_timeout_is_wandbs_init_timeout(tmp_path):
-    from mabn.loggers import WandbLogger
+    from mabn.run.loggers import WandbLogger
 
     assert WandbLogger(save_dir=str(tmp_path))._wandb_init["settings"] == {"init_timeout": 45.0}
     logger = WandbLogger(save_dir=str(tmp_path), online_timeout=7, settings={"init_timeout": 3, "quiet": True})
@@ -66,7 +59,7 @@ def test_online_timeout_is_wandbs_init_timeout(tmp_path):
 def test_a_failed_online_start_continues_the_same_run_offline(tmp_path, request, monkeypatch, capsys):
     """wandb.init failing online, as it does without a server (no network here: the failure is stood in for),
     is followed by the same run offline in the same folder, the line said once, logged metrics in the run."""
-    from mabn.loggers import WandbLogger
+    from mabn.run.loggers import WandbLogger
 
     monkeypatch.setenv("WANDB_BASE_URL", "http://wandb.invalid")  # never reached: wandb.init is stood in for
     wandb_session(request, monkeypatch, "online")
@@ -182,7 +175,7 @@ def test_a_fit_names_groups_and_tags_its_run(tmp_path, request, monkeypatch, cap
 
 def test_the_wandb_identity_of_a_segmentation_run(tmp_path, request, monkeypatch):
     """A stage-2 run's name, group and tags, the decoder from the task's hyperparameters; a name given wins."""
-    from mabn.loggers import WandbLogger
+    from mabn.run.loggers import WandbLogger
 
     wandb_session(request, monkeypatch, "disabled")
     hparams = {"norm": "mabn", "decoder": "pspnet", "data_dir": "/data/cityscapes"}
@@ -203,12 +196,12 @@ def test_the_wandb_identity_of_a_segmentation_run(tmp_path, request, monkeypatch
 
 
 def test_the_stage_launch_passes_stage_and_dataset_to_the_wandb_logger(tmp_path, monkeypatch):
-    from mabn import launch
-    from mabn.cli import run_cli
+    from mabn.cli import launch
+    from mabn.cli.lightning import run_cli
 
     monkeypatch.chdir(tmp_path)
     args = launch.build_args("cityscapes", None, "mabn", 0, 1, [], dry_run=True)
     loggers = run_cli(args, dry_run=True).config.fit.trainer.logger
-    wandb_args = [lg.init_args for lg in loggers if lg.class_path == "mabn.loggers.WandbLogger"]
+    wandb_args = [lg.init_args for lg in loggers if lg.class_path == "mabn.run.loggers.WandbLogger"]
     assert [(a.stage, a.dataset) for a in wandb_args] == [("cityscapes", "demo-cityscapes")]
-    assert all("stage" not in lg.init_args for lg in loggers if lg.class_path != "mabn.loggers.WandbLogger")
+    assert all("stage" not in lg.init_args for lg in loggers if lg.class_path != "mabn.run.loggers.WandbLogger")

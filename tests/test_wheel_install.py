@@ -46,7 +46,7 @@ def test_an_installed_wheel_runs_a_stage_with_its_own_configs(tmp_path):
 
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
-    where = _run(python, "-c", "import mabn.launch as m; print(m.__file__); print(m.CONFIGS)", cwd=elsewhere)
+    where = _run(python, "-c", "import mabn.cli.launch as m; print(m.__file__); print(m.CONFIGS)", cwd=elsewhere)
     module, configs = (Path(line) for line in where.stdout.split())
     assert module.is_relative_to(site) and configs == site / "mabn" / "configs"
     assert (configs / "cityscapes.yaml").is_file() and (configs / "trainer" / "cpu.yaml").is_file()

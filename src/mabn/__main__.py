@@ -1,11 +1,13 @@
-"""``python -m mabn <command>``: the one entry point of the product; each command lives in ``mabn.commands``,
-imported only when it runs (``python -m mabn --help`` lists them)."""
+"""``python -m mabn <command>``: the one entry point of the product; each command lives in ``mabn.cli.commands``
+or ``mabn.tools``, imported only when it runs (``python -m mabn --help`` lists them)."""
 
 from __future__ import annotations
 
 import difflib
 import importlib
 import sys
+
+from .errors import exit_on_user_error
 
 USAGE = """usage: python -m mabn <command> [arguments]   (python -m mabn <command> --help for each)
 
@@ -27,22 +29,22 @@ results:
   demo-data     generate the demo data sets the stages use without --data (pretrain, cityscapes, segment)
 """
 
-# Each command's module in mabn.commands.
+# Each command's module: the stages' and checkpoints' in mabn.cli.commands, the tools' in mabn.tools.
 COMMANDS = {
-    "pretrain": "stage",
-    "cityscapes": "stage",
-    "segment": "stage",
-    "fit": "fit",
-    "validate": "fit",
-    "test": "test",
-    "predict": "predict",
-    "export": "export",
-    "plots": "plots",
-    "bench": "bench",
-    "ablation": "ablation",
-    "demo-data": "demo_data",
+    "pretrain": "cli.commands.stage",
+    "cityscapes": "cli.commands.stage",
+    "segment": "cli.commands.stage",
+    "fit": "cli.commands.fit",
+    "validate": "cli.commands.fit",
+    "test": "cli.commands.test",
+    "predict": "cli.commands.predict",
+    "export": "cli.commands.export",
+    "plots": "tools.plots.command",
+    "bench": "tools.bench.command",
+    "ablation": "tools.ablation.command",
+    "demo-data": "cli.commands.demo_data",
 }
-NAMED = {"stage", "fit"}  # the modules that serve several commands: they get the command's name first
+NAMED = {"cli.commands.stage", "cli.commands.fit"}  # the modules that serve several commands: the name comes first
 
 
 def main(argv: list[str]) -> int:
@@ -55,8 +57,11 @@ def main(argv: list[str]) -> int:
         hint = f" (did you mean {close[0]}?)" if close else ""
         print(f"error: unknown command {argv[0]!r}{hint}; python -m mabn --help lists the commands", file=sys.stderr)
         return 2
-    command = importlib.import_module(f"{__package__}.commands.{module}")
-    return command.main(argv if module in NAMED else argv[1:])
+    command = importlib.import_module(f"{__package__}.{module}")
+    try:
+        return command.main(argv if module in NAMED else argv[1:])
+    except Exception as err:  # the one way a command fails: a user's mistake is one line, anything else a traceback
+        exit_on_user_error(err)
 
 
 if __name__ == "__main__":

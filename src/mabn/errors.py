@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from contextlib import suppress
 from pathlib import Path
 
@@ -14,6 +15,15 @@ class UserError(ValueError):
 
 class ConfigError(UserError):
     """A configuration, path or checkpoint that cannot work as given."""
+
+
+class UserErrors(ConfigError):
+    """Several independent mistakes reported at once (a dry run names them all): ``messages``, one line each, the
+    error's message their lines."""
+
+    def __init__(self, messages: list[str]) -> None:
+        self.messages = list(messages)
+        super().__init__("\n".join(self.messages))
 
 
 def own_message(err: BaseException) -> str:
@@ -51,3 +61,32 @@ def explain(err: BaseException, message: str) -> None:
 def explained(err: BaseException) -> str | None:
     """The line ``explain`` gave ``err``, if any."""
     return getattr(err, USER_MESSAGE, None)
+
+
+def user_error(err: BaseException) -> str | None:
+    """The message of the ``UserError`` (a dataset, backbone, configuration or argument mistake; ``WriteError``:
+    a full disk, a quota, a read-only folder) behind ``err``, or the line ``mabn.errors.explain`` gave a library's
+    error (CUDA out of memory in a training step), if there is one.
+
+    jsonargparse wraps errors raised while it instantiates the data module, and a DataLoader worker
+    re-raises with its traceback in the message: dig out the original, one-line message.
+    """
+    seen = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        if isinstance(err, UserError):
+            return own_message(err)
+        if explained(err) is not None:
+            return explained(err)
+        err = err.__cause__ or err.__context__
+    return None
+
+
+def exit_on_user_error(err: BaseException) -> None:
+    """The one way a command fails (``mabn.__main__`` calls it for every command): a user error as one ``error:``
+    line (a ``UserErrors``: one per mistake) and exit status 2; anything else is re-raised, a traceback."""
+    message = user_error(err)
+    if message is None:
+        raise err
+    print("\n".join(f"error: {line}" for line in message.splitlines()), file=sys.stderr)
+    sys.exit(2)

@@ -29,7 +29,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from mabn import BatchRenorm2d, MABN2d
 from mabn.callbacks import norm_callbacks
-from mabn.files import AtomicCheckpointIO, write_atomic
+from mabn.run.files import AtomicCheckpointIO, write_atomic
 
 
 def _data() -> TensorDataset:
@@ -132,9 +132,9 @@ trainer:
   enable_model_summary: false
   log_every_n_steps: 1
   logger:
-    - class_path: mabn.loggers.CSVLogger
+    - class_path: mabn.run.loggers.CSVLogger
       init_args: {{save_dir: unused, flush_logs_every_n_steps: 1}}
-    - class_path: mabn.loggers.WandbLogger
+    - class_path: mabn.run.loggers.WandbLogger
       init_args: {{save_dir: unused, project: tiny}}
   callbacks:
     - class_path: pytorch_lightning.callbacks.ModelCheckpoint

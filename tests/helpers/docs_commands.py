@@ -43,7 +43,7 @@ SPAN = re.compile(r"(`+)(.+?)\1", re.S)
 
 # Kinds (see test_docs_commands.py for how each runs).
 STAGE = "stage"  # a training stage: run as a dry run (DRY_RUN=1, --dry-run, simulated SLURM / torchrun)
-FIT = "fit"  # python -m mabn fit|validate: parsed and checked by mabn.cli.check (--print_config runs as is)
+FIT = "fit"  # python -m mabn fit|validate: parsed and checked by mabn.cli.lightning.check (--print_config runs as is)
 PLAN = "plan"  # bench, ablation, gpu-check: their --dry-run plan; their GPU tests' paths checked
 MAKE_N = "make -n"  # make test, test-slow, test-gpu, lint: the recipe printed by make -n and checked
 REAL = "real"  # on a checkpoint or a run: export, test-split, predict, plots, demo-data, run for real

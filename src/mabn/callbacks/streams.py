@@ -16,9 +16,9 @@ from pytorch_lightning.strategies import DDPStrategy
 from pytorch_lightning.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor
 
+from ..distributed import device_mean, end_process_group_at_exit, gather_to_cpu, world_size
 from ..norm.managed import ManagedNorm, managed_norms
-from ..process import device_mean, end_process_group_at_exit, gather_to_cpu, world_size
-from .perdevice import PerDeviceState
+from ..run import PerDeviceState
 
 # Checkpoint key of every device's statistic streams: {"world_size": W, "ranks": [{buffer key: tensor}] * W}.
 STREAMS_KEY = "norm_streams"

@@ -18,8 +18,8 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 from torchvision.datasets import Cityscapes
 
-from ..process import rank
-from ..scaling import device_batch
+from ..distributed import rank
+from ..run import device_batch
 from .errors import DatasetError, require_pairs
 from .images import IMAGENET_MEAN, imagenet_normalize, read_image
 from .loading import augmentation_seed, make_loader
@@ -233,7 +233,7 @@ class CityscapesDataModule(pl.LightningDataModule):
     """Cityscapes fine train/val in the official layout under ``data_dir``, with the hszhao/semseg recipe.
 
     Training batches are ``batch_size`` (per device) random ``crop_size`` crops; with ``global_batch_size`` the
-    per-device batch is its share instead, by the rule of ``mabn.scaling.device_batch`` with the model's
+    per-device batch is its share instead, by the rule of ``mabn.run.scaling.device_batch`` with the model's
     normalization batch. The train loader shuffles and drops the last partial batch so every batch splits into
     whole ghost batches. Validation yields
     full, untransformed images (``val_batch_size`` 1 by default) for sliding-window evaluation.

@@ -28,7 +28,7 @@ from typing import Any
 import albumentations as A
 import numpy as np
 
-from ..process import say
+from ..distributed import say
 from .cityscapes import (
     CityscapesDataModule,
     CityscapesDataset,

@@ -13,7 +13,7 @@ import torch
 from albumentations.pytorch import ToTensorV2
 from torch.utils.data import DataLoader, Dataset
 
-from ..process import rank
+from ..distributed import rank
 from .errors import DatasetError
 from .images import imagenet_normalize, read_image
 from .loading import augmentation_seed, make_loader

@@ -11,7 +11,7 @@ import torch
 from pytorch_lightning.overrides.distributed import UnrepeatedDistributedSampler
 from torch.utils.data import DataLoader, Dataset, Sampler, get_worker_info
 
-from ..process import rank, world_size
+from ..distributed import rank, world_size
 
 
 def augmentation_seed(rank: int) -> int:

@@ -19,8 +19,8 @@ import torch
 from torch import nn
 
 from ..errors import ConfigError
-from ..files import load_weights_file, write_atomic
 from ..norm import NORM_PRESETS, BatchRenorm2d
+from ..run import load_weights_file, write_atomic
 from .resnet import ARCHS, DEFAULT_ARCH, check_arch
 
 FORMAT = "mabn-backbone"

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..process import all_gather_stacked, all_reduce_sum_, sync_group
+from ..distributed import all_gather_stacked, all_reduce_sum_, sync_group
 from ._checks import check_input, check_norm_args
 from ._steps import per_sample, per_sample_bn_backward, stat_dtype, values_before_update
 from .managed import ManagedNorm

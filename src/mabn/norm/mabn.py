@@ -25,7 +25,7 @@ from types import ModuleType
 import torch
 from torch import Tensor, nn
 
-from ..process import all_reduce_sum_, sync_group
+from ..distributed import all_reduce_sum_, sync_group
 from ._checks import check_input, check_norm_args
 from ._mabn_types import EMA_STARTS, STATS, BackwardStats, ForwardStats, NativeBackward, StepConfig
 from ._steps import per_sample, per_sample_bn_backward, stat_dtype, values_before_update

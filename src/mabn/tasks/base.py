@@ -13,12 +13,12 @@ import torch
 from pytorch_lightning.utilities import rank_zero_info
 
 from ..callbacks import NormPolicy, norm_callbacks
-from ..cudagraph import check_capturable, drop_graph_gradients, training_call, why_not_capturable
 from ..errors import ConfigError
 from ..models import ARCHS, DEFAULT_ARCH
 from ..norm import NORM_PRESETS
 from ..norm.cenconv import SGDCentring, keep_centred
-from ..scaling import RunShape, iterations_per_epoch
+from ..run import RunShape, iterations_per_epoch
+from .cudagraph import check_capturable, drop_graph_gradients, training_call, why_not_capturable
 
 
 def require(ok: bool, name: str, value: Any, wanted: str) -> None:
@@ -31,7 +31,7 @@ class NormTask(pl.LightningModule):
     """A LightningModule around ``self.model`` whose norms may be callback-managed (MABN2d, BatchRenorm2d).
 
     With the ``cuda_graph`` hyperparameter true, the model's training forward and backward are captured as
-    CUDA graphs at the first training batch and replayed afterwards (``mabn.cudagraph``); ``auto`` (the default)
+    CUDA graphs at the first training batch and replayed afterwards (``mabn.tasks.cudagraph``); ``auto`` (the default)
     does so when the fit runs on a GPU, the model can be captured and ``compile`` is unset, and otherwise trains
     eagerly and says why in one line at fit start. With ``compile``
     (true: torch.compile's default mode; or a mode name such as ``reduce-overhead``, which adds CUDA graphs),

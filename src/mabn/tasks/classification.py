@@ -14,8 +14,9 @@ from pytorch_lightning.utilities import rank_zero_info
 from torchmetrics import MeanMetric
 from torchmetrics.classification import MulticlassAccuracy
 
+from ..errors import ConfigError
 from ..models import DEFAULT_ARCH, resnet, save_backbone
-from ..scaling import RunShape, auto_warmup_epochs
+from ..run import RunShape, auto_warmup_epochs, load_weights_file
 from . import schedules
 from .base import NormTask, require
 
@@ -94,7 +95,7 @@ class ClassificationTask(NormTask):
     @staticmethod
     def warmup_epochs(hp: Mapping[str, Any], shape: RunShape) -> float:
         """The run's warm-up in epochs: ``warmup_epochs``, or when it is None Goyal et al.'s 5 epochs if the global
-        batch exceeds ``base_batch_size`` and none otherwise (``mabn.scaling.auto_warmup_epochs``)."""
+        batch exceeds ``base_batch_size`` and none otherwise (``mabn.run.scaling.auto_warmup_epochs``)."""
         given = hp["warmup_epochs"]
         return auto_warmup_epochs(shape.global_batch, hp["base_batch_size"]) if given is None else given
 
@@ -182,12 +183,14 @@ class ClassificationTask(NormTask):
         ckpt = self.trainer.checkpoint_callback
         model, top1 = self.model, self.trainer.callback_metrics.get("val/top1")
         if ckpt is not None and ckpt.best_model_path:
-            state = torch.load(ckpt.best_model_path, map_location="cpu", weights_only=True)["state_dict"]
+            state = load_weights_file(Path(ckpt.best_model_path), "checkpoint", ConfigError)["state_dict"]
             model = self.build_model()
             model.load_state_dict({k.removeprefix("model."): v for k, v in state.items() if k.startswith("model.")})
             top1 = ckpt.best_model_score
         config = {
-            "run_dir": str(self.trainer.default_root_dir),  # whose backbone this is (see mabn.cli.check_export)
+            "run_dir": str(
+                self.trainer.default_root_dir
+            ),  # whose backbone this is (see mabn.cli.lightning.check_export)
             "model": dict(self.hparams),
             "data": dict(self.trainer.datamodule.hparams),
             "global_batch_size": global_batch_size(self.trainer, self.trainer.datamodule.batch_size),

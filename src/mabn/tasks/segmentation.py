@@ -17,8 +17,6 @@ from pytorch_lightning.utilities import rank_zero_info, rank_zero_warn
 from ..data.cityscapes import CLASS_NAMES, IGNORE_INDEX
 from ..data.images import IMAGENET_MEAN, IMAGENET_STD
 from ..errors import ConfigError
-from ..inference import sliding_window_logits
-from ..metrics import SegmentationMetric, format_iou_table
 from ..models import (
     DECODERS,
     DEFAULT_ARCH,
@@ -27,9 +25,11 @@ from ..models import (
     check_backbone,
     load_backbone_into,
 )
-from ..scaling import RunShape, device_batch, device_batch_reason
+from ..run import RunShape, device_batch, device_batch_reason
 from . import schedules
 from .base import NormTask, require
+from .metrics import SegmentationMetric, format_iou_table
+from .sliding import sliding_window_logits
 
 # Logged images wider than this are subsampled by an integer stride: a full Cityscapes frame (2048 px) and
 # its two masks would add megabytes to the run at every logged validation.
@@ -151,7 +151,7 @@ class SegmentationTask(NormTask):
     @staticmethod
     def batch_reason(hp: Mapping[str, Any], shape: RunShape) -> list[str]:
         """The ``global batch:`` line: why the devices hold the global batch they hold, by the rule of
-        ``mabn.scaling.device_batch`` over the recipe's global batch (``base_batch_size``, the batch ``base_lr``
+        ``mabn.run.scaling.device_batch`` over the recipe's global batch (``base_batch_size``, the batch ``base_lr``
         belongs to); none where the per-device batch does not come from that rule."""
         recipe, norm_batch = hp["base_batch_size"], shape.norm_batch
         try:

@@ -1,1 +1,0 @@
-"""Benchmarks: ``python -m mabn bench --help`` (``mabn.commands.bench``)."""

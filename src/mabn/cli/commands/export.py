@@ -1,0 +1,35 @@
+"""``python -m mabn export CKPT``: a trained checkpoint -> the folded inference model, as TorchScript and ONNX.
+
+Every norm that is linear at inference (BN, BRN, MABN) is folded into the conv before it, so the exported network
+costs what a BN network costs; GroupNorm stays. Each output is checked before it is written
+(``mabn.inference.export``): a
+file that does not reproduce the trained network is never left behind. The ONNX model takes any batch, height and
+width.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..help import command_parser, positive
+
+
+def main(argv: list[str]) -> int:
+    parser = command_parser("export", __doc__)
+    parser.add_argument(
+        "checkpoint", type=Path, help="a Lightning checkpoint of SegmentationTask or ClassificationTask"
+    )
+    parser.add_argument("--out", type=Path, help="output folder (default: the checkpoint's folder)")
+    parser.add_argument(
+        "--input-size",
+        type=positive,
+        nargs=2,
+        metavar=("H", "W"),
+        help="sample input size the outputs are checked at (default: 512 1024 for PSPNet, 224 224 for ResNet); "
+        "the ONNX model takes any size",
+    )
+    args = parser.parse_args(argv)
+    from ...inference.export import export  # the ONNX exporters and the models: imported once the arguments parse
+
+    export(args.checkpoint, args.out, tuple(args.input_size) if args.input_size else None)
+    return 0

@@ -1,0 +1,93 @@
+"""``python -m mabn predict CKPT``: a stage-2 checkpoint's predictions as PNG files (``mabn.inference.predict``).
+
+For every image of ``--images`` (folders, searched recursively, image files, or glob patterns) or of a split of
+the checkpoint's dataset (``--data``, ``--split``: ``<root>/leftImg8bit/<split>`` for Cityscapes,
+``<root>/images/<split>`` for a dataset of the user's own) it writes, named after the frame (the image's name
+without ``_leftImg8bit`` and its suffix), into the output folder:
+
+- Cityscapes: ``labelIds/<frame>_labelIds.png``, Cityscapes labelIds, what the benchmark server and
+  cityscapesscripts' ``evalPixelLevelSemanticLabeling`` read (it matches ``<city>_<seq>_<frame>*.png`` to each
+  ground truth, so point it at this folder alone: ``CITYSCAPES_RESULTS=<out>/labelIds``);
+  a dataset of the user's own: ``masks/<frame>.png``, in its own mask values (each class's first value in
+  ``classes.yaml``), as its masks are;
+- ``color/<frame>_color.png``: the classes in the dataset's colours (Cityscapes', or those of ``classes.yaml``);
+- ``overlay/<frame>_overlay.png`` with ``--overlay``: the colours blended over the image.
+
+The output folder defaults to ``<run>/predictions/<checkpoint name>-<split, folder or image name>``. It records
+its run in ``predict.json``; a folder holding any other files (another checkpoint, images or options, or files of
+unknown origin) is refused unless ``--overwrite`` is given. Every file is written atomically.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from ...data.folder import MASKS
+from ...data.loading import make_loader
+from ...errors import ConfigError
+from ...inference.predict import FrameImages, PredictionWriter, claim_folder, image_files, images_name
+from ...inference.stage2 import Stage2Checkpoint, configure, data_root, inference_trainer, load_stage2
+from .test import checkpoint_parser
+
+
+def image_specs(checkpoint: Stage2Checkpoint, ns: argparse.Namespace) -> list[str | Path]:
+    """``--images``, else the split's image folder under ``--data`` (the checkpoint's root by default)."""
+    if ns.images:
+        if ns.data is not None or ns.split is not None:
+            raise ConfigError("give either --images or --data/--split, not both")
+        return list(ns.images)
+    split = ns.split or checkpoint.data.get("val_split") or "val"
+    return [checkpoint.image_folder(data_root(checkpoint, ns.data), split)]
+
+
+def run_predict(ns: argparse.Namespace) -> Path:
+    checkpoint = load_stage2(ns.checkpoint)
+    classes = checkpoint.classes
+    configure(checkpoint, ns.crop, ns.flip, ns.scales)
+    specs = image_specs(checkpoint, ns)
+    images = FrameImages(image_files(specs))
+    name = images_name(specs)
+    out = ns.out or checkpoint.run_folder / "predictions" / f"{ns.checkpoint.stem}-{name}"
+    hp = checkpoint.task.hparams
+    manifest = {
+        "checkpoint": str(ns.checkpoint.resolve()),
+        "images": " ".join(str(Path(spec).resolve()) for spec in specs),
+        "crop": hp.eval_crop,
+        "flip": hp.eval_flip,
+        "scales": list(hp.eval_scales),
+        "overlay": ns.overlay,
+    }
+    claim_folder(out, manifest, ns.overwrite)
+    writer = PredictionWriter(out, images, ns.overlay, classes, checkpoint.own_data)
+    loader = make_loader(images, 1, False, ns.num_workers)
+    inference_trainer(callbacks=[writer]).predict(checkpoint.task, loader, return_predictions=False)
+    masks = MASKS if checkpoint.own_data else "labelIds"
+    parts = f"{masks}/, color/" + (" and overlay/" if ns.overlay else "")
+    what = ", ".join(map(str, specs))
+    evaluate = "" if checkpoint.own_data else f"; evaluate {out / 'labelIds'}"
+    plural = "" if writer.written == 1 else "s"
+    print(f"Wrote {writer.written} prediction{plural} of {what} to {out} ({parts}){evaluate}")
+    return out
+
+
+def parser() -> argparse.ArgumentParser:
+    parser = checkpoint_parser("predict", __doc__)
+    parser.add_argument(
+        "--images",
+        nargs="+",
+        metavar="PATH",
+        help="folders (searched recursively), image files or quoted glob patterns ('photos/*.jpg') to predict",
+    )
+    parser.add_argument(
+        "--split", help="the split under leftImg8bit/ (or images/) of --data (default: the checkpoint's val split)"
+    )
+    parser.add_argument("--out", type=Path, help="output folder (default: <run>/predictions/<ckpt>-<images>)")
+    parser.add_argument("--overlay", action="store_true", help="also write the colours blended over each image")
+    parser.add_argument("--overwrite", action="store_true", help="write into a folder holding another run's files")
+    return parser
+
+
+def main(argv: list[str]) -> int:
+    run_predict(parser().parse_args(argv))
+    return 0

@@ -1,0 +1,92 @@
+"""``python -m mabn pretrain|cityscapes|segment``: a stage of the recipe, real with ``--data``, the demo profile
+without it (``mabn.cli.launch``).
+
+The launch decides its plan once (``mabn.cli.launch.plan``: profile, trainer preset, run folder, backbone), then runs
+one LightningCLI (``mabn.cli.lightning``) that checks the whole configuration, takes the run folder's lock, and,
+before it
+builds the data module, generates the demo set. ``--resume auto`` continues from the newest checkpoint of the
+experiment folder, so a killed or requeued job restarts with the same command; ``--dry-run`` checks everything
+(and the SLURM or torchrun environment), prints the run's plan and its LightningCLI command, and builds, generates
+and writes nothing. A launch that cannot work stops with exit status 2 and an ``error:`` line: a dry run (the check
+``make slurm`` runs before it submits) one for each independent problem (launcher layout, norm, devices, data,
+backbone, then the LightningCLI's check of the rest), a run its first. Lightning's DDP launcher runs this command
+again in each further process: those take no lock, and wait for process 0's demo set.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from ...distributed import end_process_group_at_exit
+from ...errors import user_error
+from .. import launch
+from .. import lightning as cli
+from ..help import command_parser
+
+
+def parser(stage: str) -> argparse.ArgumentParser:
+    parser = command_parser(stage, __doc__)
+    parser.add_argument("--data", type=Path, help="dataset root; the demo profile runs when it is absent")
+    parser.add_argument(
+        "--norm", default="mabn", help="bn, syncbn, gn, brn, mabn or an ablation preset; stage 1 also bn32 and mabn-det"
+    )
+    parser.add_argument("--gpus", type=int, default=0, help="GPUs per node (0: CPU)")
+    parser.add_argument("--nodes", type=int, default=1)
+    parser.add_argument(
+        "--backbone",
+        help="stage 2: a backbone file, or 'none' for random encoder weights (default: stage 1's export)",
+    )
+    parser.add_argument(
+        "--backbone-pending",
+        action="store_true",
+        help="with --dry-run: stage 1's backbone is written by a job that runs first (make slurm AFTER=<job>)",
+    )
+    parser.add_argument("--resume", help="'auto' (the newest checkpoint of the experiment folder, if any) or a path")
+    parser.add_argument("--run-dir", type=Path, help="the experiment folder (default: runs/<stage>/<norm>)")
+    parser.add_argument(
+        "--dry-run", action="store_true", help="check, print the plan and the LightningCLI command, and exit"
+    )
+    parser.epilog = "Arguments after -- (and any this parser does not know) go to the LightningCLI unchanged."
+    return parser
+
+
+def main(argv: list[str]) -> int:
+    """``argv`` starts with the stage: pretrain, cityscapes or segment."""
+    stage, argv = argv[0], argv[1:]
+    cut = argv.index("--") if "--" in argv else len(argv)
+    ns, unknown = parser(stage).parse_known_args(argv[:cut])
+    extra = unknown + argv[cut + 1 :]
+    end_process_group_at_exit()  # every run, whatever its norm: a DDP worker must exit cleanly
+    plan, problems = launch.checked_plan(
+        stage,
+        ns.data,
+        ns.norm,
+        ns.gpus,
+        ns.nodes,
+        extra,
+        backbone=ns.backbone,
+        resume=ns.resume,
+        dry_run=ns.dry_run,
+        folder=ns.run_dir,
+        backbone_pending=ns.backbone_pending,
+    )
+    if problems and not ns.dry_run:  # a run stops at its first problem
+        raise launch.LaunchError(problems[0])
+    if problems:  # a dry run names them all; its LightningCLI checks the rest on the plan's stand-ins
+        raise launch.LaunchErrors([*problems, *(m for m in cli_problems(plan) if m not in problems)])
+    checked = cli.run_cli(list(plan.args), dry_run=ns.dry_run, prepare=plan.prepare_data)
+    if ns.dry_run:
+        print("\n".join([*checked.plan_lines, *([plan.launcher] if plan.launcher else []), plan.command]))
+    return 0
+
+
+def cli_problems(plan: launch.LaunchPlan) -> list[str]:
+    """The LightningCLI's check of ``plan``'s arguments as a dry run (it builds, reads and locks nothing): its
+    problem, or none; an error that is no user's mistake stays behind the launch's own problems."""
+    try:
+        cli.run_cli(list(plan.args), dry_run=True)
+    except Exception as err:
+        message = user_error(err)
+        return [message] if message else []
+    return []

@@ -1,0 +1,373 @@
+"""The stage launches (``python -m mabn pretrain|cityscapes|segment``, ``mabn.cli.commands.stage``): the profile, the
+trainer preset and the run's folder, decided once into a ``LaunchPlan`` before the LightningCLI parses.
+
+With ``--data`` a stage runs the paper's recipe from ``configs/`` on that dataset (``segment``: stage 2's recipe on
+a dataset of the user's own, ``mabn.data.folder``), and a ``--data`` that is not the expected layout is an error
+naming the missing folder; without ``--data`` it says so, generates a small set in the same on-disk layout (once)
+and runs the demo profile, which trains for a few minutes on a CPU. The demo writes only under ``runs/demo/``,
+``pretrain/demo/`` and ``data/``, never where a real run's artefacts live.
+
+Each run's experiment folder is ``runs/<stage>/<norm>`` (``runs/demo/<stage>/<norm>`` for the demo; ``--run-dir``
+picks another), see ``mabn.run.folder``. ``--gpus`` (per node) and ``--nodes`` pick a preset from ``configs/trainer/``
+(cpu, gpu, ddp, multinode) and set the Trainer's devices and num_nodes; on a machine without CUDA, ``--gpus N``
+runs N CPU processes under DDP instead.
+"""
+
+from __future__ import annotations
+
+import importlib
+import shlex
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..data.once import generate_once
+from ..distributed import launch_rank, say
+from ..errors import ConfigError, UserErrors
+from ..norm import NORM_PRESETS
+from ..tasks.classification import backbone_path
+
+# The recipes, package data (configs/ of the repository, linked into the package): an installed copy carries them
+CONFIGS = Path(str(resources.files("mabn") / "configs")).resolve()
+DEMO_DATA = Path("data")
+RUNS = Path("runs")
+BACKBONES = Path("pretrain")
+DEMO = "demo"  # the folder under runs/ and pretrain/ that holds the demo profile's artefacts
+NO_BACKBONE = "none"  # --backbone none: stage 2's encoder from random weights, on purpose
+DEMO_WAIT_S = 1800  # how long the processes of other nodes wait for process 0 to generate the demo set
+STAGE2 = ("cityscapes", "segment")  # the stages that fine-tune a stage-1 backbone
+
+
+class LaunchError(ConfigError):
+    """A launch that cannot work as asked; the message says why and what to change."""
+
+
+class LaunchErrors(UserErrors, LaunchError):
+    """Every independent problem of a launch at once (data, norm, backbone, devices, the launcher's layout, the
+    LightningCLI's own check): ``messages``, one line each; the message of a single problem is that line."""
+
+
+def _demo_set(root: Path, generate: Callable[[Path], Path], marker: str) -> Path:
+    """Generate the demo set once (``generate_once``: a lock serializes the processes of one machine). On
+    other nodes, whose disk may be shared without a working lock, processes wait for process 0's marker."""
+    if launch_rank() != 0:
+        deadline = time.monotonic() + DEMO_WAIT_S
+        while not (root / marker).is_file():
+            if time.monotonic() > deadline:
+                raise LaunchError(f"waited {DEMO_WAIT_S} s for process 0 to generate the demo set in {root}")
+            time.sleep(2)
+    return generate_once(root, generate, say)
+
+
+@dataclass(frozen=True)
+class Profile:
+    """A stage's data: the folders (and files) that make ``--data`` the real dataset (then the recipe ``config``
+    runs, after the ``base`` configs it builds on), and without ``--data`` the message and the demo set that
+    replaces it (then each config's ``configs/demo/`` version follows, where there is one)."""
+
+    config: str
+    layout: tuple[str, ...]
+    demo: str  # demo_<module of mabn.data.synthetic> that generates the demo set, named like its folder under data/
+    missing: str
+    base: tuple[str, ...] = ()  # configs read before ``config`` (segment: cityscapes.yaml's recipe)
+    files: tuple[str, ...] = ()  # files of the layout besides its folders
+
+    def resolve(self, data: Path | None) -> tuple[list[str], Path]:
+        """(the configs to run, the data root): the demo's without ``data``; a ``data`` that is not the layout
+        is an error naming the first missing folder or file."""
+        configs = [*self.base, self.config]
+        if data is not None:
+            if not data.is_dir():
+                raise LaunchError(f"DATA={data}: no such folder (expected {self.expected})")
+            for folder in self.layout:
+                if not (data / folder).is_dir():
+                    raise LaunchError(f"DATA={data}: missing folder {data / folder} (expected {self.expected})")
+            for name in self.files:
+                if not (data / name).is_file():
+                    raise LaunchError(f"DATA={data}: missing file {data / name} (expected {self.expected})")
+            return configs, data
+        say(self.missing)
+        demo = [f"demo/{name}" for name in configs if (CONFIGS / "demo" / name).is_file()]
+        return configs + demo, DEMO_DATA / self.demo.replace("_", "-")
+
+    @property
+    def expected(self) -> str:
+        return ", ".join([*(f"{folder}/..." for folder in self.layout), *self.files])
+
+    def generate_demo(self, root: Path) -> Path:
+        generator = importlib.import_module(f"mabn.data.synthetic.{self.demo.removeprefix('demo_')}")
+        return _demo_set(root, generator.generate, generator.MARKER)
+
+
+PROFILES = {
+    "pretrain": Profile(
+        "pretrain.yaml",
+        ("train", "val"),
+        "demo_imagenet",
+        "No ImageNet given (DATA=...): expected train/<wnid>/*.JPEG and val/<wnid>/*.JPEG.\n"
+        "Running the demo profile on generated data (configs/demo/pretrain.yaml).",
+    ),
+    "cityscapes": Profile(
+        "cityscapes.yaml",
+        ("leftImg8bit", "gtFine"),
+        "demo_cityscapes",
+        "No Cityscapes given (DATA=...): expected leftImg8bit/<split>/<city>/*_leftImg8bit.png and\n"
+        "gtFine/<split>/<city>/*_gtFine_labelIds.png. Running the demo profile on generated street scenes\n"
+        "(configs/demo/cityscapes.yaml).",
+    ),
+    "segment": Profile(
+        "segment.yaml",
+        ("images", "masks"),
+        "demo_segment",
+        "No dataset given (DATA=...): expected images/<split>/*, masks/<split>/*.png and classes.yaml\n"
+        "(docs/your-data.md). Running the demo profile on the generated example (configs/demo/cityscapes.yaml).",
+        base=("cityscapes.yaml",),
+        files=("classes.yaml",),
+    ),
+}
+
+
+@dataclass(frozen=True)
+class Stage1Preset:
+    """A stage-1 run of a norm under a name of its own: its own experiment folder and backbone folder. ``config``
+    (a file of configs/, and its configs/demo/ version for the demo profile) and ``args`` follow the profile's."""
+
+    norm: str
+    description: str
+    stage2_norms: str  # the stage-2 norms that start from its backbone
+    args: tuple[str, ...] = ()
+    config: str | None = None
+
+    def configs(self, demo: bool) -> list[str]:
+        if self.config is None:
+            return []
+        return [self.config] + ([f"demo/{self.config}"] if demo and (CONFIGS / "demo" / self.config).is_file() else [])
+
+
+STAGE1_PRESETS = {
+    # The paper's BN backbone (its Cityscapes BN, BRN and SyncBN rows all start from it) normalizes over each
+    # device's batch of 32: pretrain/bn32/resnet101-bn.pt, never to be taken for the bn backbone at
+    # normalization batch 2 (pretrain/resnet101-bn.pt).
+    "bn32": Stage1Preset(
+        "bn", "BN over each device's batch of 32", "bn, brn or syncbn", ("--model.init_args.norm_batch_size", "null")
+    ),
+    # MABN on the official detection code's timeline instead of the ImageNet code's (docs/design.md).
+    "mabn-det": Stage1Preset(
+        "mabn", "MABN on the detection code's timeline", "mabn", config="pretrain-detection-timeline.yaml"
+    ),
+}
+
+
+def trainer_args(gpus: int, nodes: int, cuda: bool | None = None) -> list[str]:
+    """Trainer preset and flags for ``gpus`` per node on ``nodes`` nodes (``cuda``: default, whether CUDA is
+    available here; without it the devices become CPU processes)."""
+    if gpus < 0 or nodes < 1:
+        raise LaunchError(f"GPUS must be >= 0 and NODES >= 1, got GPUS={gpus}, NODES={nodes}")
+    if gpus == 0 and nodes > 1:
+        raise LaunchError(f"NODES={nodes} needs GPUS >= 1 (the GPUs per node); GPUS=0 is one CPU process")
+    cuda = torch.cuda.is_available() if cuda is None else cuda
+    if gpus == 0:
+        return ["--trainer", str(CONFIGS / "trainer" / "cpu.yaml")]
+    preset = "gpu" if gpus * nodes == 1 else "ddp" if nodes == 1 else "multinode"
+    args = ["--trainer", str(CONFIGS / "trainer" / f"{preset}.yaml")]
+    args += ["--trainer.devices", str(gpus), "--trainer.num_nodes", str(nodes)]
+    if not cuda:
+        per_node = " per node" if nodes > 1 else ""
+        how = "DDP over gloo" if gpus * nodes > 1 else "one process"
+        say(f"No CUDA device here: GPUS={gpus} runs as {gpus} CPU process(es){per_node} ({how}).")
+        args += ["--trainer.accelerator", "cpu"]
+    return args
+
+
+def norm_args(norm: str, gpus: int, nodes: int, cuda: bool | None = None) -> list[str]:
+    """syncbn: Lightning's ``sync_batchnorm``, refused where SyncBatchNorm cannot synchronize anything."""
+    if norm != "syncbn":
+        return []
+    if gpus * nodes < 2:
+        raise LaunchError(
+            f"NORM=syncbn synchronizes BatchNorm across GPUs, but GPUS={gpus} NODES={nodes} is "
+            f"{'no GPU' if gpus == 0 else 'one device'}: use NORM=bn, or GPUS=2 or more"
+        )
+    if not (torch.cuda.is_available() if cuda is None else cuda):
+        raise LaunchError(
+            "NORM=syncbn needs GPUs (torch's SyncBatchNorm has no CPU kernel) and no CUDA device is visible: "
+            "use NORM=bn, brn or mabn (norm_options sync_stats: true shares MABN/BRN statistics across devices)"
+        )
+    return ["--trainer.sync_batchnorm", "true"]
+
+
+def check_cluster(gpus: int, nodes: int) -> str | None:
+    """Check the devices against the launcher's process layout (SLURM or torchrun) with Lightning's own
+    rules, so a mismatch stops here with a hint instead of hanging at the first collective. Returns a line
+    describing the environment, or None outside those launchers."""
+    from lightning_fabric.plugins.environments import SLURMEnvironment, TorchElasticEnvironment
+
+    devices = max(gpus, 1)
+    for env, hint in (
+        (SLURMEnvironment, "submit with --ntasks-per-node=GPUS and --nodes=NODES (scripts/slurm/submit.sh does)"),
+        (TorchElasticEnvironment, "start torchrun with --nproc_per_node=GPUS and --nnodes=NODES"),
+    ):
+        if env.detect():
+            try:
+                env().validate_settings(num_devices=devices, num_nodes=nodes)
+            except (ValueError, RuntimeError) as err:
+                raise LaunchError(f"{err} ({hint})") from err
+            return f"{env.__name__}: {nodes} node(s) x {devices} process(es) agree with the launcher"
+    return None
+
+
+def stage2_backbone(norm: str, backbone: str | Path | None, demo: bool, pending: bool = False) -> tuple[list[str], str]:
+    """Where stage 2's encoder starts: (the LightningCLI arguments, the line that says so). ``backbone`` is a
+    file, ``none`` (random weights on purpose) or None: stage 1's export for the same norm and profile, which a
+    real run requires (``pending``: a job queued after stage 1's writes it first) and the demo uses if present."""
+    if backbone is not None and str(backbone) == NO_BACKBONE:
+        return [], "Backbone: none (BACKBONE=none): the encoder starts from random weights"
+    if backbone is not None:
+        if not Path(backbone).is_file():
+            raise LaunchError(f"BACKBONE={backbone}: no such file")
+        return ["--model.init_args.backbone", str(backbone)], f"Backbone: {backbone} (BACKBONE=...)"
+    path = backbone_path(BACKBONES / DEMO if demo else BACKBONES, norm)
+    source = f"Backbone: {path}, stage 1's export for NORM={norm}"
+    if path.is_file():
+        return ["--model.init_args.backbone", str(path)], f"{source} (BACKBONE=... picks another)"
+    if pending:
+        return [], f"{source}, to be written by the stage-1 job this one waits for"
+    if demo:
+        return [], f"Backbone: none ({path} not found: make pretrain NORM={norm} writes it); random encoder weights"
+    raise LaunchError(
+        f"no stage-1 backbone {path}: run stage 1 first (make pretrain NORM={norm} DATA=<imagenet>), give one "
+        f"with BACKBONE=<file>, or BACKBONE=none (--backbone none) to train the encoder from random weights"
+    )
+
+
+def run_dir(stage: str, norm: str, demo: bool, given: Path | None) -> Path:
+    """The experiment folder: ``given``, else runs/<stage>/<norm> (runs/demo/... for the demo profile)."""
+    return given if given is not None else (RUNS / DEMO if demo else RUNS) / stage / norm
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    """What a stage launch runs, decided before the LightningCLI parses its configuration (``plan``)."""
+
+    stage: str
+    name: str  # the run's name: its norm, or a stage-1 preset (bn32, mabn-det)
+    profile: Profile
+    demo: bool  # no --data: the demo profile on a generated set
+    data_dir: Path
+    run_dir: Path
+    trainer_args: tuple[str, ...]  # the trainer preset and its flags (devices, nodes, accelerator, sync_batchnorm)
+    backbone_args: tuple[str, ...]  # stage 2: where its encoder starts
+    resume: str | None
+    args: tuple[str, ...]  # the LightningCLI arguments: "fit", the configs, the settings above, the user's extra
+    launcher: str | None  # the SLURM or torchrun layout the devices agree with (``check_cluster``)
+
+    @property
+    def command(self) -> str:
+        return "python -m mabn " + shlex.join(self.args)
+
+    def prepare_data(self) -> None:
+        """The demo set, generated once (process 0 writes it; the other processes of the launch wait for it)."""
+        if self.demo:
+            self.profile.generate_demo(self.data_dir)
+
+
+def plan(*args: Any, **kwargs: Any) -> LaunchPlan:
+    """The plan of a stage run, from ``checked_plan``'s arguments; ``LaunchErrors`` (a ``LaunchError``) for a
+    launch that cannot work, naming every problem."""
+    found, problems = checked_plan(*args, **kwargs)
+    if problems:
+        raise LaunchErrors(problems)
+    return found
+
+
+def checked_plan(
+    stage: str,
+    data: Path | None,
+    norm: str,
+    gpus: int,
+    nodes: int,
+    extra: list[str],
+    backbone: str | Path | None = None,
+    resume: str | None = None,
+    dry_run: bool = False,
+    folder: Path | None = None,
+    backbone_pending: bool = False,
+) -> tuple[LaunchPlan, list[str]]:
+    """The plan of a stage run (the demo profile without ``data``) and its checks; nothing is generated or read here
+    but file names. ``dry_run`` assumes a GPU machine; ``backbone_pending`` (with it): stage 1 writes the backbone
+    before this run starts. Each check is independent of the others' outcome: (the plan, the problems, one line
+    each, in the order launcher, norm, devices, data, backbone). Where a check failed the plan holds a stand-in
+    (the given data folder, or a folder inside it that is not there, norm mabn, one CPU process, no backbone), so
+    that the LightningCLI can still check the rest without reporting the same problems again."""
+    problems: list[str] = []
+
+    def attempt(check: Callable[[], Any], stand_in: Any = None) -> Any:
+        try:
+            return check()
+        except LaunchError as err:
+            problems.append(str(err))
+            return stand_in
+
+    launcher = attempt(lambda: check_cluster(gpus, nodes))
+    label, preset = norm, STAGE1_PRESETS.get(norm)  # the run's name: the norm, or a stage-1 preset
+    norm_ok = True
+    if preset is not None and stage != "pretrain":
+        problems.append(
+            f"NORM={label} is a stage-1 preset ({preset.description}); stage 2 loads its backbone into "
+            f"NORM={preset.stage2_norms} with BACKBONE={backbone_path(BACKBONES / label, preset.norm)}"
+        )
+        norm_ok = False
+    norm = preset.norm if preset else norm
+    if norm not in NORM_PRESETS:
+        names = sorted([*NORM_PRESETS, *STAGE1_PRESETS])
+        problems.append(f"NORM={norm}: unknown norm; choose one of {', '.join(names)}")
+        norm, norm_ok = "mabn", False  # the stand-in the LightningCLI checks the rest with
+    cuda = True if dry_run else None
+    devices_ok = gpus >= 0 and nodes >= 1 and not (gpus == 0 and nodes > 1)
+    # A refused syncbn run says nothing else about its devices (no "No CUDA device here" line).
+    syncbn = attempt(lambda: norm_args(norm, gpus, nodes, cuda), None) if norm_ok and devices_ok else []
+    hardware = attempt(lambda: trainer_args(gpus, nodes, True if syncbn is None else cuda), None)
+    hardware = (hardware if hardware is not None else trainer_args(0, 1)) + (syncbn or [])
+    profile = PROFILES[stage]
+    resolved = attempt(lambda: profile.resolve(data))
+    if resolved is None:  # a data folder that is not the layout: a stand-in that no check reads from
+        resolved = [*profile.base, profile.config], data if data is None or not data.exists() else data / "(layout)"
+    configs, data_dir = resolved
+    demo = data is None
+    folder = run_dir(stage, label, demo, folder)
+    args = ["fit"]
+    for name in configs + (preset.configs(demo) if preset else []):
+        args += ["--config", str(CONFIGS / name)]
+    args += ["--data.init_args.data_dir", str(data_dir), "--model.init_args.norm", norm]
+    args += ["--trainer.default_root_dir", str(folder)]
+    # wandb's run name, group and tags (mabn.run.loggers.WandbLogger, the recipes' last logger): the stage and dataset
+    dataset = {"pretrain": "imagenet", "cityscapes": "cityscapes"}.get(stage) if data is not None else None
+    args += ["--trainer.logger.init_args.stage", stage]
+    args += ["--trainer.logger.init_args.dataset", dataset or data_dir.resolve().name]
+    if stage == "pretrain":
+        export_dir = BACKBONES / DEMO if demo else BACKBONES
+        args += ["--model.init_args.export_dir", str(export_dir / label if preset else export_dir)]
+        args += list(preset.args) if preset else []
+    loading: list[str] = []
+    # Stage 1's export for an unknown norm is no file to look for: the norm's problem is the one to report.
+    if stage in STAGE2 and (norm_ok or backbone is not None):
+        found = attempt(lambda: stage2_backbone(norm, backbone, demo, backbone_pending and dry_run))
+        if found is not None:
+            loading, line = found
+            say(line)
+    args += loading + (["--ckpt_path", resume] if resume else [])
+    return LaunchPlan(
+        stage, label, profile, demo, data_dir, folder, tuple(hardware), tuple(loading), resume,
+        (*args, *hardware, *extra), launcher,
+    ), problems  # fmt: skip
+
+
+def build_args(*args: Any, **kwargs: Any) -> list[str]:
+    """The LightningCLI arguments of ``plan(*args, **kwargs)``, to run a stage's configuration in Python
+    (``mabn.cli.lightning.run_cli``)."""
+    return list(plan(*args, **kwargs).args)

@@ -1,0 +1,439 @@
+"""The LightningCLI that drives both stages (``python -m mabn fit|validate --config ...``, and the stage launches).
+
+Beyond LightningCLI:
+- a mistake in an argument (an unknown name, a value of the wrong type) is one ``error:`` line naming the
+  argument, with the closest known name when there is one, and help texts are plain text;
+
+For ``fit``:
+- the configuration is checked before anything is built or read (``check_fit_config``), and a mistake stops
+  with one ``error:`` line naming the value;
+- the run lives in one experiment folder, the Trainer's ``default_root_dir`` (``mabn.run.folder``), which one run at a
+  time holds (``mabn.run.lock``: a second run on it stops before anything is built, naming the holder); the loggers'
+  ``save_dir`` and ModelCheckpoint's ``dirpath`` (when the config leaves it unset) point into it;
+  ``--ckpt_path auto`` resumes from the newest checkpoint of that folder, or starts a new run when there is
+  none, so a killed or requeued job restarts with the very same command;
+- checkpoints and the saved config are written atomically and loaded weights-only (``AtomicCheckpointIO``); a
+  full disk, a quota or a read-only folder is one line naming the file (``mabn.errors.WriteError``);
+- a dry run (``check``) stops after the checks, before anything is built, with the run's plan;
+- every trainer gets ``RandomStateCallback`` (exact resume needs the generators' states), ``FailFast`` (a
+  failing DDP process stops every process, naming its error), ``AgreedRequeue`` (SLURM's requeue
+  checkpoint at a step every process agrees on) and ``OutOfMemoryReport`` (CUDA out of memory in a training
+  step is one line naming the per-device batch, the crop or image size, and what to lower), with their default
+  settings unless ``trainer.callbacks`` lists one of them with its own, e.g.
+  ``--trainer.callbacks+ "{class_path: mabn.run.AgreedRequeue, init_args: {every_n_batches: 20}}"``.
+- where stdout or stderr is not a terminal (SLURM, CI, a pipe), Lightning's progress bar gives way to
+  ``LineProgress``: one line every 50 steps (``enable_progress_bar: false`` silences it too).
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+import re
+import sys
+import warnings
+from argparse import ArgumentError
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytorch_lightning as pl
+from jsonargparse import ArgumentParser, DefaultHelpFormatter, Namespace
+from pytorch_lightning.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
+
+from ..distributed import first_process
+from ..errors import ConfigError, UserError
+from ..inference.checkpoint import task_hparams
+from ..models import DEFAULT_ARCH
+from ..run import (
+    AgreedRequeue,
+    AtomicCheckpointIO,
+    FailFast,
+    OutOfMemoryReport,
+    RandomStateCallback,
+    RunShape,
+    device_batch,
+    iterations_per_epoch,
+    load_weights_file,
+    loader_batches,
+    total_iterations,
+    use_line_progress,
+    write_text_atomic,
+)
+from ..run import folder as runs
+from ..run import lock as runlock
+from ..tasks.classification import backbone_path
+from .help import PROG, PlainTextHelp
+
+CHECKPOINT_CALLBACK = "pytorch_lightning.callbacks.ModelCheckpoint"
+
+
+def _import(class_path: str) -> type:
+    module, _, name = class_path.rpartition(".")
+    return getattr(importlib.import_module(module), name)
+
+
+def _entries(value: Any) -> list[Namespace]:
+    """A logger or callbacks entry of the config as a list of ``class_path``/``init_args`` namespaces."""
+    items = value if isinstance(value, list) else [value]
+    return [item for item in items if isinstance(item, Namespace) and "class_path" in item]
+
+
+def _devices(trainer: Namespace) -> int | None:
+    """Processes of the run from the Trainer's devices and num_nodes; None when only Lightning can tell ("auto")."""
+    devices = trainer.get("devices")
+    if isinstance(devices, list | tuple):
+        count = len(devices)
+    elif isinstance(devices, int) or (isinstance(devices, str) and devices.isdigit()):
+        count = int(devices)
+    else:
+        return None
+    return count * int(trainer.get("num_nodes") or 1) if count > 0 else None
+
+
+def _device_batch(config: Namespace) -> int | None:
+    """The per-device batch: the data's ``batch_size``, or its share of ``global_batch_size`` over the devices
+    (``mabn.run.scaling.device_batch``)."""
+    data, model = config.data.get("init_args") or Namespace(), config.model.get("init_args") or Namespace()
+    if data.get("global_batch_size"):
+        return device_batch(data.global_batch_size, _devices(config.trainer) or 1, model.get("norm_batch_size"))
+    return data.get("batch_size")
+
+
+def check_batch(config: Namespace) -> None:
+    """The per-device batch must split into whole normalization (ghost) batches."""
+    size = (config.model.get("init_args") or Namespace()).get("norm_batch_size")
+    per_device = _device_batch(config)
+    if size and per_device and per_device % size:
+        raise ConfigError(
+            f"the per-device batch of {per_device} does not split into normalization batches of "
+            f"norm_batch_size={size}: use a per-device batch that is a multiple of {size}"
+        )
+
+
+def run_shape(config: Namespace) -> RunShape | None:
+    """The run's batch and length computed from ``config`` as the Trainer will run them (None without a
+    per-device batch); the training samples are counted by file name when the data set exists."""
+    data, trainer = config.data.get("init_args") or Namespace(), config.trainer
+    per_device = _device_batch(config)
+    if not per_device:
+        return None
+    devices = _devices(trainer) or 1
+    accumulate = trainer.get("accumulate_grad_batches") or 1
+    counter = getattr(_import(config.data.class_path), "train_samples", None)
+    samples = counter(data) if counter is not None and Path(data.get("data_dir") or "").is_dir() else None
+    per_epoch = steps = None
+    if samples is not None:
+        batches = loader_batches(samples, per_device, devices)
+        if batches == 0:
+            raise ConfigError(
+                f"the training split holds {samples} samples: too few for one batch of {per_device} on each of "
+                f"{devices} devices"
+            )
+        per_epoch = iterations_per_epoch(batches, accumulate)
+        steps = total_iterations(batches, trainer.get("max_epochs"), trainer.get("max_steps"), accumulate)
+    norm_batch = (config.model.get("init_args") or Namespace()).get("norm_batch_size")
+    return RunShape(per_device, devices, accumulate, norm_batch, samples, per_epoch, steps)
+
+
+def plan_lines(config: Namespace) -> list[str]:
+    """What the run's task says at the start of fit (batch, lr, schedule), computed from ``config``."""
+    task, shape = _import(config.model.class_path), run_shape(config)
+    if shape is None or not hasattr(task, "plan_lines"):
+        return []
+    return task.plan_lines(dict(config.model.init_args), shape)
+
+
+def check_export(config: Namespace) -> None:
+    """Stage 1 exports its backbone at the end: refuse, before training, to replace one that another run wrote
+    (a backbone records its run's folder)."""
+    init_args = config.model.init_args
+    export_dir, norm = init_args.get("export_dir"), init_args.get("norm")
+    if not export_dir:
+        return
+    target = backbone_path(export_dir, norm, init_args.get("arch") or DEFAULT_ARCH)
+    if not target.is_file():
+        return
+    try:
+        owner = load_weights_file(target, "backbone", ConfigError, mmap=True).get("config", {}).get("run_dir")
+    except ConfigError:  # unreadable: still not this run's to replace
+        owner = None
+    if owner is None or Path(owner).resolve() != Path(config.trainer.default_root_dir).resolve():
+        raise ConfigError(
+            f"{target} holds the backbone of another run ({owner or 'unknown'}) and this run would replace it at "
+            "its end: move that file, or export elsewhere with --model.init_args.export_dir"
+        )
+
+
+def check_fit_config(config: Namespace) -> None:
+    """Every check that needs no data and no weights: the task's arguments, the batch layout, the run's folder
+    and its artefacts."""
+    task = _import(config.model.class_path)
+    if hasattr(task, "check_hparams"):
+        task.check_hparams(dict(config.model.init_args))
+    check_batch(config)
+    if not config.trainer.get("default_root_dir"):
+        raise ConfigError("trainer.default_root_dir is not set: the run needs a folder of its own")
+    if "export_dir" in config.model.init_args:
+        check_export(config)
+
+
+def place_run(config: Namespace, folder: Path) -> None:
+    """Point the loggers and the checkpoint callbacks of ``config`` into the run's ``folder``."""
+    for logger in _entries(config.trainer.get("logger")):
+        if "save_dir" in logger.init_args:
+            logger.init_args.save_dir = str(folder)
+    for callback in _entries(config.trainer.get("callbacks")):
+        if callback.class_path == CHECKPOINT_CALLBACK and not callback.init_args.get("dirpath"):
+            callback.init_args.dirpath = str(folder / runs.CHECKPOINTS)
+
+
+class AtomicSaveConfig(SaveConfigCallback):
+    """The resolved config saved as ``config.yaml`` in the run's folder through a temporary file, replacing the
+    one of the run it resumes."""
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if self.already_saved:
+            return
+        log_dir = trainer.log_dir  # a broadcast: every process takes part
+        if trainer.is_global_zero and log_dir is not None:
+            text = self.parser.dump(self.config, skip_none=False)
+            write_text_atomic(Path(log_dir) / self.config_filename, text)
+        self.already_saved = True
+
+
+class ArgumentMistake(UserError):
+    """An argument the LightningCLI's parser refused: an unknown name or a value of the wrong type."""
+
+
+class PlainHelpFormatter(PlainTextHelp, DefaultHelpFormatter):
+    """jsonargparse's help (types, defaults) in plain text: the help of Lightning's and the tasks' arguments comes
+    from their docstrings."""
+
+
+class MabnArgumentParser(LightningArgumentParser):
+    """The LightningCLI's parsers, and the ones jsonargparse makes for a class's help (``--model.help``): named
+    ``python -m mabn``, help in plain text, and a parse error raised (``MabnCLI.parse_arguments`` turns it into
+    one line) instead of printing the whole usage."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("prog", PROG)
+        kwargs.setdefault("formatter_class", PlainHelpFormatter)
+        kwargs.setdefault("exit_on_error", False)
+        super().__init__(*args, **kwargs)
+
+
+def _type_names(text: str) -> str:
+    """``[<class 'int'>, <class 'NoneType'>]`` as ``int or null``."""
+    names = re.findall(r"<class '(?:[\w.]*\.)?(\w+)'>|((?:[\w.]+\[[^\]]*\]+)|[\w.]+)", text)
+    shown = [(cls or other).replace("typing.", "") for cls, other in names]
+    return " or ".join("null" if name == "NoneType" else name for name in shown if name)
+
+
+def _init_options(class_path: str) -> list[str]:
+    """The init arguments of the class at ``class_path`` as jsonargparse resolves them (``**kwargs`` passed on
+    to a base class included): a misspelt name's candidates; none when the class cannot be read."""
+    parser = ArgumentParser(exit_on_error=False)
+    try:
+        parser.add_class_arguments(_import(class_path), fail_untyped=False)
+    except (ImportError, AttributeError, ValueError):
+        return []
+    return list(parser.get_defaults().keys())
+
+
+def _close(name: str, known: list[str]) -> str:
+    """`` (did you mean X?)`` for the ``known`` name closest to ``name``: among those of its group (the same
+    dotted prefix) by the last part, else among all."""
+    group, _, last = name.rpartition(".")
+    same = {k.rpartition(".")[2]: k for k in known if k.rpartition(".")[0] == group}
+    match = [same[m] for m in difflib.get_close_matches(last, same, n=1)] or difflib.get_close_matches(
+        name, known, n=1, cutoff=0.8
+    )
+    return f" (did you mean {match[0]}?)" if match else ""
+
+
+def _innermost(message: str) -> str:
+    """The block of jsonargparse's ``message`` about the innermost key: a class's init argument is reported
+    inside the block of its class."""
+    lines = message.splitlines()
+    start = max((i for i, line in enumerate(lines) if "Parser key" in line), default=0)
+    indent = len(lines[start]) - len(lines[start].lstrip()) if lines else 0
+    block = lines[start : start + 1]
+    for line in lines[start + 1 :]:
+        if len(line) - len(line.lstrip()) <= indent:
+            break
+        block.append(line)
+    return "\n".join(block)
+
+
+def argument_mistake(message: str, options: list[str], program: str) -> str:
+    """One line for jsonargparse's error ``message``: the argument at fault, the closest of ``options`` (the
+    parser's option strings) to an unknown name, and the ``program`` whose ``--help`` lists the arguments."""
+    help_line = f"; {program} --help lists the arguments"
+    unknown = re.match(r"unrecognized arguments: (.*)", message)
+    if unknown:
+        names = [w.split("=")[0] for w in unknown.group(1).split() if w.startswith("-")] or unknown.group(1).split()
+        what = "unrecognized argument" + ("s " if len(names) > 1 else " ")
+        return what + ", ".join(f"{name}{_close(name, options)}" for name in names) + help_line
+    keys = re.findall(r'Parser key "([^"]+)"', message)
+    classes = re.findall(r"class_path '([^']+)'", message)
+    # The model's and the data's own arguments are under init_args; deeper ones (norm_policy's) by their names.
+    name = "--" + keys[0] + (".init_args." + ".".join(keys[1:]) if classes and keys[1:] else "") if keys else ""
+    refused = re.search(r"Option '([^']+)' is not accepted", message)
+    if keys and classes and refused:
+        prefix = name + (".init_args." if len(keys) == 1 else ".")
+        known = [prefix + option for option in _init_options(classes[-1])]
+        return f"unrecognized argument {prefix}{refused.group(1)}{_close(prefix + refused.group(1), known)}{help_line}"
+    inner = _innermost(message)
+    given, expected = re.search(r"(?:Given|Got) value: (.*)", inner), re.search(r"Subtypes: \[(.*)\]", inner)
+    expected = expected or re.search(r"Expected a (<class '[^']+'>)", inner)
+    if keys and given:
+        wanted = f"expected {_type_names(expected.group(1))}, " if expected else ""
+        return f"{name}: {wanted}got {given.group(1).strip()!r}{help_line}"
+    return message.splitlines()[0] + help_line
+
+
+class MabnCLI(LightningCLI):
+    """LightningCLI with the product's checks, run folder and callbacks (see the module's doc).
+
+    ``dry_run``: stop after the checks and the plan (``plan_lines``), before anything is built; a dry run takes
+    no lock, it says whether another run holds the folder. ``prepare``: called after the checks and the lock,
+    before the classes are instantiated (a stage launch generates its demo set there)."""
+
+    def __init__(self, *args: Any, dry_run: bool = False, prepare: Callable[[], object] | None = None, **kwargs: Any):
+        self.dry_run, self.prepare = dry_run, prepare
+        self.plan_lines: list[str] = []
+        self.notes: list[str] = []
+        super().__init__(*args, **kwargs)
+
+    def setup_parser(self, add_subcommands: bool, main_kwargs: dict[str, Any], subparser_kwargs: dict[str, Any]):
+        super().setup_parser(add_subcommands, main_kwargs, subparser_kwargs)
+        # jsonargparse names a subcommand's program "<prog> [options] <subcommand>"; its help and errors name the
+        # command as it is typed.
+        for name, parser in getattr(self, "_subcommand_parsers", {}).items():
+            parser.prog = f"{self.parser.prog} {name}"
+
+    def parse_arguments(self, parser, args) -> None:
+        try:
+            super().parse_arguments(parser, args)
+        except ArgumentError as err:
+            words = sys.argv[1:] if args is None else list(args)
+            command = next((w for w in words if w in getattr(self, "_subcommand_parsers", {})), None)
+            target = self._subcommand_parsers[command] if command else parser
+            options = [o for o in target._option_string_actions if o.startswith("--")]
+            raise ArgumentMistake(argument_mistake(str(err), options, target.prog)) from err
+
+    def add_arguments_to_parser(self, parser) -> None:
+        # The number of classes is a property of the data, never set twice by hand.
+        parser.link_arguments("data.num_classes", "model.init_args.num_classes", apply_on="instantiate")
+
+    def _parse_ckpt_path(self) -> None:
+        # Lightning reads an explicit --ckpt_path here (and merges its hyperparameters into the config): first
+        # make sure it is a readable checkpoint of this experiment, so a wrong file is one line, not a traceback.
+        if self.config.get("subcommand") == "fit":
+            config = self.config.fit
+            identity = runs.Identity(config.model.class_path, config.model.init_args.get("norm"))
+            folder = Path(config.trainer.get("default_root_dir") or ".")
+            # Every check that needs no data comes first: a mistake stops before anything, the lock included, is
+            # written.
+            check_fit_config(config)
+            # Before the plan: while a run holds the folder, what it holds is no plan's to judge. Only the launch's
+            # first process locks; the others are the same run.
+            if config.trainer.get("default_root_dir") and first_process():
+                if not self.dry_run:
+                    runlock.lock(folder)
+                else:
+                    busy = runlock.in_use(folder)
+                    if busy:
+                        self.notes.append(f"{busy}: a run of this command started now would stop with exit code 2")
+            report = (lambda _: None) if self.dry_run else runs.say_once  # a dry run's plan is printed whole
+            self.plan = runs.plan(folder, config.get("ckpt_path"), identity, first_process(), report)
+            config.ckpt_path = None if self.plan.resume is None else str(self.plan.resume.path)
+        # Lightning's own merge of the checkpoint's hyperparameters into the config, with the task's settings
+        # under the keys the task takes (task_hparams translates those of older checkpoints).
+        subcommand = self.config.get("subcommand")
+        ckpt_path = subcommand and self.config[subcommand].get("ckpt_path")
+        if not (ckpt_path and Path(ckpt_path).is_file()):
+            return
+        # Memory-mapped: only the hyperparameters are read here.
+        hparams = load_weights_file(Path(ckpt_path), "checkpoint", ConfigError, mmap=True).get("hyper_parameters") or {}
+        hparams = task_hparams(hparams)
+        hparams.pop("_instantiator", None)
+        if not hparams:
+            return
+        if "_class_path" in hparams:
+            hparams = {"class_path": hparams.pop("_class_path"), "dict_kwargs": hparams}
+        try:
+            self.config = self.parser.parse_object({subcommand: {"model": hparams}}, self.config)
+        except ArgumentError as err:
+            raise ArgumentMistake(f"--ckpt_path {ckpt_path}: its hyperparameters do not fit: {err}") from err
+
+    def before_instantiate_classes(self) -> None:
+        if self.dry_run:
+            if self.subcommand == "fit":
+                self.plan_lines = plan_lines(self.config.fit) + self.notes
+            return
+        if self.prepare is not None:
+            self.prepare()
+        if self.subcommand != "fit":
+            return
+        place_run(self.config.fit, self.plan.folder)
+        if first_process():
+            runs.remove_stale_temporaries(self.plan.folder)
+            if self.plan.resume is not None and self.plan.resume.step is not None:
+                runs.cut_metrics(self.plan.folder / runs.METRICS, self.plan.resume.step)
+
+    def instantiate_classes(self) -> None:
+        if not self.dry_run:
+            super().instantiate_classes()
+
+    def _run_subcommand(self, subcommand: str) -> None:
+        if not self.dry_run:
+            super()._run_subcommand(subcommand)
+
+    def instantiate_trainer(self, **kwargs: Any) -> pl.Trainer:
+        plugins = self._get(self.config_init, "trainer", default={}).get("plugins") or []
+        plugins = plugins if isinstance(plugins, list) else [plugins]
+        if not any(isinstance(p, pl.plugins.CheckpointIO) for p in plugins):
+            kwargs.setdefault("plugins", [*plugins, AtomicCheckpointIO()])
+        trainer = super().instantiate_trainer(**kwargs)
+        # Exact resume; CUDA out of memory in a training step as one line (before FailFast, which passes that line
+        # to the other processes); a failing DDP process stops all; SLURM's requeue signal and SIGTERM (scancel,
+        # preemption, kill) save a checkpoint at a step every process agrees on, and SIGTERM then ends the run.
+        for callback in (RandomStateCallback(), OutOfMemoryReport(), FailFast(), AgreedRequeue()):
+            if not any(isinstance(c, type(callback)) for c in trainer.callbacks):
+                trainer.callbacks.append(callback)
+        use_line_progress(trainer)  # where the output is a file, one line per 50 steps instead of a redrawn bar
+        return trainer
+
+
+def run_cli(
+    args: list[str] | None = None,
+    run: bool = True,
+    dry_run: bool = False,
+    prepare: Callable[[], object] | None = None,
+) -> MabnCLI:
+    """The ``MabnCLI`` of ``args`` (default: the command line's); ``run=False`` builds without a subcommand."""
+    # python -m mabn <stage> passes its own arguments and keeps sys.argv as it was: Lightning's DDP launcher
+    # re-runs sys.argv in the further processes, so the warning about both being given does not apply.
+    warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended")
+    return MabnCLI(
+        pl.LightningModule,
+        pl.LightningDataModule,
+        subclass_mode_model=True,
+        subclass_mode_data=True,
+        save_config_callback=AtomicSaveConfig,
+        save_config_kwargs={"overwrite": True},
+        parser_class=MabnArgumentParser,
+        args=args,
+        run=run,
+        dry_run=dry_run,
+        prepare=prepare,
+    )
+
+
+def check(args: list[str]) -> list[str]:
+    """Parse and check a ``fit`` command line without building anything or reading more than file names, and
+    take no lock; a ``UserError`` on a mistake. Returns the run's plan: its batch, lr and schedule, and whether
+    another run holds the folder."""
+    return run_cli(args, dry_run=True).plan_lines

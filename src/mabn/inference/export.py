@@ -1,0 +1,283 @@
+"""A trained checkpoint -> the folded inference model, as TorchScript and ONNX (``python -m mabn export CKPT``).
+
+Every norm that is linear at inference (BN, BRN, MABN) is folded into the conv before it (``fold_norms``),
+so the exported network costs what a BN network costs; GroupNorm stays. Each output is checked before it
+is written: the folded model against the unfolded one, the TorchScript module against the folded model,
+and the ONNX file (when onnxruntime is installed) against the folded model, at the sample size and at a second,
+non-square one with two images: the ONNX graph takes any batch, height and width. A file that does not reproduce
+the trained network is never left behind.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import tempfile
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+from ..errors import UserError
+from ..norm import fold_norms
+from ..run import first_line, write_atomic
+from .checkpoint import load_task
+
+# Largest accepted max|a - b| / max|reference| for the folding; float32 outputs may also deviate by
+# twice the unfolded model's own float32 rounding error, whichever is larger.
+TOLERANCE = 1e-4
+
+# The input size checked and exported when none is given, per task: a Cityscapes frame at half resolution, and
+# ImageNet's evaluation crop.
+INPUT_SIZES: dict[str, tuple[int, int]] = {"SegmentationTask": (512, 1024), "ClassificationTask": (224, 224)}
+# The smallest side the ONNX graph is traced at (see ``_export_onnx``): a ResNet's stride-32 features are 4 px here.
+TRACE_SIDE = 128
+
+
+class ExportError(UserError):
+    """A checkpoint that cannot be exported, or an export that does not reproduce the model; names the file."""
+
+
+@dataclass(frozen=True)
+class Difference:
+    """How far an output is from its reference: max absolute difference, and that over max |reference|."""
+
+    max_abs: float
+    relative: float
+
+    @classmethod
+    def between(cls, out: Tensor, ref: Tensor) -> Difference:
+        max_abs = (out.double() - ref.double()).abs().max().item()
+        return cls(max_abs, max_abs / max(ref.double().abs().max().item(), 1e-30))
+
+    def __str__(self) -> str:
+        return f"max abs diff {self.max_abs:.3g}, relative {self.relative:.3g}"
+
+
+@dataclass(frozen=True)
+class Exported:
+    """What ``export`` wrote and measured."""
+
+    task: str
+    torchscript: Path
+    onnx: Path | None  # None: the ONNX exporter's dependencies are missing (the reason is printed)
+    folded: Difference  # folded vs unfolded model, both in float64
+    onnxruntime: Difference | None  # ONNX file vs folded model at the sample size; None without onnxruntime
+    # The same at ``other_shape`` (two images of another size: the graph's batch, height and width are dynamic).
+    onnxruntime_other: Difference | None = None
+    other_shape: tuple[int, int, int, int] | None = None
+
+
+def load_model(path: str | Path) -> tuple[str, nn.Module]:
+    """The network of a Lightning checkpoint with its weights (``mabn.inference.checkpoint``); returns (task, eval
+    model)."""
+    restored = load_task(path, ExportError)
+    model, hp = restored.task.model, restored.task.hparams
+    print(
+        f"Loaded {restored.name} from {path} (norm {hp.get('norm')}, {hp.get('num_classes')} classes, "
+        f"{sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters)"
+    )
+    return restored.name, model
+
+
+def _check(what: str, diff: Difference, limit: float, path: Path, outcome: str) -> None:
+    if diff.relative > limit:
+        raise ExportError(
+            f"{path}: {what} differs from the reference ({diff}, allowed relative {limit:.3g}); {outcome}"
+        )
+
+
+def _trace(folded: nn.Module, sample: Tensor) -> torch.jit.ScriptModule:
+    """TorchScript by tracing: scripting fails on smp's encoder, and eval mode has no data-dependent branch."""
+    with warnings.catch_warnings():
+        # torch.jit is deprecated in favour of torch.export, but TorchScript is still the format a plain
+        # libtorch / torch.jit.load deployment reads; the deprecation notice would only add noise here.
+        warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.jit")
+        return torch.jit.trace(folded, sample, check_trace=False)
+
+
+def other_size(height: int, width: int) -> tuple[int, int]:
+    """The second size the ONNX file is checked at: about half the height and five quarters of the width (one side
+    shorter than traced, one longer), both odd (no multiple of the network's stride 8, so the pyramid pooling's bins
+    split the features unevenly), and never square."""
+    h, w = (height // 2) | 1, (width * 5 // 4) | 1
+    return h, w + 2 if w == h else w
+
+
+def _averaging(n: int | torch.SymInt, bins: int, like: Tensor) -> Tensor:
+    """The (bins, n) matrix of adaptive average pooling along one axis of length ``n``: row i averages
+    [floor(i n / bins), ceil((i + 1) n / bins)), as ``nn.AdaptiveAvgPool2d`` does; ``n`` may be symbolic."""
+    i = torch.arange(bins, device=like.device)
+    start = torch.div(i * n, bins, rounding_mode="floor")
+    end = torch.div((i + 1) * n + bins - 1, bins, rounding_mode="floor")
+    j = torch.arange(n, device=like.device)
+    inside = (j >= start[:, None]) & (j < end[:, None])
+    return inside.to(like.dtype) / (end - start).to(like.dtype)[:, None]
+
+
+class AveragingPool2d(nn.Module):
+    """``nn.AdaptiveAvgPool2d(bins)`` as two averaging matrices, ``A_h @ x @ A_w^T``, for the ONNX export.
+
+    ONNX has no adaptive pooling, and the exporter's decomposition of it unrolls the sum over each bin's window
+    for the traced size: the graph then accepts other sizes and is wrong at some of them (PSPNet's 3- and 6-bin
+    pooling, relative error ~0.2), or fails in onnxruntime at others. Built from ``arange`` and comparisons on the
+    symbolic height and width, the matrices are right at every size.
+    """
+
+    def __init__(self, bins: tuple[int, int]) -> None:
+        super().__init__()
+        self.bins = bins
+
+    def forward(self, x: Tensor) -> Tensor:
+        h, w = x.shape[-2:]
+        return _averaging(h, self.bins[0], x) @ x @ _averaging(w, self.bins[1], x).transpose(0, 1)
+
+
+def _for_onnx(folded: nn.Module) -> nn.Module:
+    """A copy of ``folded`` whose adaptive average poolings to fixed bins are ``AveragingPool2d``."""
+    model = copy.deepcopy(folded)
+    for parent in model.modules():
+        for name, child in parent.named_children():
+            if isinstance(child, nn.AdaptiveAvgPool2d):
+                size = child.output_size
+                bins = (size, size) if isinstance(size, int) else tuple(size)
+                if all(isinstance(b, int) for b in bins):  # None (keep that axis) stays as it is
+                    setattr(parent, name, AveragingPool2d(bins))
+    return model
+
+
+def _export_onnx(folded: nn.Module, sample: Tensor, path: Path) -> None:
+    """Write ``folded`` as one ONNX file (weights inside: under the 2 GB protobuf limit) whose input "image" has
+    dynamic batch, height and width.
+
+    Traced on two images (a batch of one would be fixed at one) of ``sample``'s size but at least ``TRACE_SIDE``
+    px a side: torch.export fixes any size that is 1 in the trace (a ResNet's last features at 32 px), and then
+    the whole input shape, silently; a graph with a fixed dimension is refused here.
+    """
+    height, width = (max(side, TRACE_SIDE) for side in sample.shape[-2:])
+    traced = torch.randn(2, 3, height, width, generator=torch.Generator().manual_seed(1))
+    dims = {0: torch.export.Dim("batch"), 2: torch.export.Dim("height"), 3: torch.export.Dim("width")}
+    program = torch.onnx.export(
+        _for_onnx(folded),
+        (traced,),
+        dynamo=True,
+        verbose=False,
+        input_names=["image"],
+        output_names=["logits"],
+        dynamic_shapes=(dims,),
+    )
+    shape = list(program.model.graph.inputs[0].shape)
+    if any(isinstance(shape[axis], int) for axis in (0, 2, 3)):
+        raise RuntimeError(f"the exporter fixed the input shape to {shape}, which no other size would fit")
+    program.save(str(path), external_data=False)
+
+
+def _run_onnxruntime(path: Path, *inputs: Tensor) -> list[Tensor] | None:
+    """The ONNX file's output for each input on onnxruntime's CPU provider; None when it is not installed. A run
+    that fails raises RuntimeError naming the input's shape."""
+    try:
+        import onnxruntime
+    except ImportError:
+        return None
+    session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    name, outs = session.get_inputs()[0].name, []
+    for x in inputs:
+        try:
+            outs.append(torch.from_numpy(session.run(None, {name: x.numpy()})[0]))
+        except Exception as err:  # onnxruntime's own error types: an index out of range, a shape mismatch
+            raise RuntimeError(f"at {'x'.join(map(str, x.shape))}: {first_line(err)}") from err
+    return outs
+
+
+def export(
+    checkpoint: str | Path, out_dir: str | Path | None = None, input_size: tuple[int, int] | None = None
+) -> Exported:
+    """Fold the checkpoint's model and write ``<stem>.folded.pt`` (TorchScript) and ``<stem>.onnx`` to ``out_dir``.
+
+    ``out_dir`` defaults to the checkpoint's folder, ``input_size`` (H, W) to the task's usual size: the sample
+    every output is checked at, in float64 for the folding. The ONNX graph's input has dynamic batch, height and
+    width, and onnxruntime is also held to the float32 folded model on two images of ``other_size(H, W)``; the
+    traced TorchScript module accepts other sizes too.
+    """
+    checkpoint = Path(checkpoint)
+    name, model = load_model(checkpoint)
+    height, width = input_size or INPUT_SIZES[name]
+    out_dir = Path(out_dir) if out_dir is not None else checkpoint.parent
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stem = checkpoint.stem
+    ts_path, onnx_path = out_dir / f"{stem}.folded.pt", out_dir / f"{stem}.onnx"
+    gen = torch.Generator().manual_seed(0)
+    sample = torch.randn(1, 3, height, width, generator=gen)
+    other = torch.randn(2, 3, *other_size(height, width), generator=gen)
+    other_shape = (2, 3, *other.shape[-2:])
+    shown_other = "x".join(map(str, other_shape))
+
+    with torch.no_grad():
+        # The folding is exact algebra, so check it in float64, where rounding cannot hide or fake an error.
+        # The float32 outputs (eager, TorchScript, onnxruntime) are then held to the exact result within
+        # twice the float32 rounding error of the unfolded model itself: a deep random-init network turns
+        # float32 rounding into ~1e-4 of its output, folded or not (see tests/test_convert_fold.py).
+        model64 = copy.deepcopy(model).double()
+        exact = model64(sample.double())
+        folded_diff = Difference.between(fold_norms(model64)(sample.double()), exact)
+        del model64
+        print(f"folded vs unfolded model on 1x3x{height}x{width}, float64 (the folding itself): {folded_diff}")
+        _check("the folded model", folded_diff, TOLERANCE, checkpoint, "nothing written")
+
+        reference = model(sample)
+        folded = fold_norms(model)
+        out = folded(sample)
+        rounding = Difference.between(reference, exact).relative
+        limit = max(TOLERANCE, 2 * rounding)
+        print(
+            f"folded vs unfolded model, float32 (as exported): {Difference.between(out, reference)} "
+            f"(float32 rounding alone puts the unfolded model {rounding:.3g} from exact)"
+        )
+        _check("the float32 folded model", Difference.between(out, exact), limit, checkpoint, "nothing written")
+
+        traced = _trace(folded, sample)
+        ts_out = traced(sample)
+        _check("the TorchScript module", Difference.between(ts_out, exact), limit, ts_path, "nothing written")
+        ts_diff = Difference.between(ts_out, out)
+        write_atomic(ts_path, lambda tmp: traced.save(str(tmp)))
+        print(f"TorchScript: wrote {ts_path} ({ts_diff} to the folded model)")
+
+        onnx_written, ort_diff, other_diff = None, None, None
+        # Written in a scratch folder first and moved into place only once checked.
+        with tempfile.TemporaryDirectory(dir=out_dir) as scratch:
+            scratch_path = Path(scratch) / onnx_path.name
+            try:
+                _export_onnx(folded, sample, scratch_path)
+            except ImportError as err:  # torch.onnx's dynamo exporter needs the onnx and onnxscript packages
+                print(f"ONNX: not written, the exporter needs `pip install onnx onnxscript`: {first_line(err)}")
+            except Exception as err:  # an operator the exporter cannot translate, or a failed graph capture
+                reason = f"{type(err).__name__}: {first_line(err)}"
+                raise ExportError(f"{onnx_path}: ONNX export failed ({reason}); only {ts_path} written") from err
+            else:
+                try:
+                    ort_outs = _run_onnxruntime(scratch_path, sample, other)
+                except RuntimeError as err:
+                    raise ExportError(
+                        f"{onnx_path}: onnxruntime cannot run the ONNX model {err}; only {ts_path} written"
+                    ) from err
+                if ort_outs is None:
+                    print("onnxruntime is not installed: the ONNX file was not run (`pip install onnxruntime`)")
+                else:
+                    outcome = f"only {ts_path} written"
+                    diff = Difference.between(ort_outs[0], exact)
+                    _check("the ONNX model under onnxruntime", diff, limit, onnx_path, outcome)
+                    ort_diff = Difference.between(ort_outs[0], out)
+                    # At the second size the float32 folded model is the reference: as far from exact as at the
+                    # sample, so the same allowance holds; a graph fixed to the sample's size is off by O(1).
+                    other_diff = Difference.between(ort_outs[1], folded(other))
+                    _check(f"the ONNX model under onnxruntime at {shown_other}", other_diff, limit, onnx_path, outcome)
+                    print(
+                        f"ONNX under onnxruntime vs the folded model: {ort_diff} at 1x3x{height}x{width}, "
+                        f"{other_diff} at {shown_other}"
+                    )
+                os.replace(scratch_path, onnx_path)
+                onnx_written = onnx_path
+                print(f"ONNX: wrote {onnx_path} (input image: any batch, height and width)")
+    return Exported(name, ts_path, onnx_written, folded_diff, ort_diff, other_diff, other_shape)

@@ -1,0 +1,174 @@
+"""One folder per experiment, and which checkpoint a restarted fit continues from.
+
+A fit writes everything into its experiment folder, the Trainer's ``default_root_dir`` (``python -m mabn
+<stage>`` makes it ``runs/<stage>/<norm>``, or ``runs/demo/<stage>/<norm>`` for the demo profile):
+``checkpoints/`` (best-k and ``last.ckpt``), ``metrics.csv``, ``config.yaml``, ``wandb/`` with the run's id in
+``wandb-id``, and Lightning's SLURM checkpoints ``hpc_ckpt_<n>.ckpt``. A restart continues in the same
+folder: the same checkpoint folder (so ModelCheckpoint keeps its best across restarts), the same CSV file
+(cut back to the resumed step) and the same wandb run. One run at a time holds the folder (``mabn.run.lock``).
+
+``--ckpt_path`` decides which checkpoint the fit starts from:
+- none: a new run, refused in a folder that already holds one (it would overwrite its checkpoints);
+- ``auto``: the newest readable checkpoint of the folder written by the same task and norm, or a new run
+  when there is none (a killed or requeued job restarts with the very same command);
+- a path: that checkpoint, checked to be readable and of the same task and norm.
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..distributed import say as say_once
+from ..errors import ConfigError
+from .files import TMP_SUFFIX, load_weights_file, write_atomic
+
+AUTO = "auto"
+CHECKPOINTS = "checkpoints"
+METRICS = "metrics.csv"
+
+
+@dataclass(frozen=True)
+class Identity:
+    """What makes a checkpoint one of this experiment's: the task's class path and its norm."""
+
+    class_path: str
+    norm: str | None
+
+    def differs(self, hparams: dict[str, Any]) -> str | None:
+        """Why a checkpoint with ``hparams`` is not this experiment's, or None when it is."""
+        saved_class = hparams.get("_class_path")
+        if saved_class is not None and saved_class != self.class_path:
+            return f"it was written by {saved_class}, this run trains {self.class_path}"
+        if hparams.get("norm") != self.norm:
+            return f"it was trained with norm {hparams.get('norm')!r}, this run uses {self.norm!r}"
+        return None
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    path: Path
+    epoch: int | None
+    step: int | None
+    hparams: dict[str, Any]
+
+    def __str__(self) -> str:
+        return f"{self.path} (epoch {self.epoch}, step {self.step})"
+
+
+def read_checkpoint(path: Path) -> Checkpoint:
+    """The checkpoint's counters and hyperparameters (its tensors stay mapped, not read); ``ConfigError``
+    naming the file when it is missing, cut short or not a checkpoint."""
+    ckpt = load_weights_file(Path(path), "checkpoint", ConfigError, mmap=True)
+    if not isinstance(ckpt, dict) or "state_dict" not in ckpt and "hyper_parameters" not in ckpt:
+        raise ConfigError(f"{path} is not a Lightning checkpoint (no state_dict)")
+    hparams = dict(ckpt.get("hyper_parameters") or {})
+    return Checkpoint(path, ckpt.get("epoch"), ckpt.get("global_step"), hparams)
+
+
+def checkpoint_files(folder: Path, say: Callable[[str], None] = say_once) -> list[Path]:
+    """The folder's checkpoints, newest first: ``checkpoints/*.ckpt`` and Lightning's ``hpc_ckpt_*.ckpt``.
+    A link whose target is gone is reported and left out."""
+    found = []
+    for path in [*(folder / CHECKPOINTS).glob("*.ckpt"), *folder.glob("hpc_ckpt_*.ckpt")]:
+        try:
+            found.append((path.stat().st_mtime, path))
+        except OSError:  # a dangling link, or a file removed while we looked
+            say(f"Skipping {path}: the link's target is gone")
+    return [path for _, path in sorted(found, key=lambda item: item[0], reverse=True)]
+
+
+def newest_checkpoint(folder: Path, identity: Identity, say: Callable[[str], None] = say_once) -> Checkpoint | None:
+    """The newest readable checkpoint of ``folder`` that belongs to ``identity``; others are skipped with a
+    message saying why."""
+    for path in checkpoint_files(folder, say):
+        try:
+            ckpt = read_checkpoint(path)
+        except ConfigError as err:
+            say(f"Skipping {err}")
+            continue
+        reason = identity.differs(ckpt.hparams)
+        if reason is None:
+            return ckpt
+        say(f"Skipping {path}: {reason}")
+    return None
+
+
+def holds_a_run(folder: Path) -> bool:
+    """Whether ``folder`` holds another run's checkpoints or metrics, which a new run would overwrite."""
+    return bool(checkpoint_files(folder, say=lambda _: None)) or (folder / METRICS).is_file()
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Where a fit writes and what it starts from."""
+
+    folder: Path
+    resume: Checkpoint | None
+
+
+def plan(
+    folder: Path,
+    ckpt_path: str | None,
+    identity: Identity,
+    first_process: bool = True,
+    say: Callable[[str], None] = say_once,
+) -> Plan:
+    """The fit's plan for ``--ckpt_path`` (see the module doc); ``ConfigError`` when it cannot work.
+
+    Only the first process of a launch checks that a new run's folder is free: the other processes start
+    after it has begun writing there. ``say`` reports the checkpoints skipped and the one chosen."""
+    if ckpt_path is None:
+        if first_process and holds_a_run(folder):
+            raise ConfigError(
+                f"{folder} already holds a run: continue it with --resume auto (--ckpt_path auto), or start a new "
+                "one in another folder (--run-dir, or --trainer.default_root_dir)"
+            )
+        return Plan(folder, None)
+    if ckpt_path == AUTO:
+        found = newest_checkpoint(folder, identity, say)
+        if found is None:
+            say(f"No checkpoint to resume in {folder}: starting a new run.")
+        else:
+            say(f"Resuming from {found}.")
+        return Plan(folder, found)
+    ckpt = read_checkpoint(Path(ckpt_path))
+    reason = identity.differs(ckpt.hparams)
+    if reason is not None:
+        raise ConfigError(f"cannot resume from {ckpt.path}: {reason}")
+    return Plan(folder, ckpt)
+
+
+def cut_metrics(path: Path, step: int) -> None:
+    """Keep the rows of a resumed run's CSV log from before ``step``, the checkpoint's global step: Lightning
+    logs a step's rows under the step count before its optimizer step, so rows at ``step`` and after come
+    from batches the resumed run trains again."""
+    if not path.is_file():
+        return
+    with open(path, newline="") as file:
+        reader = csv.DictReader(file)
+        fields = reader.fieldnames or []
+        rows = [row for row in reader if not row.get("step") or int(float(row["step"])) < step]
+
+    def write(tmp: Path) -> None:
+        with open(tmp, "w", newline="") as file:
+            writer = csv.DictWriter(file, fieldnames=fields)
+            writer.writeheader()
+            writer.writerows(rows)
+
+    write_atomic(path, write)
+
+
+def stale_temporaries(folder: Path) -> list[Path]:
+    """Files a killed write left behind (``.<name>.<random>.tmp``) in the folder and its checkpoint folder."""
+    return [p for d in (folder, folder / CHECKPOINTS) for p in d.glob(f".*{TMP_SUFFIX}") if p.is_file()]
+
+
+def remove_stale_temporaries(folder: Path) -> None:
+    for path in stale_temporaries(folder):
+        say_once(f"Removing {path}, left by a write that did not finish")
+        os.unlink(path)

@@ -1,0 +1,225 @@
+"""``python -m mabn ablation``: the paper's ImageNet ablation (Tables 2 and 6) at small scale.
+
+Trains one small ResNet per row and seed with the same loop (gradient batch 32, normalization batch 2
+through ghost batches; seeds paired across rows), writes the table of validation errors with each row's
+paired difference to BN(32) (confidence interval, paired t-test) beside the paper's numbers to
+<out>/ablation.md, the run outcomes and training losses to <out>/results.json, the training curves beside
+the final errors to <out>/curves.png, the per-step statistics of layer1.0.bn1 to <out>/stats/*.csv and
+the paper's Figures 2, 5 and 6 to <out>/*.png. By default the key rows of Table 2 (--rows all: Tables 2
+and 6 in full). --dry-run checks the options and the dataset, prints the runs and the files they would write,
+and trains, generates and writes nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import time
+from pathlib import Path
+
+import torch
+
+from ...cli.help import PROG, HelpFormatter, positive
+from ...data.imagenet import ImageFolderDataModule
+from ...errors import ConfigError
+from . import figures, report, shapes
+from .model import BLOCKS, WIDTHS
+from .rows import ALL, KEY_ROWS, ROWS, Row, select
+from .runner import Task, available_cores, default_workers, run_all
+from .train import TrainConfig, open_data
+
+GENERATED_DATA = Path("data/ablation-shapes")
+# Sized for the 5 key rows x 8 seeds within 30 minutes on 2 idle CPU cores, two one-thread runs at a time (20
+# rounds): a step takes about 0.11 s with either norm, so a run of 600 steps plus its evaluation takes about
+# 70 s; a machine under other load takes up to 3 times as long. 8 seeds, because BN(2)'s error spreads over
+# tens of points between seeds: at 4 its paired difference to BN(32) stays short of p < 0.01.
+DEFAULT_STEPS = 600
+DEFAULT_SEEDS = 8
+DEFAULT_OUT = Path("runs/ablation")
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog=f"{PROG} ablation", description=__doc__, formatter_class=HelpFormatter)
+    parser.add_argument(
+        "--data",
+        type=Path,
+        help="ImageFolder root with train/<class>/* and val/<class>/* (default: the generated set of 10 "
+        f"noisy shapes, 3000 training and 3000 validation images, written once to {GENERATED_DATA})",
+    )
+    parser.add_argument(
+        "--steps", type=positive, default=DEFAULT_STEPS, help=f"optimizer steps per run (default: {DEFAULT_STEPS})"
+    )
+    parser.add_argument(
+        "--seeds", type=positive, default=DEFAULT_SEEDS, help=f"seeds 0..N-1 per row (default: {DEFAULT_SEEDS})"
+    )
+    parser.add_argument(
+        "--rows",
+        type=lambda text: [k.strip() for k in text.split(",") if k.strip()],
+        help=f"comma-separated row keys, or {ALL} for Tables 2 and 6 in full (default: {','.join(KEY_ROWS)}): "
+        + ", ".join(r.key for r in ROWS),
+    )
+    parser.add_argument("--threads", type=positive, default=1, help="torch CPU threads per run (default: 1)")
+    parser.add_argument(
+        "--workers",
+        type=positive,
+        help="runs at a time (default: on the CPU, available cores // threads, here "
+        f"{default_workers(1)} at one thread; on another device, 1)",
+    )
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"output folder (default: {DEFAULT_OUT})")
+    parser.add_argument("--image-size", type=positive, default=32, help="square training crop in pixels (default: 32)")
+    parser.add_argument(
+        "--lr",
+        type=float,
+        default=TrainConfig.lr,
+        help=f"peak learning rate at gradient batch 32 (default: {TrainConfig.lr})",
+    )
+    parser.add_argument("--device", default="cpu", help="torch device of every run, e.g. cuda (default: cpu)")
+    parser.add_argument(
+        "--loader-workers", type=int, default=0, help="DataLoader processes per run (default: 0, in the run's process)"
+    )
+    parser.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="check the options (and --data's layout), print the runs and output files; train and write nothing",
+    )
+    return parser.parse_args(argv)
+
+
+def _data_root(arg: Path | None, dry_run: bool = False) -> Path:
+    """The dataset root; without --data, the generated set (written once, then reused; a dry run only names it)."""
+    if arg is not None:
+        return arg
+    if dry_run:
+        state = "present" if _generated() else "generated at the start of the run"
+        print(f"No dataset given (--data ...): the generated noisy-shape set in {GENERATED_DATA} ({state})")
+        return GENERATED_DATA
+    print(
+        "No dataset given (--data ...: train/<class>/* and val/<class>/*): training on the generated "
+        f"noisy-shape classification set in {GENERATED_DATA}"
+    )
+    return shapes.generate(GENERATED_DATA)
+
+
+def _generated() -> bool:
+    """Whether the generated set is in place (its marker is written last)."""
+    return (GENERATED_DATA / shapes.MARKER).is_file()
+
+
+def _check_out(out: Path) -> None:
+    """Refuse an output folder that is a file (or under one), before hours of training."""
+    for folder in (out, *out.parents):
+        if folder.exists() and not folder.is_dir():
+            raise ConfigError(f"--out {out}: {folder} is not a folder")
+
+
+def outputs(out: Path, rows: list[Row]) -> list[Path]:
+    """The files a run of ``rows`` writes under ``out`` (the statistics and their figures: seed 0's probed rows)."""
+    probed = {row.key for row in rows if row.key in figures.PROBED_ROWS}
+    files = [out / "ablation.md", out / "results.json", out / "curves.png"]
+    files += [out / "stats" / f"{row.key}-seed0.csv" for row in rows if row.key in probed]
+    figure_rows = {"fig2-bn-statistics.png": figures.FIGURE2_ROWS, "fig5-6-chi2-psi.png": figures.FIGURE56_ROWS}
+    for name, needs in figure_rows.items():
+        files += [out / name] if probed & set(needs.values()) else []
+    return files
+
+
+def plan(
+    args: argparse.Namespace,
+    rows: list[Row],
+    config: TrainConfig,
+    data: ImageFolderDataModule | None,
+    workers: int,
+    argv: list[str],
+) -> list[str]:
+    """What the command would train and write (``--dry-run``)."""
+    shown = shlex.join([*PROG.split(), "ablation", *(a for a in argv if a != "--dry-run")])
+    lines = [f"dry run of {shown}: nothing is trained, generated or written"]
+    if data is not None:
+        lines.append(
+            f"data: {config.data}: {data.num_classes} classes, {len(data.train_set)} training and "
+            f"{len(data.val_set)} validation images, {config.image_size} px crops"
+        )
+    lines.append(f"rows: {', '.join(f'{row.label} ({row.key}: {row.preset})' for row in rows)}")
+    lines.append(
+        f"runs: {len(rows)} rows x {args.seeds} seeds = {len(rows) * args.seeds} runs of {config.steps} steps, peak lr "
+        f"{config.lr}, {workers} at a time ({config.threads} thread(s) each), on {config.device}"
+    )
+    return lines + [f"writes {path}" for path in outputs(args.out, rows)]
+
+
+def main(argv: list[str]) -> int:
+    args = parse_args(argv)
+    _check_out(args.out)
+    rows = select(args.rows)
+    config = TrainConfig(
+        data=_data_root(args.data, args.dry_run),
+        steps=args.steps,
+        image_size=args.image_size,
+        lr=args.lr,
+        threads=args.threads,
+        loader_workers=args.loader_workers,
+        device=args.device,
+    )
+    # A wrong layout fails here, once, before any run starts (a dry run reads the generated set if it is there).
+    data = None if args.dry_run and args.data is None and not _generated() else open_data(config)
+    # One device run at a time unless asked: CPU cores are shared out, a GPU is not.
+    workers = args.workers or (default_workers(args.threads) if config.device == "cpu" else 1)
+    if args.dry_run:
+        print("\n".join(plan(args, rows, config, data, workers, argv)))
+        return 0
+    seeds = range(args.seeds)
+    # Seed-major, so the probed runs of the first seed finish first.
+    tasks = [Task(row, seed, seed == 0 and row.key in figures.PROBED_ROWS) for seed in seeds for row in rows]
+    print(
+        f"{len(rows)} rows x {args.seeds} seeds = {len(tasks)} runs of {args.steps} steps, {workers} at a time "
+        f"({args.threads} thread(s) each, {available_cores()} cores available), on {config.device}",
+        flush=True,
+    )
+    start = time.perf_counter()
+    results = run_all(tasks, config, workers)
+    wall = time.perf_counter() - start
+
+    out = args.out
+    setting = {
+        "command": shlex.join([*PROG.split(), "ablation", *argv]),
+        "data": str(config.data),
+        "classes": data.num_classes,
+        "train_images": len(data.train_set),
+        "val_images": len(data.val_set),
+        "model": f"SmallResNet widths {WIDTHS}, blocks {BLOCKS}",
+        "config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(config).items()},
+        "seeds": list(seeds),
+        "workers": workers,
+        "wall_seconds": round(wall, 1),
+        "torch": torch.__version__,
+    }
+    summaries = report.summarize(rows, results)
+    stats = {r.row: r.stats for r in results if r.stats}
+    losses = {
+        s.row.key: [r.losses for r in sorted(results, key=lambda r: r.seed) if r.row == s.row.key] for s in summaries
+    }
+    written = [
+        report.write_markdown(out / "ablation.md", summaries, report.header(setting)),
+        report.write_results(out / "results.json", setting, results),
+        *(report.write_stats(out / "stats" / f"{key}-seed0.csv", records) for key, records in stats.items()),
+    ]
+    layer = config.probe_layer
+    written += [
+        p
+        for p in (
+            figures.curves(
+                losses,
+                {s.row.key: list(s.errors) for s in summaries},
+                {s.row.key: s.row.label for s in summaries},
+                out / "curves.png",
+            ),
+            figures.figure2(stats, layer, out / "fig2-bn-statistics.png"),
+            figures.figure56(stats, layer, out / "fig5-6-chi2-psi.png"),
+        )
+        if p is not None
+    ]
+    print()
+    print(report.table(summaries))
+    for path in written:
+        print(f"wrote {path}")
+    return 0

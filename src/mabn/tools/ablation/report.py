@@ -1,0 +1,162 @@
+"""The ablation's outputs: the markdown table (per row the error over seeds and the paired difference to
+BN(32) with its confidence interval and p-value, beside the paper's numbers), the results JSON and the raw
+per-step statistics as CSV, every file written atomically."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import statistics
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from ...run import write_atomic, write_text_atomic
+from .rows import GRADIENT_BATCH, SMALL_BATCH, Row
+from .stats import Paired, paired_test
+from .train import RunResult
+
+REFERENCE_ROW = "bn32"  # the deltas are taken against BN at the regular batch, as in the paper
+CONFIDENCE = 0.95
+# Significance marks of the paired difference to BN(32), per row (no correction for the number of rows).
+MARKS = ((0.01, "**"), (0.05, "*"))
+
+
+@dataclass(frozen=True)
+class Summary:
+    """A row's validation errors over its seeds (diverged seeds left out of the mean)."""
+
+    row: Row
+    errors: tuple[float, ...]  # one per seed, NaN for a diverged seed
+    diverged: int
+
+    @property
+    def finite(self) -> list[float]:
+        return [e for e in self.errors if math.isfinite(e)]
+
+    @property
+    def mean(self) -> float:
+        return statistics.fmean(self.finite) if self.finite else math.nan
+
+    @property
+    def std(self) -> float:
+        """Sample standard deviation over the finite seeds; NaN with fewer than two."""
+        return statistics.stdev(self.finite) if len(self.finite) > 1 else math.nan
+
+    def paired(self, reference: Summary) -> Paired:
+        """The paired difference to ``reference`` over the seeds where both runs finished."""
+        pairs = [(a, b) for a, b in zip(self.errors, reference.errors) if math.isfinite(a) and math.isfinite(b)]
+        return paired_test([a for a, _ in pairs], [b for _, b in pairs], CONFIDENCE)
+
+
+def summarize(rows: list[Row], results: list[RunResult]) -> list[Summary]:
+    """One summary per row that has results, in table order."""
+    out = []
+    for row in rows:
+        mine = sorted((r for r in results if r.row == row.key), key=lambda r: r.seed)
+        if mine:
+            out.append(Summary(row, tuple(r.val_error for r in mine), sum(r.diverged is not None for r in mine)))
+    return out
+
+
+def _error_cell(s: Summary) -> str:
+    if not s.finite:
+        return f"diverged ({s.diverged}/{len(s.errors)})"
+    cell = f"{s.mean:.2f}" if math.isnan(s.std) else f"{s.mean:.2f} ± {s.std:.2f}"
+    return cell + (f" ({s.diverged}/{len(s.errors)} diverged)" if s.diverged else "")
+
+
+def _delta(value: float | None, reference: float | None) -> str:
+    if value is None or reference is None or not (math.isfinite(value) and math.isfinite(reference)):
+        return "–"
+    return f"{value - reference:+.2f}"
+
+
+def mark(p: float) -> str:
+    """The significance mark of a p-value ("" when not significant at the widest level)."""
+    return next((m for alpha, m in MARKS if p < alpha), "")
+
+
+def _paired_cells(s: Summary, reference: Summary | None) -> str:
+    """Δ (paired, with its CI) and p cells; "–" for the reference itself or without enough pairs."""
+    if reference is None or s is reference:
+        return "– | –"
+    d = s.paired(reference)
+    if d.n < 2:
+        return f"{_delta(d.mean, 0.0)} | –"
+    return f"{d.mean:+.2f} [{d.low:+.2f}, {d.high:+.2f}]{mark(d.p)} | {d.p:.2g}"
+
+
+def table(summaries: list[Summary]) -> str:
+    """The markdown table: our error per row (mean ± std over seeds, each seed) and its paired
+    difference to BN(32), beside the paper's error and difference."""
+    reference = next((s for s in summaries if s.row.key == REFERENCE_ROW), None)
+    paper_ref = reference.row.paper_error if reference is not None else None
+    lines = [
+        "| row | preset | norm batch | top-1 error % (mean ± std) | per seed | "
+        f"Δ vs BN(32), paired [{CONFIDENCE:.0%} CI] | p (paired t) | "
+        "paper: ResNet-50 ImageNet top-1 error % | paper Δ | paper row |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for s in summaries:
+        row = s.row
+        batch = "–" if row.preset == "gn" else str(row.norm_batch_size or "32")
+        seeds = ", ".join("div." if math.isnan(e) else f"{e:.2f}" for e in s.errors)
+        paper = "–" if row.paper_error is None else f"{row.paper_error:.2f}"
+        lines.append(
+            f"| {row.label} | `{row.preset}` | {batch} | {_error_cell(s)} | {seeds} | {_paired_cells(s, reference)} | "
+            f"{paper} | {_delta(row.paper_error, paper_ref)} | {row.paper_ref} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def header(setting: dict[str, Any]) -> list[str]:
+    """The lines above the table: the command and the setting every row shared, then how to read it."""
+    c = setting["config"]
+    return [
+        "# MABN ablation at small scale (paper Tables 2 and 6)",
+        "",
+        f"`{setting['command']}`: {setting['model']} on {setting['data']} ({setting['classes']} classes, "
+        f"{setting['train_images']} training and {setting['val_images']} validation images, {c['image_size']} px "
+        f"crops); gradient batch {GRADIENT_BATCH}, small normalization batch {SMALL_BATCH} through ghost batches; "
+        f"SGD momentum {c['momentum']}, weight decay {c['weight_decay']}, lr {c['lr']} with "
+        f"{c['warmup_fraction']:.0%} linear warm-up then cosine, {c['steps']} steps; seeds {setting['seeds']}; "
+        f"{setting['wall_seconds'] / 60:.1f} min wall on {c['device']} ({setting['workers']} runs at a time, "
+        f"{c['threads']} thread(s) each), torch {setting['torch']}.",
+        "",
+        "Top-1 error on the validation split after the last step (norms in inference mode); mean ± sample std "
+        "over the seeds. Seeds are paired: with the same seed every row starts the layers they share from the "
+        "same weights and sees the same batches and augmentations. Δ is the mean over seeds of the row's error "
+        "minus BN(32)'s error with the same seed, with its confidence interval from Student's t; p is the "
+        "two-sided paired t-test's (" + ", ".join(f"{m} p < {a}" for a, m in MARKS) + ", per row, not corrected "
+        "for the number of rows). The paper's columns are ResNet-50 on ImageNet after 600,000 iterations: "
+        "compare the ordering and the gaps, not the absolute values.",
+    ]
+
+
+def write_markdown(path: Path, summaries: list[Summary], header: list[str]) -> Path:
+    """``header`` lines (the setting), a blank line, then the table."""
+    return write_text_atomic(path, "\n".join(header) + "\n\n" + table(summaries))
+
+
+def write_results(path: Path, setting: dict[str, Any], results: list[RunResult]) -> Path:
+    """Every run's outcome (the statistics go to their own CSV files) and the setting, as JSON."""
+    ordered = sorted(results, key=lambda r: (r.row, r.seed))
+    runs = [{k: v for k, v in asdict(r).items() if k != "stats"} for r in ordered]
+    for run in runs:  # JSON has no NaN
+        run["val_error"] = run["val_error"] if math.isfinite(run["val_error"]) else None
+        run["final_loss"] = run["final_loss"] if math.isfinite(run["final_loss"]) else None
+    return write_text_atomic(path, json.dumps({"setting": setting, "runs": runs}, indent=2, default=str) + "\n")
+
+
+def write_stats(path: Path, records: list[dict[str, float]]) -> Path:
+    """Per-step probe records as CSV, one column per statistic."""
+
+    def write(scratch: Path) -> None:
+        with scratch.open("w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=list(records[0]))
+            writer.writeheader()
+            writer.writerows(records)
+
+    return write_atomic(path, write)

@@ -1,0 +1,1 @@
+"""Benchmarks: ``python -m mabn bench --help`` (``mabn.tools.bench.command``)."""

@@ -1,0 +1,105 @@
+"""The package's layout is its architecture (docs/design.md, "Layout"): packages stacked in floors, each importing
+only from the floors below it, and no import circle among the modules. Read from the sources with ``ast``, so
+that an import hidden inside a function counts as much as one at the top of a file."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import networkx as nx
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+# Bottom to top, as docs/design.md states them; a floor's units may import one another's names without a cycle.
+FLOORS = (
+    ("errors", "distributed"),
+    ("norm",),
+    ("run",),
+    ("models",),
+    ("data",),
+    ("callbacks",),
+    ("tasks",),
+    ("inference",),
+    ("cli",),
+    ("tools",),
+    ("__init__", "__main__"),
+)
+FLOOR = {unit: n for n, units in enumerate(FLOORS) for unit in units}
+
+
+def _module(path: Path) -> str:
+    parts = path.relative_to(SRC).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports(path: Path) -> set[str]:
+    """The ``mabn`` modules (or packages) that ``path`` imports, relative imports resolved."""
+    module = _module(path)
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                target = ".".join([*base, *([node.module] if node.module else [])])
+            else:
+                target = node.module or ""
+            if target.split(".")[0] != "mabn":
+                continue
+            for alias in node.names:  # ``from pkg import module`` imports the module
+                candidate = f"{target}.{alias.name}"
+                found.add(candidate if _exists(candidate) else target)
+        elif isinstance(node, ast.Import):
+            found.update(a.name for a in node.names if a.name.split(".")[0] == "mabn")
+    return found
+
+
+def _exists(module: str) -> bool:
+    path = SRC.joinpath(*module.split("."))
+    return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
+
+
+def _unit(module: str) -> str:
+    """The floor unit of a module: its package or top-level module under ``mabn``; ``__init__`` for ``mabn``."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def _graph() -> nx.DiGraph:
+    graph = nx.DiGraph()
+    for path in (SRC / "mabn").rglob("*.py"):
+        graph.add_node(_module(path))
+        for target in _imports(path):
+            graph.add_edge(_module(path), target)
+    return graph
+
+
+def test_every_unit_has_a_floor():
+    units = {_unit(m) for m in _graph()}
+    assert units <= set(FLOOR), f"units with no floor in FLOORS: {sorted(units - set(FLOOR))}"
+
+
+def test_no_import_runs_up_a_floor():
+    """A unit imports from its own floor's units or from floors below, never from a floor above."""
+    upward = [
+        f"{a} -> {b}"
+        for a, b in _graph().edges
+        if FLOOR[_unit(b)] > FLOOR[_unit(a)] or (_unit(a) != _unit(b) and FLOOR[_unit(b)] == FLOOR[_unit(a)] > 0)
+    ]
+    assert upward == []
+
+
+def test_no_import_circle():
+    """No cycle among modules; a package's ``__init__`` counts as the module it is (its imports are its own)."""
+    cycles = list(nx.simple_cycles(_graph()))
+    assert cycles == [], cycles[:5]
+
+
+def test_no_import_of_another_units_private_module():
+    """Across units, imports name public modules (no ``_private`` module of another package)."""
+    private = [
+        f"{a} -> {b}"
+        for a, b in _graph().edges
+        if _unit(a) != _unit(b) and any(part.startswith("_") and part != "__init__" for part in b.split("."))
+    ]
+    assert private == []
