@@ -4,7 +4,9 @@ The checkpoints hold ResNet-18 networks (``arch: resnet18``): folding, tracing a
 the same at any depth, and ``export`` rebuilds the network from the checkpoint's arguments, arch included."""
 
 import importlib.util
+import json
 
+import numpy as np
 import pytest
 import pytorch_lightning as pl
 import torch
@@ -12,12 +14,20 @@ from torch import nn
 
 from helpers.commands import run_mabn
 from mabn.cli.commands import export as export_command
+from mabn.data.classes import ClassTable
+from mabn.data.images import imagenet_normalize
 from mabn.inference import export
+from mabn.inference.checkpoint import Restored
 from mabn.tasks import ClassificationTask, SegmentationTask
 from mabn.tools.bench.infer import calibrate
 
 NORM_OPS = ("batch_norm", "group_norm", "instance_norm", "layer_norm", "renorm")
 SIZE = (64, 64)
+# The classes of the exported segmentation checkpoint, as a dataset of one's own records them (its classes.yaml).
+CLASSES = ClassTable.parse(
+    {"classes": ["sky", "road", "car", "tree", "sign"], "colors": [[70, 130, 180], [128, 64, 128], [0, 0, 142],
+                                                                    [107, 142, 35], [220, 220, 0]]}
+)  # fmt: skip
 
 
 def _trained_like(task: pl.LightningModule) -> None:
@@ -32,13 +42,16 @@ def _trained_like(task: pl.LightningModule) -> None:
     task.model.eval()
 
 
-def _save(task: pl.LightningModule, path, **hparams) -> None:
-    """A checkpoint as Lightning writes it: the module's state_dict under ``model.*`` and its hyper_parameters."""
+def _save(task: pl.LightningModule, path, data: dict | None = None, **hparams) -> None:
+    """A checkpoint as Lightning writes it: the module's state_dict under ``model.*``, its hyper_parameters and
+    (``data``) its data module's."""
     ckpt = {
         "state_dict": task.state_dict(),
         "hyper_parameters": {**dict(task.hparams), **hparams},
         "pytorch-lightning_version": pl.__version__,
     }
+    if data is not None:
+        ckpt["datamodule_hyper_parameters"] = data
     torch.save(ckpt, path)
 
 
@@ -48,12 +61,13 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 @pytest.fixture(scope="session")
 def seg_export(tmp_path_factory):
-    """A MABN PSPNet (ResNet-18 encoder) checkpoint, its unfolded eval model, and what export wrote for it."""
+    """A MABN PSPNet (ResNet-18 encoder) checkpoint of a dataset of one's own (``CLASSES``), its unfolded eval
+    model, and what export wrote for it."""
     tmp = tmp_path_factory.mktemp("seg")
     torch.manual_seed(0)
     task = SegmentationTask(norm="mabn", num_classes=5, arch="resnet18")
     _trained_like(task)
-    _save(task, tmp / "psp.ckpt")
+    _save(task, tmp / "psp.ckpt", data={"data_dir": "data/mine", "classes": CLASSES.as_dict()})
     result = export.export(tmp / "psp.ckpt", tmp / "out", SIZE)
     return task.model, result
 
@@ -134,6 +148,58 @@ def test_onnx_takes_any_batch_height_and_width(seg_export):
         assert out.shape == (shape[0], 5, *shape[2:]) and _rel(torch.from_numpy(out), ref) < 2e-3, shape
 
 
+def _torchscript_metadata(path) -> dict:
+    extra = {export.METADATA_FILE: ""}
+    torch.jit.load(str(path), _extra_files=extra)
+    return json.loads(extra[export.METADATA_FILE])
+
+
+def test_torchscript_carries_the_checkpoints_classes_and_input_normalisation(seg_export):
+    _, result = seg_export
+    meta = _torchscript_metadata(result.torchscript)
+    assert meta == result.metadata
+    assert meta["num_classes"] == 5 and meta["task"] == "SegmentationTask"
+    assert meta["class_names"] == ["sky", "road", "car", "tree", "sign"]
+    assert meta["class_colors"][2] == [0, 0, 142] and len(meta["class_colors"]) == 5
+    assert (meta["channel_order"], meta["input_layout"], meta["value_range"]) == ("RGB", "NCHW", [0, 255])
+    assert meta["mean"] == [0.485, 0.456, 0.406] and meta["std"] == [0.229, 0.224, 0.225]
+
+
+@needs_onnx
+def test_onnx_carries_the_same_metadata_and_an_input_made_by_it_is_the_models(seg_export):
+    """metadata_props, read by onnx and by onnxruntime, hold what metadata.json holds; an uint8 image normalised as
+    they say gives the logits of the image normalised as training did (``imagenet_normalize``)."""
+    import onnx
+    import onnxruntime
+
+    model, result = seg_export
+    props = {p.key: json.loads(p.value) for p in onnx.load(str(result.onnx)).metadata_props}
+    assert props == _torchscript_metadata(result.torchscript)
+    session = onnxruntime.InferenceSession(str(result.onnx), providers=["CPUExecutionProvider"])
+    custom = session.get_modelmeta().custom_metadata_map
+    assert {key: json.loads(value) for key, value in custom.items()} == props
+
+    pixels = np.random.default_rng(0).integers(0, 256, (*SIZE, 3), dtype=np.uint8)
+    top = props["value_range"][1]
+    image = ((pixels / top - props["mean"]) / props["std"]).astype(np.float32).transpose(2, 0, 1)[None]
+    (out,) = session.run(None, {"image": image})
+    trained = imagenet_normalize()(image=pixels)["image"].transpose(2, 0, 1)[None]
+    with torch.no_grad():
+        assert _rel(torch.from_numpy(out), model(torch.from_numpy(np.ascontiguousarray(trained)))) < 2e-3
+
+
+def test_metadata_names_cityscapes_classes_and_no_invented_ones():
+    """A 19-class segmentation checkpoint without a class table is Cityscapes'; another count without one, and a
+    classification checkpoint, name no classes (only their number)."""
+    cityscapes = export.metadata(Restored("SegmentationTask", SegmentationTask(num_classes=19, arch="resnet18"), {}))
+    assert cityscapes["class_names"][:3] == ["road", "sidewalk", "building"] and len(cityscapes["class_names"]) == 19
+    assert cityscapes["class_colors"][13] == [0, 0, 142]  # car
+    unnamed = export.metadata(Restored("SegmentationTask", SegmentationTask(num_classes=4, arch="resnet18"), {}))
+    assert unnamed["num_classes"] == 4 and "class_names" not in unnamed and "class_colors" not in unnamed
+    cls = export.metadata(Restored("ClassificationTask", ClassificationTask(num_classes=7, arch="resnet18"), {}))
+    assert cls["num_classes"] == 7 and "class_names" not in cls and "(N, num_classes)" in cls["output"]
+
+
 @pytest.mark.parametrize("bins", [1, 2, 3, 6, (2, 5)])
 def test_averaging_pool_is_adaptive_average_pooling_at_any_size(bins):
     pool, averaging = nn.AdaptiveAvgPool2d(bins), export.AveragingPool2d(nn.modules.utils._pair(bins))
@@ -177,6 +243,7 @@ def test_export_rebuilds_a_cli_classification_checkpoint(cls_checkpoint, tmp_pat
     printed = capsys.readouterr().out
     assert "Loaded ClassificationTask" in printed and "max abs diff" in printed
     scripted = torch.jit.load(str(tmp_path / "cls.folded.pt"))
+    assert _torchscript_metadata(tmp_path / "cls.folded.pt")["num_classes"] == 7
     x = torch.randn(2, 3, 32, 32)
     with torch.no_grad():
         assert _rel(scripted(x), model(x)) < 2e-3

@@ -165,3 +165,37 @@ def test_test_refuses_a_stage_2_checkpoint_whose_weights_do_not_fit_in_one_line(
     assert code == 2 and len(err) == 1, err[-5:]
     assert err[0].startswith(f"error: {path} does not fit the SegmentationTask its hyper_parameters describe: "), err
     assert "1 mis-shaped key(s) (e.g. classifier.2.weight)" in err[0] and "missing key(s)" in err[0]
+
+
+def test_load_predicts_a_batch_as_each_image_alone_with_probabilities(fitted):
+    """``Segmenter.predict`` of a list, or of an N x H x W x 3 array, gives each image's class map and probabilities
+    as a call for that image alone does; the probabilities sum to 1 over the classes and their argmax is the map."""
+    data, ckpt = fitted
+    segmenter = predict.load(ckpt, device="cpu")
+    frames = sorted((data / "leftImg8bit" / "val").rglob("*.png"))[:2]
+    images = [np.asarray(Image.open(frame).convert("RGB")) for frame in frames]
+    alone = [segmenter.predict(image, probs=True) for image in images]
+    assert alone[0][0].shape == images[0].shape[:2] and alone[0][1].shape == (len(CLASS_NAMES), *images[0].shape[:2])
+    np.testing.assert_array_equal(segmenter.predict(frames[0]), alone[0][0])  # one image: its map, as before
+
+    maps, probs = segmenter.predict(images, probs=True)
+    assert isinstance(maps, list) and len(maps) == len(probs) == 2
+    for (one_map, one_probs), batch_map, batch_probs in zip(alone, maps, probs):
+        np.testing.assert_array_equal(batch_map, one_map)
+        np.testing.assert_allclose(batch_probs, one_probs, rtol=0, atol=1e-5)
+
+    stacked_maps, stacked_probs = segmenter.predict(np.stack(images), probs=True)
+    assert stacked_maps.dtype == np.uint8 and stacked_probs.shape == (2, len(CLASS_NAMES), *images[0].shape[:2])
+    np.testing.assert_array_equal(stacked_maps, np.stack([one_map for one_map, _ in alone]))
+    np.testing.assert_allclose(stacked_probs.sum(axis=1), 1, rtol=0, atol=1e-5)
+    np.testing.assert_array_equal(stacked_probs.argmax(axis=1), stacked_maps)
+    assert len(np.unique(stacked_maps)) > 1  # a map of one class would make the comparisons above trivial
+
+    # Images of other sizes in one list, one per batch: each still gets its own.
+    small = images[1][:20, :40]
+    mixed = segmenter.predict([images[0], small, images[1]], batch_size=1)
+    assert [m.shape for m in mixed] == [images[0].shape[:2], (20, 40), images[1].shape[:2]]
+    np.testing.assert_array_equal(mixed[1], segmenter.predict(small))
+    np.testing.assert_array_equal(mixed[2], alone[1][0])
+    with pytest.raises(ValueError, match=r"^batch_size=0: "):
+        segmenter.predict(images, batch_size=0)

@@ -18,6 +18,7 @@ from .errors import DatasetError
 # The statistics torchvision's ImageNet weights were trained with; both stages normalize every image with them.
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
+MAX_PIXEL_VALUE = 255.0  # 8-bit pixels are divided by this before the mean and std apply
 
 # The largest image opened, in pixels: 2**28 (268 million, 1 GiB of 8-bit RGBA). Cityscapes images are 2048x1024
 # (2**21) and the largest ImageNet ones a few tens of megapixels, so every real file fits with room to spare, while
@@ -61,4 +62,4 @@ def image_size(path: str | Path, kind: str = "image") -> tuple[int, int]:
 
 def imagenet_normalize() -> A.Normalize:
     """uint8 RGB pixels -> float32, standardized with the ImageNet mean and std."""
-    return A.Normalize(mean=IMAGENET_MEAN, std=IMAGENET_STD, max_pixel_value=255.0)
+    return A.Normalize(mean=IMAGENET_MEAN, std=IMAGENET_STD, max_pixel_value=MAX_PIXEL_VALUE)

@@ -6,24 +6,32 @@ is written: the folded model against the unfolded one, the TorchScript module ag
 and the ONNX file (when onnxruntime is installed) against the folded model, at the sample size and at a second,
 non-square one with two images: the ONNX graph takes any batch, height and width. A file that does not reproduce
 the trained network is never left behind.
+
+Both files say how to use them (``metadata``): the input's channel order, layout and normalisation, the output, the
+number of classes and, where the checkpoint records them, the class names and colours; in the ONNX file's
+``metadata_props`` and in the TorchScript archive's ``metadata.json`` (``METADATA_FILE``), every value as JSON.
 """
 
 from __future__ import annotations
 
 import copy
+import json
 import os
 import tempfile
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
+from ..data.images import IMAGENET_MEAN, IMAGENET_STD, MAX_PIXEL_VALUE
 from ..errors import UserError
 from ..norm import fold_norms
 from ..run import first_line, write_atomic
-from .checkpoint import load_task
+from .checkpoint import Restored, load_task
+from .stage2 import recorded_classes
 
 # Largest accepted max|a - b| / max|reference| for the folding; float32 outputs may also deviate by
 # twice the unfolded model's own float32 rounding error, whichever is larger.
@@ -34,6 +42,8 @@ TOLERANCE = 1e-4
 INPUT_SIZES: dict[str, tuple[int, int]] = {"SegmentationTask": (512, 1024), "ClassificationTask": (224, 224)}
 # The smallest side the ONNX graph is traced at (see ``_export_onnx``): a ResNet's stride-32 features are 4 px here.
 TRACE_SIDE = 128
+# The TorchScript archive's extra file that holds ``metadata`` (read back with torch.jit.load's ``_extra_files``).
+METADATA_FILE = "metadata.json"
 
 
 class ExportError(UserError):
@@ -61,6 +71,7 @@ class Exported:
     """What ``export`` wrote and measured."""
 
     task: str
+    metadata: dict[str, Any]  # what both files carry (``metadata``)
     torchscript: Path
     onnx: Path | None  # None: the ONNX exporter's dependencies are missing (the reason is printed)
     folded: Difference  # folded vs unfolded model, both in float64
@@ -70,16 +81,43 @@ class Exported:
     other_shape: tuple[int, int, int, int] | None = None
 
 
-def load_model(path: str | Path) -> tuple[str, nn.Module]:
-    """The network of a Lightning checkpoint with its weights (``mabn.inference.checkpoint``); returns (task, eval
-    model)."""
+def load_model(path: str | Path) -> Restored:
+    """The task of a Lightning checkpoint with its weights in eval mode, and its data module's arguments
+    (``mabn.inference.checkpoint``)."""
     restored = load_task(path, ExportError)
     model, hp = restored.task.model, restored.task.hparams
     print(
         f"Loaded {restored.name} from {path} (norm {hp.get('norm')}, {hp.get('num_classes')} classes, "
         f"{sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters)"
     )
-    return restored.name, model
+    return restored
+
+
+def metadata(restored: Restored) -> dict[str, Any]:
+    """What a consumer of the exported files needs beside the graph: the input is RGB, NCHW, float32, made from
+    8-bit pixels (``value_range``) as ``(pixels / 255 - mean) / std`` per channel (ImageNet's statistics, those
+    every stage trains with); the output is logits over ``num_classes``. A segmentation checkpoint adds its classes'
+    names and [R, G, B] colours in class-index order when it records them (Cityscapes' 19 classes, or a dataset's
+    ``classes.yaml``); a classification checkpoint records none."""
+    num_classes = int(restored.task.hparams.num_classes)
+    segmentation = restored.name == "SegmentationTask"
+    meta: dict[str, Any] = {
+        "task": restored.name,
+        "input_layout": "NCHW",
+        "channel_order": "RGB",
+        "value_range": [0, int(MAX_PIXEL_VALUE)],
+        "mean": list(IMAGENET_MEAN),
+        "std": list(IMAGENET_STD),
+        "normalization": f"(pixels / {MAX_PIXEL_VALUE:g} - mean) / std, per channel",
+        "output": f"logits {'(N, num_classes, H, W)' if segmentation else '(N, num_classes)'}: softmax over "
+        "dim 1 gives the class probabilities, argmax the class" + (" map" if segmentation else ""),
+        "num_classes": num_classes,
+    }
+    classes = recorded_classes(num_classes, restored.data) if segmentation else None
+    if classes is not None:
+        meta["class_names"] = list(classes.names)
+        meta["class_colors"] = [list(color) for color in classes.colors]
+    return meta
 
 
 def _check(what: str, diff: Difference, limit: float, path: Path, outcome: str) -> None:
@@ -148,9 +186,9 @@ def _for_onnx(folded: nn.Module) -> nn.Module:
     return model
 
 
-def _export_onnx(folded: nn.Module, sample: Tensor, path: Path) -> None:
+def _export_onnx(folded: nn.Module, sample: Tensor, path: Path, meta: dict[str, Any]) -> None:
     """Write ``folded`` as one ONNX file (weights inside: under the 2 GB protobuf limit) whose input "image" has
-    dynamic batch, height and width.
+    dynamic batch, height and width, with ``meta`` in its ``metadata_props`` (each value as JSON).
 
     Traced on two images (a batch of one would be fixed at one) of ``sample``'s size but at least ``TRACE_SIDE``
     px a side: torch.export fixes any size that is 1 in the trace (a ResNet's last features at 32 px), and then
@@ -171,6 +209,7 @@ def _export_onnx(folded: nn.Module, sample: Tensor, path: Path) -> None:
     shape = list(program.model.graph.inputs[0].shape)
     if any(isinstance(shape[axis], int) for axis in (0, 2, 3)):
         raise RuntimeError(f"the exporter fixed the input shape to {shape}, which no other size would fit")
+    program.model.metadata_props.update({key: json.dumps(value) for key, value in meta.items()})
     program.save(str(path), external_data=False)
 
 
@@ -199,10 +238,16 @@ def export(
     ``out_dir`` defaults to the checkpoint's folder, ``input_size`` (H, W) to the task's usual size: the sample
     every output is checked at, in float64 for the folding. The ONNX graph's input has dynamic batch, height and
     width, and onnxruntime is also held to the float32 folded model on two images of ``other_size(H, W)``; the
-    traced TorchScript module accepts other sizes too.
+    traced TorchScript module accepts other sizes too. Both files carry ``metadata`` of the checkpoint.
     """
     checkpoint = Path(checkpoint)
-    name, model = load_model(checkpoint)
+    restored = load_model(checkpoint)
+    name, model, meta = restored.name, restored.task.model, metadata(restored)
+    named = "with names and colours" if "class_names" in meta else "the checkpoint records no class names"
+    print(
+        f"metadata: {meta['num_classes']} classes ({named}), input {meta['channel_order']} {meta['input_layout']} "
+        f"as {meta['normalization']}"
+    )
     height, width = input_size or INPUT_SIZES[name]
     out_dir = Path(out_dir) if out_dir is not None else checkpoint.parent
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -241,7 +286,8 @@ def export(
         ts_out = traced(sample)
         _check("the TorchScript module", Difference.between(ts_out, exact), limit, ts_path, "nothing written")
         ts_diff = Difference.between(ts_out, out)
-        write_atomic(ts_path, lambda tmp: traced.save(str(tmp)))
+        extra = {METADATA_FILE: json.dumps(meta, indent=2)}
+        write_atomic(ts_path, lambda tmp: traced.save(str(tmp), _extra_files=extra))
         print(f"TorchScript: wrote {ts_path} ({ts_diff} to the folded model)")
 
         onnx_written, ort_diff, other_diff = None, None, None
@@ -249,7 +295,7 @@ def export(
         with tempfile.TemporaryDirectory(dir=out_dir) as scratch:
             scratch_path = Path(scratch) / onnx_path.name
             try:
-                _export_onnx(folded, sample, scratch_path)
+                _export_onnx(folded, sample, scratch_path, meta)
             except ImportError as err:  # torch.onnx's dynamo exporter needs the onnx and onnxscript packages
                 print(f"ONNX: not written, the exporter needs `pip install onnx onnxscript`: {first_line(err)}")
             except Exception as err:  # an operator the exporter cannot translate, or a failed graph capture
@@ -280,4 +326,4 @@ def export(
                 os.replace(scratch_path, onnx_path)
                 onnx_written = onnx_path
                 print(f"ONNX: wrote {onnx_path} (input image: any batch, height and width)")
-    return Exported(name, ts_path, onnx_written, folded_diff, ort_diff, other_diff, other_shape)
+    return Exported(name, meta, ts_path, onnx_written, folded_diff, ort_diff, other_diff, other_shape)

@@ -1,7 +1,7 @@
 """A stage-2 checkpoint's predictions: the files ``python -m mabn predict`` writes (``PredictionWriter``: the mask in
 the dataset's own values, the colour image and the overlay of each frame; ``claim_folder``: an output folder holds
 the predictions of one run, recorded in its manifest), and ``load(CKPT)``, the same predictions in Python
-(``Segmenter.predict(image) -> class map``).
+(``Segmenter.predict(image or images) -> class maps``, with the class probabilities on request).
 """
 
 from __future__ import annotations
@@ -9,8 +9,9 @@ from __future__ import annotations
 import glob
 import json
 import re
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeAlias
 
 import numpy as np
 import torch
@@ -32,6 +33,7 @@ __all__ = ["Segmenter", "TRAIN_ID_COLORS", "TRAIN_TO_LABEL_ID", "load"]
 MANIFEST = "predict.json"
 OVERLAY_ALPHA = 0.5  # weight of the class colours over the image
 GLOB = re.compile(r"[*?[]")
+ImageInput: TypeAlias = np.ndarray | Image.Image | str | Path  # what ``Segmenter.rgb`` converts
 
 
 def frame_name(image: Path) -> str:
@@ -170,8 +172,10 @@ class Segmenter:
 
     ``predict(image)`` gives the H x W class map (uint8 class indices 0..K-1, in the order of ``class_names``) of
     an image of any size, by the sliding-window protocol of ``python -m mabn test`` with the options ``load``
-    was given (the checkpoint's by default): the class map ``test`` scores for that image. ``colorize`` and
-    ``to_mask`` turn a class map into the colour image and the mask PNG that ``python -m mabn predict`` writes.
+    was given (the checkpoint's by default): the class map ``test`` scores for that image. It also takes a batch
+    (a list of images, or an N x H x W x C uint8 array) and, with ``probs=True``, returns the class probabilities
+    too. ``colorize`` and ``to_mask`` turn a class map into the colour image and the mask PNG that
+    ``python -m mabn predict`` writes.
     """
 
     def __init__(self, checkpoint: Stage2Checkpoint, device: torch.device) -> None:
@@ -207,12 +211,51 @@ class Segmenter:
             raise ValueError(f"expected an image H x W, H x W x 3 or H x W x 4, got shape {array.shape}")
         return np.asarray(Image.fromarray(array).convert("RGB"))
 
+    def _tensor(self, pixels: np.ndarray) -> torch.Tensor:
+        """H x W x 3 uint8 RGB -> the normalized 3 x H x W float32 tensor the network takes."""
+        return torch.from_numpy(np.ascontiguousarray(self._normalize(image=pixels)["image"].transpose(2, 0, 1)))
+
+    def _batches(self, images: Sequence[ImageInput], batch_size: int) -> Iterator[list[np.ndarray]]:
+        """``images`` as RGB arrays in order, in runs of at most ``batch_size`` images of one size (a batch is one
+        tensor), each read only when its run is due."""
+        run: list[np.ndarray] = []
+        for image in images:
+            pixels = self.rgb(image)
+            if run and (len(run) == batch_size or pixels.shape != run[0].shape):
+                yield run
+                run = []
+            run.append(pixels)
+        if run:
+            yield run
+
     @torch.no_grad()
-    def predict(self, image: np.ndarray | Image.Image | str | Path) -> np.ndarray:
-        """The H x W uint8 class map of ``image`` (see ``rgb`` for what it takes)."""
-        pixels = self._normalize(image=self.rgb(image))["image"]
-        batch = torch.from_numpy(np.ascontiguousarray(pixels.transpose(2, 0, 1)))[None].to(self.device)
-        return self.task.predict_classes(batch)[0].to(torch.uint8).cpu().numpy()
+    def predict(self, images: ImageInput | Sequence[ImageInput], probs: bool = False, batch_size: int = 4) -> Any:
+        """The H x W uint8 class map of an image (see ``rgb`` for what it takes); for a list of images the list of
+        their class maps, for an N x H x W x C uint8 array the N x H x W array.
+
+        With ``probs=True``: (class maps, probabilities), the probabilities shaped as the maps with the K classes
+        first (K x H x W float32 for an image, N x K x H x W for an array; they sum to 1 over the classes and the
+        class map is their argmax). Consecutive images of one size go through the network together, at most
+        ``batch_size`` at a time; a batch gives each image its own result.
+        """
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size={batch_size!r}: give the number of images per batch, at least 1")
+        stacked = isinstance(images, np.ndarray) and images.ndim == 4
+        single = not stacked and not isinstance(images, list | tuple)
+        maps: list[np.ndarray] = []
+        probabilities: list[np.ndarray] = []
+        for run in self._batches([images] if single else images, batch_size):
+            batch = torch.stack([self._tensor(pixels) for pixels in run]).to(self.device)
+            scores = self.task.predict_probs(batch)
+            maps.extend(scores.argmax(1).to(torch.uint8).cpu().numpy())
+            if probs:
+                probabilities.extend(scores.cpu().numpy())
+
+        def shaped(arrays: list[np.ndarray]) -> Any:
+            """The results in the form the images came in: one image's, a list, or one array."""
+            return arrays[0] if single else np.stack(arrays) if stacked else arrays
+
+        return (shaped(maps), shaped(probabilities)) if probs else shaped(maps)
 
     def colorize(self, class_map: np.ndarray) -> np.ndarray:
         """H x W x 3 uint8: each class in its colour (``predict``'s ``color/`` files)."""

@@ -46,15 +46,14 @@ class Stage2Checkpoint:
 
     @property
     def classes(self) -> ClassTable:
-        """Its classes: those of the dataset it was trained on, as the checkpoint records them; Cityscapes'."""
-        if self.own_data:
-            return ClassTable.from_dict(self.data["classes"])
-        if self.task.hparams.num_classes != NUM_CLASSES:
+        """Its classes (``recorded_classes``); ``ConfigError`` naming the file when it records none."""
+        classes = recorded_classes(self.task.hparams.num_classes, self.data)
+        if classes is None:
             raise ConfigError(
                 f"{self.path} predicts {self.task.hparams.num_classes} classes and records no class table "
                 f"(Cityscapes has {NUM_CLASSES})"
             )
-        return ClassTable.cityscapes()
+        return classes
 
     def dataset(self, root: Path, split: str) -> CityscapesDataset:
         """The full images and labels of ``split`` under ``root``, in the layout it was trained on. A dataset of
@@ -75,6 +74,14 @@ class Stage2Checkpoint:
         """The images of ``split`` under ``root``: ``leftImg8bit/<split>``, or ``images/<split>`` for a dataset of
         the user's own."""
         return root / (IMAGES if self.own_data else "leftImg8bit") / split
+
+
+def recorded_classes(num_classes: int, data: dict[str, Any]) -> ClassTable | None:
+    """The classes of a stage-2 checkpoint with ``num_classes`` outputs and data module arguments ``data``: the
+    table a dataset of the user's own records, else Cityscapes' 19; None for another count without a table."""
+    if "classes" in data:
+        return ClassTable.from_dict(data["classes"])
+    return ClassTable.cityscapes() if num_classes == NUM_CLASSES else None
 
 
 def load_stage2(path: Path) -> Stage2Checkpoint:

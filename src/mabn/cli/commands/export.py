@@ -2,9 +2,10 @@
 
 Every norm that is linear at inference (BN, BRN, MABN) is folded into the conv before it, so the exported network
 costs what a BN network costs; GroupNorm stays. Each output is checked before it is written
-(``mabn.inference.export``): a
-file that does not reproduce the trained network is never left behind. The ONNX model takes any batch, height and
-width.
+(``mabn.inference.export``): a file that does not reproduce the trained network is never left behind. The ONNX
+model takes any batch, height and width. Both files carry their metadata (input normalisation, channel order,
+classes; ``mabn.inference.export.metadata``): in the ONNX file's metadata_props and in the TorchScript archive's
+metadata.json.
 """
 
 from __future__ import annotations
