@@ -70,11 +70,11 @@ def test_official_evaluator_on_predict_pngs_gives_the_miou_of_test(fitted, tmp_p
     options = [str(ckpt), "--num-workers", "0", "--flip"]
     code, out, err = _run("test", options, capsys)
     assert code == 0, err
-    assert "| class | IoU (%) |" in out and "| **mIoU** |" in out
+    assert "| class | IoU (%) | accuracy (%) |" in out
     assert "crop 32, flip True, scales [1.0]" in out  # the checkpoint's crop and scales, flip asked for
     assert not list(tmp_path.iterdir())  # test writes nothing
     result = evaluate.run_test(evaluate.parser().parse_args(options))  # the same run, for its float64 numbers
-    assert f"| **mIoU** | **{100 * result['miou'].item():.2f}** |" in out
+    assert f"| **mean** | **{100 * result['miou'].item():.2f}** | **{100 * result['macc'].item():.2f}** |" in out
 
     code, out, err = _run("predict", [*options, "--overlay"], capsys)
     assert code == 0, err

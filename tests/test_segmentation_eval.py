@@ -1,4 +1,5 @@
-"""Evaluation: SegmentationMetric against the official Cityscapes evaluator, and sliding-window inference."""
+"""Evaluation: SegmentationMetric against the official Cityscapes evaluator and a numpy reference, and
+sliding-window inference."""
 
 from __future__ import annotations
 
@@ -33,6 +34,46 @@ def test_metric_on_a_hand_computed_example() -> None:
     torch.testing.assert_close(out["per_class_iou"], expected, equal_nan=True)
     assert out["miou"].item() == pytest.approx((1 / 3 + 3 / 4 + 0.0) / 3)
     assert out["pixel_accuracy"].item() == pytest.approx(4 / 7)
+    # Accuracy: class 0 1/2, class 1 3/3, class 2 0/2 (the 255 prediction a miss); class 3 undefined.
+    expected_acc = torch.tensor([1 / 2, 1.0, 0.0, math.nan], dtype=torch.float64)
+    torch.testing.assert_close(out["per_class_accuracy"], expected_acc, equal_nan=True)
+    assert out["macc"].item() == pytest.approx((1 / 2 + 1 + 0) / 3)
+
+
+def _pixels_of(confmat: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    """(preds, target) as one row of pixels holding ``confmat[t, p]`` pixels of class t predicted as p."""
+    pairs = [(t, p) for (t, p), count in np.ndenumerate(confmat) for _ in range(int(count))]
+    target, preds = zip(*pairs)
+    return torch.tensor([preds]), torch.tensor([target])
+
+
+def test_per_class_accuracy_and_macc_match_numpy_on_a_confusion_matrix() -> None:
+    # Rows: true class (the last row: ignored pixels); columns: predicted class (the last column: 255, no class).
+    # Class 2 is only predicted (accuracy undefined, IoU 0); class 3 is in the ground truth, never predicted.
+    confmat = np.array(
+        [
+            [5, 1, 2, 0, 1],
+            [0, 7, 0, 0, 3],
+            [0, 0, 0, 0, 0],
+            [1, 2, 1, 0, 0],
+            [4, 0, 3, 1, 2],
+        ],
+        dtype=np.float64,
+    )
+    preds, target = _pixels_of(confmat)
+    preds[preds == 4], target[target == 4] = 255, IGNORE_INDEX
+    metric = SegmentationMetric(num_classes=4)
+    metric.update(preds, target)
+    out = metric.compute()
+
+    labelled = confmat[:4]
+    with np.errstate(invalid="ignore"):
+        accuracy = np.diag(labelled) / labelled.sum(axis=1)
+    assert np.isnan(accuracy[2]) and accuracy[3] == 0  # both kinds of class are in the comparison
+    np.testing.assert_allclose(out["per_class_accuracy"].numpy(), accuracy, rtol=0, atol=1e-15)
+    assert out["macc"].item() == pytest.approx(np.nanmean(accuracy), abs=1e-15)
+    assert out["macc"].item() != pytest.approx(out["pixel_accuracy"].item())  # class-weighted, not pixel-weighted
+    assert out["per_class_iou"][2].item() == 0.0  # defined for IoU, where accuracy is not
 
 
 def test_majority_baseline_equals_the_miou_of_predicting_the_majority_class() -> None:
@@ -74,15 +115,18 @@ def test_metric_rejects_bad_input() -> None:
 
 
 def test_format_iou_table() -> None:
-    table = format_iou_table(torch.tensor([0.5, math.nan, 0.12345]), ["road", "wall", "sky"])
+    ious, accuracies = torch.tensor([0.5, 0.0, 0.12345]), torch.tensor([0.75, math.nan, 0.2])
+    table = format_iou_table(ious, ["road", "wall", "sky"], accuracies)
     assert table.splitlines() == [
-        "| class | IoU (%) |",
-        "|---|---:|",
-        "| road | 50.00 |",
-        "| wall | n/a |",
-        "| sky | 12.35 |",
-        "| **mIoU** | **31.17** |",
+        "| class | IoU (%) | accuracy (%) |",
+        "|---|---:|---:|",
+        "| road | 50.00 | 75.00 |",
+        "| wall | 0.00 | n/a |",
+        "| sky | 12.35 | 20.00 |",
+        "| **mean** | **20.78** | **47.50** |",
     ]
+    with pytest.raises(ValueError, match="2 accuracy values for 3 class names"):
+        format_iou_table(ious, ["road", "wall", "sky"], accuracies[:2])
 
 
 def _corrupt_predictions(gt_label_ids: np.ndarray, rng: np.random.Generator) -> np.ndarray:

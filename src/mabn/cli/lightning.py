@@ -165,13 +165,22 @@ def check_export(config: Namespace) -> None:
         )
 
 
+def check_loggers(config: Namespace) -> None:
+    """Each logger class that says whether it can run here (``check_installed``: a package it needs) is asked."""
+    for logger in _entries(config.trainer.get("logger")):
+        check = getattr(_import(logger.class_path), "check_installed", None)
+        if check is not None:
+            check()
+
+
 def check_fit_config(config: Namespace) -> None:
-    """Every check that needs no data and no weights: the task's arguments, the batch layout, the run's folder
-    and its artefacts."""
+    """Every check that needs no data and no weights: the task's arguments, the batch layout, the loggers, the
+    run's folder and its artefacts."""
     task = _import(config.model.class_path)
     if hasattr(task, "check_hparams"):
         task.check_hparams(dict(config.model.init_args))
     check_batch(config)
+    check_loggers(config)
     if not config.trainer.get("default_root_dir"):
         raise ConfigError("trainer.default_root_dir is not set: the run needs a folder of its own")
     if "export_dir" in config.model.init_args:

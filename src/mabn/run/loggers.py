@@ -1,5 +1,6 @@
-"""The run's loggers: a CSV log that survives resumes and kills, and a WandbLogger that never hangs or crashes
-for want of a network or a login and continues the same wandb run after a restart."""
+"""The run's loggers: a CSV log that survives resumes and kills, a WandbLogger that never hangs or crashes for
+want of a network or a login and continues the same wandb run after a restart, and a TensorBoardLogger that
+writes into the run's folder like the CSV log."""
 
 from __future__ import annotations
 
@@ -11,13 +12,16 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from lightning_fabric.loggers.tensorboard import _TENSORBOARD_AVAILABLE, _TENSORBOARDX_AVAILABLE
 from lightning_fabric.utilities.logger import _convert_params
 from pytorch_lightning.core.saving import save_hparams_to_yaml
 from pytorch_lightning.loggers import CSVLogger as _CSVLogger
+from pytorch_lightning.loggers import TensorBoardLogger as _TensorBoardLogger
 from pytorch_lightning.loggers import WandbLogger as _WandbLogger
 from pytorch_lightning.loggers.csv_logs import ExperimentWriter
 from pytorch_lightning.loggers.logger import DummyExperiment
 
+from ..errors import ConfigError
 from .files import first_line, write_atomic, write_text_atomic
 
 ID_FILE = "wandb-id"
@@ -201,3 +205,28 @@ class CSVLogger(_CSVLogger):
             self._fs.makedirs(self.root_dir, exist_ok=True)
             self._experiment = _AppendingWriter(log_dir=self.log_dir)
         return self._experiment
+
+
+class TensorBoardLogger(_TensorBoardLogger):
+    """Lightning's TensorBoardLogger writing its event files straight into ``save_dir`` (the run's folder, as
+    ``CSVLogger``: no ``name/version_N`` below it), so the events of a resumed run join those before it and
+    ``tensorboard --logdir runs`` shows each run folder as one run. No ``hp_metric`` placeholder (Lightning's
+    default logs -1 under that name). Needs the ``tensorboard`` package (``pip install 'mabn[tensorboard]'``) or
+    tensorboardX, as Lightning's does (``check_installed``)."""
+
+    def __init__(
+        self, save_dir: str = "runs", name: str = "", version: str = "", default_hp_metric: bool = False, **kwargs: Any
+    ) -> None:
+        self.check_installed()
+        super().__init__(save_dir, name=name, version=version, default_hp_metric=default_hp_metric, **kwargs)
+
+    @staticmethod
+    def check_installed() -> None:
+        """A ``ConfigError`` where neither tensorboard nor tensorboardX is installed. ``mabn.cli.lightning`` asks
+        before a fit starts: Lightning's own ModuleNotFoundError comes once the classes are built, and jsonargparse
+        reports it inside a traceback."""
+        if not (_TENSORBOARD_AVAILABLE or _TENSORBOARDX_AVAILABLE):
+            raise ConfigError(
+                "mabn.run.loggers.TensorBoardLogger needs the tensorboard package, which is not installed: "
+                "pip install 'mabn[tensorboard]' (or tensorboard)"
+            )

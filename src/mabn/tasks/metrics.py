@@ -1,4 +1,5 @@
-"""Cityscapes-style semantic segmentation metrics: dataset-level confusion matrix, per-class IoU and mIoU."""
+"""Cityscapes-style semantic segmentation metrics: dataset-level confusion matrix, per-class IoU and accuracy, and
+their means (mIoU, mAcc)."""
 
 from __future__ import annotations
 
@@ -22,9 +23,11 @@ class SegmentationMetric(Metric):
 
     ``compute()`` returns ``miou`` (mean over the classes with a defined IoU), ``per_class_iou`` (NaN for a
     class that appears in neither the labelled ground truth nor the predictions on it: the official
-    evaluator skips such classes in its average) and ``pixel_accuracy`` (correct / labelled pixels), as
-    float64 tensors. The states are summed across processes, so the result under DDP is that of the
-    whole split.
+    evaluator skips such classes in its average), ``per_class_accuracy`` (a class's correct pixels / its
+    labelled pixels, a miss as above included; NaN for a class absent from the labelled ground truth, whose
+    accuracy is undefined even where it is predicted), ``macc`` (the mean over the classes of the ground truth),
+    ``pixel_accuracy`` (correct / labelled pixels) and ``majority_miou``, as float64 tensors. The states are
+    summed across processes, so the result under DDP is that of the whole split.
     """
 
     is_differentiable = False
@@ -67,28 +70,43 @@ class SegmentationMetric(Metric):
         true_pos = confmat.diagonal()
         gt_pixels = confmat.sum(dim=1) + self.missed
         union = gt_pixels + confmat.sum(dim=0) - true_pos
-        per_class_iou = torch.where(union > 0, true_pos / union.clamp(min=1), torch.full_like(true_pos, math.nan))
+        per_class_iou = _ratio(true_pos, union)
+        per_class_accuracy = _ratio(true_pos, gt_pixels)
         # The floor a model must beat: predicting the most frequent class everywhere scores IoU =
         # its pixel share on that class and 0 on every other class present in the ground truth.
         majority_miou = (gt_pixels.max() / gt_pixels.sum()) / (gt_pixels > 0).sum()
         return {
             "miou": per_class_iou.nanmean(),
             "per_class_iou": per_class_iou,
+            "macc": per_class_accuracy.nanmean(),
+            "per_class_accuracy": per_class_accuracy,
             "pixel_accuracy": true_pos.sum() / gt_pixels.sum(),
             "majority_miou": majority_miou,
         }
 
 
-def format_iou_table(per_class_iou: Tensor | Sequence[float], class_names: Sequence[str]) -> str:
-    """A markdown table of per-class IoU in percent (2 decimals), ``n/a`` for undefined classes, then the mIoU."""
+def _ratio(numerator: Tensor, denominator: Tensor) -> Tensor:
+    """``numerator / denominator`` per class, NaN where the denominator is 0 (a class with nothing to score)."""
+    return torch.where(denominator > 0, numerator / denominator.clamp(min=1), torch.full_like(numerator, math.nan))
+
+
+def _percent(value: float) -> str:
+    return "n/a" if math.isnan(value) else f"{100 * value:.2f}"
+
+
+def format_iou_table(
+    per_class_iou: Tensor | Sequence[float], class_names: Sequence[str], per_class_accuracy: Tensor | Sequence[float]
+) -> str:
+    """A markdown table of per-class IoU and accuracy in percent (2 decimals), ``n/a`` for undefined values, then
+    their means over the defined ones (mIoU, mAcc) in bold."""
     ious = torch.as_tensor(per_class_iou, dtype=torch.float64).cpu()
-    if len(ious) != len(class_names):
-        raise ValueError(f"{len(ious)} IoU values for {len(class_names)} class names")
-    rows = ["| class | IoU (%) |", "|---|---:|"]
+    accuracies = torch.as_tensor(per_class_accuracy, dtype=torch.float64).cpu()
+    if not len(ious) == len(accuracies) == len(class_names):
+        raise ValueError(f"{len(ious)} IoU and {len(accuracies)} accuracy values for {len(class_names)} class names")
+    rows = ["| class | IoU (%) | accuracy (%) |", "|---|---:|---:|"]
     rows += [
-        f"| {name} | {'n/a' if math.isnan(iou) else f'{100 * iou:.2f}'} |"
-        for name, iou in zip(class_names, ious.tolist())
+        f"| {name} | {_percent(iou)} | {_percent(acc)} |"
+        for name, iou, acc in zip(class_names, ious.tolist(), accuracies.tolist())
     ]
-    miou = ious.nanmean().item()
-    rows.append(f"| **mIoU** | **{'n/a' if math.isnan(miou) else f'{100 * miou:.2f}'}** |")
+    rows.append(f"| **mean** | **{_percent(ious.nanmean().item())}** | **{_percent(accuracies.nanmean().item())}** |")
     return "\n".join(rows)

@@ -47,7 +47,10 @@ class SegmentationTask(NormTask):
     at the run's iterations per epoch, so the schedule keeps the recipe's epochs on any number of devices).
     Loss: cross-entropy (ignore 255) of the main head plus ``aux_weight`` x that of the auxiliary head.
     Validation runs the full images through sliding windows of ``eval_crop`` (default: the training
-    crop) with stride 2/3 of it, optional flip and scales, and reports the Cityscapes mIoU.
+    crop) with stride 2/3 of it, optional flip and scales, and reports the Cityscapes mIoU, the mean per-class
+    accuracy ``val/macc`` and the pixel accuracy (a test: ``test/...``), and prints the per-class table; where a
+    WandbLogger is among the trainer's loggers, rank 0 also logs that table as the wandb.Table ``val/per_class``
+    (``test/per_class``) of class, IoU and accuracy (null where undefined).
     Every ``log_predictions_every_n_epochs``-th validation (the first one included; 0: never) logs the
     first ``num_logged_predictions`` images of its first batch to Weights & Biases as ``val/predictions``,
     with the predicted and the ground-truth classes as masks (see ``prediction_masks``); only rank 0 logs,
@@ -225,18 +228,24 @@ class SegmentationTask(NormTask):
     def on_test_epoch_end(self) -> None:
         # Kept in float64 for the caller (python -m mabn test prints it); the logged copies are float32.
         self.test_result = self.test_metric.compute()
-        self.log("test/miou", self.test_result["miou"].float())
-        self.log("test/pixel_acc", self.test_result["pixel_accuracy"].float())
+        self._log_result("test", self.test_result)
 
     def predict_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         """The class ids of a batch of full images; ``batch`` is (images, anything the writer needs)."""
         return self.predict_classes(batch[0]).to(torch.uint8)
 
+    def _wandb_loggers(self) -> list[WandbLogger]:
+        """The trainer's WandbLoggers that take images and tables now: on rank 0 (the process that holds the wandb
+        run) and outside the sanity check (a few batches, no result of the run)."""
+        if self.trainer.sanity_checking or not self.trainer.is_global_zero:
+            return []
+        return [logger for logger in self.loggers if isinstance(logger, WandbLogger)]
+
     def _log_predictions_now(self) -> bool:
         every, count = self.hparams.log_predictions_every_n_epochs, self.hparams.num_logged_predictions
-        if not every or not count or self.trainer.sanity_checking or not self.trainer.is_global_zero:
+        if not every or not count:
             return False
-        return self.validations_done % every == 0 and any(isinstance(lg, WandbLogger) for lg in self.loggers)
+        return self.validations_done % every == 0 and bool(self._wandb_loggers())
 
     def _log_predictions(self, images: torch.Tensor, preds: torch.Tensor, labels: torch.Tensor) -> None:
         """The first images of the batch with their predicted and true classes as wandb masks."""
@@ -251,25 +260,40 @@ class SegmentationTask(NormTask):
             )
             for i, (image, pred, label) in enumerate(zip(images[:count], preds[:count], labels[:count]))
         ]
-        for logger in self.loggers:
-            if isinstance(logger, WandbLogger):
-                logger.log_metrics({"val/predictions": samples}, step=self.global_step)
+        for logger in self._wandb_loggers():
+            logger.log_metrics({"val/predictions": samples}, step=self.global_step)
+
+    def _log_result(self, stage: str, result: Mapping[str, torch.Tensor]) -> None:
+        """The means of a ``SegmentationMetric`` result as ``<stage>/...`` metrics, and its per-class table to
+        wandb."""
+        self.log(f"{stage}/miou", result["miou"].float(), prog_bar=stage == "val")
+        self.log(f"{stage}/macc", result["macc"].float())
+        self.log(f"{stage}/pixel_acc", result["pixel_accuracy"].float())
+        wandb_loggers = self._wandb_loggers()
+        if not wandb_loggers:
+            return
+        import wandb  # only reached with a WandbLogger, which has imported it already
+
+        rows = class_table_rows(self.class_names(), result["per_class_iou"], result["per_class_accuracy"])
+        table = wandb.Table(columns=list(CLASS_TABLE_COLUMNS), data=rows)
+        for logger in wandb_loggers:
+            logger.log_metrics({f"{stage}/per_class": table}, step=self.global_step)
 
     def on_validation_epoch_end(self) -> None:
         if not self.trainer.sanity_checking:
             self.validations_done += 1
         result = self.val_metric.compute()
         self.val_metric.reset()
-        self.log("val/miou", result["miou"].float(), prog_bar=True)
-        self.log("val/pixel_acc", result["pixel_accuracy"].float())
+        self._log_result("val", result)
         self.log("val/majority_miou", result["majority_miou"].float())
         per_class, names = result["per_class_iou"], self.class_names()
         for name, iou in zip(names, per_class.tolist()):
             if not math.isnan(iou):
                 self.log(f"val/iou/{name}", iou)
         if not self.trainer.sanity_checking:
+            table = format_iou_table(per_class, names, result["per_class_accuracy"])
             rank_zero_info(
-                f"\nValidation at step {self.global_step}:\n{format_iou_table(per_class, names)}\n"
+                f"\nValidation at step {self.global_step}:\n{table}\n"
                 f"(predicting the majority class everywhere: mIoU {100 * result['majority_miou'].item():.2f})"
             )
 
@@ -294,6 +318,20 @@ class SegmentationTask(NormTask):
         )
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+CLASS_TABLE_COLUMNS = ("class", "IoU", "accuracy")
+
+
+def class_table_rows(
+    class_names: Sequence[str], per_class_iou: torch.Tensor, per_class_accuracy: torch.Tensor
+) -> list[list[str | float | None]]:
+    """The rows of the per-class table logged to wandb (``CLASS_TABLE_COLUMNS``): a class's name, IoU and accuracy
+    as fractions, None where undefined (wandb stores tables as JSON, which has no NaN)."""
+    return [
+        [name, *(None if math.isnan(value) else value for value in values)]
+        for name, *values in zip(class_names, per_class_iou.tolist(), per_class_accuracy.tolist())
+    ]
 
 
 def pixel_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

@@ -2,8 +2,8 @@
 the user's own: ``python -m mabn segment``).
 
 The split is read in full images and predicted by the sliding-window code path of validation (crop, flip and
-scales as options, the checkpoint's own by default), on one device (a GPU when there is one). The per-class IoU
-table is printed as validation prints it.
+scales as options, the checkpoint's own by default), on one device (a GPU when there is one). The per-class table
+of IoU and accuracy, with mIoU and mAcc, is printed as validation prints it, then the pixel accuracy.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ def run_test(ns: argparse.Namespace) -> dict[str, torch.Tensor]:
     )
     inference_trainer().test(checkpoint.task, make_loader(dataset, 1, False, ns.num_workers), verbose=False)
     result = checkpoint.task.test_result
-    print(format_iou_table(result["per_class_iou"], checkpoint.classes.names))
+    print(format_iou_table(result["per_class_iou"], checkpoint.classes.names, result["per_class_accuracy"]))
     print(f"pixel accuracy {100 * result['pixel_accuracy'].item():.2f}")
     return result
 
