@@ -31,7 +31,6 @@ TINY_FIT = [
     "--data.init_args.num_workers", "0", "--model.init_args.arch", "resnet18",
 ]  # fmt: skip
 CITYSCAPES_FIT = [*TINY_FIT, "--data.init_args.global_batch_size", "2", "--data.init_args.crop_size", "32"]
-SEGMENT_FIT = [*CITYSCAPES_FIT[:-2]]  # the crop follows the images (32x64)
 IMAGENET_FIT = [*TINY_FIT, "--data.init_args.batch_size", "2", "--data.init_args.image_size", "32",
                 "--data.init_args.val_resize", "36"]  # fmt: skip
 
@@ -43,6 +42,7 @@ def sets(tmp_path_factory) -> dict[str, Path]:
         "cityscapes": demo_cityscapes.generate(root / "cs", n_train=2, n_val=1, size=(32, 64)),
         "imagenet": demo_imagenet.generate(root / "in", n_train=2, n_val=1, size=36),
         "segment": demo_segment.generate(root / "seg", n_train=2, n_val=2, size=(32, 64)),
+        "segment-color": demo_segment.generate(root / "color", n_train=2, n_val=2, size=(32, 64), mask_format="color"),
     }
 
 
@@ -93,8 +93,8 @@ def _label(path: Path, fill: int | None = None, size: tuple[int, int] | None = N
     Image.fromarray(label).save(path)
 
 
-def _mask_value(folder: Path, value: int) -> None:
-    """One pixel of each mask in ``folder`` set to ``value``."""
+def _mask_value(folder: Path, value: int | tuple[int, int, int]) -> None:
+    """One pixel of each mask in ``folder`` set to ``value`` (a colour in colour masks)."""
     for path in sorted(folder.glob("*.png")):
         mask = np.asarray(Image.open(path)).copy()
         mask[3, 5] = value
@@ -112,7 +112,8 @@ def _occupied(w: Path) -> None:
 
 
 CS, IN, SEGMENT = "cityscapes", "imagenet", "segment"
-OWN = ["--data", "{w}/segment", "--backbone", "none", "--", *SEGMENT_FIT]
+OWN = ["--data", "{w}/segment", "--backbone", "none", "--", *CITYSCAPES_FIT]
+OWN_COLOR = ["--data", "{w}/segment-color", "--backbone", "none", "--", *CITYSCAPES_FIT]
 SEG, CLS = "mabn.tasks.SegmentationTask", "mabn.tasks.ClassificationTask"
 
 # (id, entry, argv (with {w}: the working folder), setup, expected text in the error line)
@@ -161,6 +162,10 @@ CASES: list[tuple[str, str, list[str], Callable[[Path], None] | None, str]] = [
     ("own-mask-value-of-no-class", SEGMENT, OWN, lambda w: _mask_value(w / "segment/masks/val", 99),
      "mask {w}/segment/masks/val/scene000.png holds value 99, neither a class nor ignored by "
      "{w}/segment/classes.yaml (class mask values 7, 8, 11, 17, 21, 23, 24, 26, ignore_index 0); 2 of the 2 masks"),
+    ("own-mask-colour-of-no-class", SEGMENT, OWN_COLOR, lambda w: _mask_value(w / "segment-color/masks/val", (1, 2, 3)),
+     "mask {w}/segment-color/masks/val/scene000.png holds colour [1, 2, 3], neither a class's nor ignored by "
+     "{w}/segment-color/classes.yaml (colors, ignore_color [0, 0, 0]); 2 of the 2 masks in "
+     "{w}/segment-color/masks/val hold such colours"),
     ("own-classes-file-that-does-not-parse", SEGMENT, OWN,
      lambda w: (w / "segment/classes.yaml").write_text("classes: [road, car\n"),
      "classes file {w}/segment/classes.yaml is not valid YAML: "),

@@ -1,4 +1,5 @@
-"""The paper's crop 713 (not a multiple of the output stride 8) goes through the whole PSPNet, training and eval."""
+"""The paper's crop 713 (not a multiple of the output stride 8) goes through the whole PSPNet, training and eval; a
+training image smaller than the crop is padded up to it, the crop staying the one given."""
 
 from __future__ import annotations
 
@@ -9,7 +10,10 @@ import pytest
 import torch
 import yaml
 
-from mabn.data.cityscapes import CityscapesDataModule, train_transform
+from mabn.data.cityscapes import IGNORE_INDEX, CityscapesDataModule, train_transform
+from mabn.data.classes import ClassTable
+from mabn.data.folder import FolderDataModule, FolderDataset
+from mabn.data.synthetic import segment as demo_segment
 from mabn.models import PSPNet
 
 CONFIG = Path(__file__).resolve().parents[1] / "configs" / "cityscapes.yaml"
@@ -42,3 +46,17 @@ def test_the_recipe_and_the_data_module_default_to_the_papers_crop_713():
     image = (torch.rand(100, 120, 3) * 255).to(torch.uint8).numpy()
     out = train_transform(seed=0)(image=image, mask=image[..., 0])
     assert out["image"].shape == (713, 713, 3) and out["mask"].shape == (713, 713)
+
+
+def test_a_training_image_smaller_than_the_crop_is_padded_up_to_the_crop(tmp_path):
+    # One 32x20 (WxH) image, crop 32, no random scale, rotation or blur: 6 rows of padding above and below it.
+    data = demo_segment.generate(tmp_path / "d", n_train=1, n_val=1, size=(20, 32))
+    module = FolderDataModule(str(data), crop_size=32, scale_range=(1.0, 1.0), rotate_limit=0.0, blur_p=0.0)
+    module.setup("fit")
+    image, label = module.train_set[0]
+    assert module.crop_size == 32 and image.shape == (3, 32, 32) and label.shape == (32, 32)
+    pad = torch.cat([torch.arange(6), torch.arange(26, 32)])
+    assert image[:, pad].abs().max() < 0.01  # the mean pixel, 0 once normalized (up to its rounding to uint8)
+    assert (label[pad] == IGNORE_INDEX).all()
+    _, original = FolderDataset(data, "train", ClassTable.read(data / "classes.yaml"))[0]
+    assert torch.equal(label[6:26], original) or torch.equal(label[6:26], original.flip(-1))  # flipped with p 0.5

@@ -1,7 +1,8 @@
 """Stage 2 on a dataset of the user's own (``python -m mabn segment --data DIR``, docs/your-data.md): the layout and
-``classes.yaml``, a short fit whose tables name the dataset's classes, ``test`` and ``predict`` on its checkpoint,
-and one image predicted by ``predict``, by the Python API (``mabn.inference.predict.load``) and by ``test``: one class
-map.
+``classes.yaml``, a short fit whose tables name the dataset's classes and whose crop stays the configured one with
+a training image smaller than it (padded), the dry run's count of such images, ``test`` and ``predict`` on its
+checkpoint, one image predicted by ``predict``, by the Python API (``mabn.inference.predict.load``) and by
+``test``: one class map; colour masks (``mask_format: color``) trained and predicted through the entry point.
 The bad-data cases run through the entry point in tests/test_bad_input.py."""
 
 from __future__ import annotations
@@ -25,15 +26,17 @@ from mabn.cli.commands import stage
 from mabn.cli.commands import test as evaluate
 from mabn.data.classes import ClassTable, voc_palette
 from mabn.data.errors import DatasetError
-from mabn.data.folder import FolderDataset, find_pairs, fitting_crop
+from mabn.data.folder import FolderDataset, find_pairs
 from mabn.data.synthetic import segment as demo_segment
 from mabn.inference import predict
 from mabn.tasks import SegmentationTask
 
 NAMES = tuple(demo_segment.COLORS)
+CROP = 32  # the crop the runs are given: the example's images are 40x64, one training image 32x20 (WxH)
 TINY = [
     *fit_flags(2, check_val_every_n_epoch=2, num_sanity_val_steps=0),
     "--data.init_args.global_batch_size", "4", "--data.init_args.num_workers", "0",
+    "--data.init_args.crop_size", str(CROP),
     "--model.init_args.arch", "resnet18", "--model.init_args.log_predictions_every_n_epochs", "0",
 ]  # fmt: skip
 
@@ -47,13 +50,20 @@ class _Lines(logging.Handler):
         self.lines.append(record.getMessage())
 
 
-@pytest.fixture(scope="session")
-def fitted(tmp_path_factory) -> tuple[Path, Path, str]:
-    """(data root, last checkpoint, what the run printed) of ``python -m mabn segment`` on the generated example
-    (4 train and 3 val images of 32x64), 2 steps of a PSPNet on ResNet-18 with the config's crop 713."""
-    root = tmp_path_factory.mktemp("segment")
-    data = demo_segment.generate(root / "my-data", n_train=4, n_val=3, size=(32, 64), seed=5)
-    folder = root / "runs" / "segment" / "mabn"
+def _shrink(data: Path, name: str, size: tuple[int, int]) -> None:
+    """Make the training pair ``name`` of ``data`` ``size`` (width, height): the image resized, the mask by nearest
+    neighbour (its values stay the mask values)."""
+    for path, resample in (
+        (data / "images" / "train" / f"{name}.jpg", Image.Resampling.BILINEAR),
+        (data / "masks" / "train" / f"{name}.png", Image.Resampling.NEAREST),
+    ):
+        with Image.open(path) as image:
+            small = image.resize(size, resample)
+        small.save(path)
+
+
+def _fit(data: Path, folder: Path) -> str:
+    """What ``python -m mabn segment`` printed and logged for a fit of ``TINY`` on ``data`` into ``folder``."""
     logged, printed = _Lines(), io.StringIO()
     logger = logging.getLogger("pytorch_lightning")
     logger.addHandler(logged)
@@ -63,7 +73,19 @@ def fitted(tmp_path_factory) -> tuple[Path, Path, str]:
             stage.main(["segment", "--data", str(data), "--backbone", "none", "--run-dir", str(folder), "--", *TINY])
     finally:
         logger.removeHandler(logged)
-    return data, folder / "checkpoints" / "last.ckpt", printed.getvalue() + "\n".join(logged.lines)
+    return printed.getvalue() + "\n".join(logged.lines)
+
+
+@pytest.fixture(scope="session")
+def fitted(tmp_path_factory) -> tuple[Path, Path, str]:
+    """(data root, last checkpoint, what the run printed) of ``python -m mabn segment`` on the generated example
+    (4 train and 3 val images of 40x64, the training image scene003 shrunk to 32x20), 2 steps of a PSPNet on
+    ResNet-18 with crop ``CROP``."""
+    root = tmp_path_factory.mktemp("segment")
+    data = demo_segment.generate(root / "my-data", n_train=4, n_val=3, size=(40, 64), seed=5)
+    _shrink(data, "scene003", (32, 20))
+    folder = root / "runs" / "segment" / "mabn"
+    return data, folder / "checkpoints" / "last.ckpt", _fit(data, folder)
 
 
 def _run(command: str, argv: list[str], capsys) -> tuple[int, str, list[str]]:
@@ -77,13 +99,31 @@ def test_segment_trains_on_the_layout_and_names_its_classes(fitted):
     table = output[output.index("Validation at step 2:") :]
     assert [line.split(" | ")[0].removeprefix("| ") for line in table.splitlines()[3:11]] == list(NAMES)
     assert "| wall |" not in table and "| **mean** |" in table  # the dataset's 8 classes, not Cityscapes' 19
-    # The crop: the config's 713, lowered to the smallest side of the training images (32x64).
-    assert f"Crop 32 instead of crop_size 713: the smallest side of the training images ({data}/images/train/" in output
+    # The crop stays the one given: the training image lower than it is padded, not the crop lowered to 20.
+    padded = f"1 of the 4 training images are smaller than the crop {CROP}x{CROP}: padded up to it (images with the"
+    assert padded in output
     saved = torch.load(ckpt, map_location="cpu", weights_only=True)
     assert saved["hyper_parameters"]["num_classes"] == 8
     hp = saved["datamodule_hyper_parameters"]
-    assert hp["crop_size"] == 32 and hp["data_dir"] == str(data)
+    assert hp["crop_size"] == CROP and hp["data_dir"] == str(data)
     assert ClassTable.from_dict(hp["classes"]) == ClassTable.read(data / "classes.yaml")
+
+
+def test_the_dry_run_counts_the_training_images_smaller_than_the_crop(fitted, tmp_path, capsys):
+    data, _, _ = fitted
+    run = tmp_path / "run"
+    for crop, line in [
+        (CROP, f"1 of the 4 training images are smaller than the crop {CROP}x{CROP}: padded up to it (images with "
+         "the mean pixel, masks with ignored pixels)"),
+        (48, "4 of the 4 training images are smaller than the crop 48x48: padded up to it (images with the mean "
+         "pixel, masks with ignored pixels)"),
+        (16, "0 of the 4 training images are smaller than the crop 16x16"),
+    ]:  # fmt: skip
+        argv = ["segment", "--data", str(data), "--backbone", "none", "--run-dir", str(run), "--dry-run", "--", *TINY]
+        code, out, err = _run("segment", [*argv[1:], "--data.init_args.crop_size", str(crop)], capsys)
+        assert code == 0, err
+        assert line in out.splitlines(), out
+    assert not run.exists()  # a dry run writes nothing
 
 
 def test_test_and_predict_read_the_class_table_from_the_checkpoint(fitted, tmp_path, monkeypatch, capsys):
@@ -91,7 +131,7 @@ def test_test_and_predict_read_the_class_table_from_the_checkpoint(fitted, tmp_p
     monkeypatch.chdir(tmp_path)
     code, out, err = _run("test", [str(ckpt), "--num-workers", "0"], capsys)
     assert code == 0, err
-    assert f"on {data} split val (3 images): crop 32" in out
+    assert f"on {data} split val (3 images): crop {CROP}" in out
     assert all(f"| {name} |" in out for name in NAMES) and "| wall |" not in out
 
     out_dir = tmp_path / "val"
@@ -113,7 +153,7 @@ def test_one_image_by_predict_by_the_python_api_and_by_test_is_one_class_map(fit
     data, ckpt, _ = fitted
     monkeypatch.chdir(tmp_path)
     image = data / "images" / "val" / "scene001.jpg"
-    options = ["--crop", "24", "--flip"]  # windows of 24 over 32x64, each with its mirror
+    options = ["--crop", "24", "--flip"]  # windows of 24 over 40x64, each with its mirror
 
     tested: list[np.ndarray] = []  # the class maps test scores, in the order of the split
     predict_classes = SegmentationTask.predict_classes
@@ -163,6 +203,36 @@ def test_predict_takes_a_glob(fitted, tmp_path, monkeypatch, capsys):
     assert code == 2 and err == ["error: no .png/.jpg/.jpeg/.bmp/.tif/.tiff/.webp images match nothing/*.png"]
 
 
+def test_colour_masks_train_and_predict_in_the_class_colours(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    data = demo_segment.generate(tmp_path / "colour", n_train=4, n_val=2, size=(40, 64), seed=5, mask_format="color")
+    index = demo_segment.generate(tmp_path / "index", n_train=4, n_val=2, size=(40, 64), seed=5)
+    table = ClassTable.read(data / "classes.yaml")
+    assert table.mask_format == "color" and table.ignore_color == (0, 0, 0)
+    by_colour, by_value = (FolderDataset(root, "val", ClassTable.read(root / "classes.yaml")) for root in (data, index))
+    labels = [by_colour[i][1] for i in range(2)]
+    assert all(torch.equal(label, by_value[i][1]) for i, label in enumerate(labels))  # the same class maps
+    assert any((label == 255).any() for label in labels)  # black, the ignore_color, is ignored
+
+    run = tmp_path / "run"
+    argv = ["segment", "--data", str(data), "--backbone", "none", "--run-dir", str(run), "--dry-run", "--", *TINY]
+    code, out, err = _run("segment", argv[1:], capsys)
+    assert code == 0 and f"0 of the 4 training images are smaller than the crop {CROP}x{CROP}" in out, err
+    output = _fit(data, run)
+    shown = output[output.index("Validation at step 2:") :]
+    assert [line.split(" | ")[0].removeprefix("| ") for line in shown.splitlines()[3:11]] == list(NAMES)
+    ckpt = run / "checkpoints" / "last.ckpt"
+    saved = torch.load(ckpt, map_location="cpu", weights_only=True)["datamodule_hyper_parameters"]
+    assert ClassTable.from_dict(saved["classes"]) == table
+
+    code, _, err = _run("predict", [str(ckpt), "--num-workers", "0", "--out", "out"], capsys)
+    assert code == 0, err
+    mask = np.asarray(Image.open("out/masks/scene000.png"))  # a mask as the dataset's: its class colours
+    assert mask.shape == (40, 64, 3)
+    np.testing.assert_array_equal(mask, np.asarray(Image.open("out/color/scene000_color.png")))
+    assert table.classes_of(mask)[1].size == 0
+
+
 def test_the_example_layout_pairs_by_name_and_maps_mask_values(tmp_path):
     data = demo_segment.generate(tmp_path / "d", n_train=2, n_val=1, size=(16, 24))
     assert demo_segment.generate(tmp_path / "d", n_train=2, n_val=1, size=(16, 24)) == data  # once
@@ -181,17 +251,19 @@ def test_the_example_layout_pairs_by_name_and_maps_mask_values(tmp_path):
     dataset = FolderDataset(data, "val", table)
     image, label = dataset[0]
     assert image.shape == (3, 16, 24) and label.shape == (16, 24) and set(label.unique().tolist()) <= {*range(8), 255}
-    assert fitting_crop(713, dataset)[0] == 16 and fitting_crop(8, dataset) == (8, None)
     (tmp_path / "mine").mkdir()
     (tmp_path / "mine" / "notes.txt").write_text("a user's file")
     with pytest.raises(DatasetError, match="is not empty and holds no marker"):
         demo_segment.generate(tmp_path / "mine")
 
 
-def test_the_documented_classes_file_is_the_examples():
+def test_the_documented_classes_files_are_the_examples():
     doc = (Path(__file__).resolve().parents[1] / "docs" / "your-data.md").read_text()
-    shown = doc.split("```yaml\n", 1)[1].split("```", 1)[0]
-    assert ClassTable.parse(yaml.safe_load(shown)) == ClassTable.parse(yaml.safe_load(demo_segment.classes_yaml()))
+    shown = [block.split("```", 1)[0] for block in doc.split("```yaml\n")[1:]]
+    assert len(shown) == 2  # index masks, then colour masks
+    for text, mask_format in zip(shown, ("index", "color")):
+        example = demo_segment.classes_yaml(mask_format)
+        assert ClassTable.parse(yaml.safe_load(text)) == ClassTable.parse(yaml.safe_load(example))
 
 
 def test_classes_file_defaults_and_names():
@@ -217,6 +289,16 @@ def test_classes_file_defaults_and_names():
         ("classes: [road, car]\nmask_values: {7: road}\n", "class 'car' has no mask value in mask_values"),
         ("classes: [road, car]\nmask_values: {7: road, 8: bus}\n", "8 maps to 'bus', not a class name or index"),
         ("classes: [road]\nmask_values: {255: road}\n", "mask_values: 255 is also the ignore_index"),
+        ("classes: [road]\nmask_format: rgb\n", "mask_format='rgb': index (a value per pixel) or color"),
+        ("classes: [road]\nmask_format: color\nmask_values: {7: road}\n", "mask_values applies to index masks"),
+        ("classes: [road]\nmask_format: color\nignore_index: 0\n", "ignore_index applies to index masks"),
+        ("classes: [road]\nignore_color: [0, 0, 0]\n", "ignore_color applies to colour masks (mask_format: color)"),
+        ("classes: [a, b]\ncolors: [[1, 2, 3], [1, 2, 3]]\nmask_format: color\n", "[1, 2, 3] is the colour of both"),
+        (
+            "classes: [a]\ncolors: [[1, 2, 3]]\nmask_format: color\nignore_color: [1, 2, 3]\n",
+            "[1, 2, 3] is the colour of both 'a' and 'ignore_color'",
+        ),
+        ("classes: [a]\nmask_format: color\nignore_color: black\n", "ignore_color must be one [R, G, B]"),
     ],
 )
 def test_a_classes_file_that_does_not_parse_is_one_line_naming_it(tmp_path, text, message):

@@ -137,11 +137,15 @@ def run_shape(config: Namespace) -> RunShape | None:
 
 
 def plan_lines(config: Namespace) -> list[str]:
-    """What the run's task says at the start of fit (batch, lr, schedule), computed from ``config``."""
+    """What the run's task says at the start of fit (batch, lr, schedule), computed from ``config``, then what
+    the data module says of the data set when it has a ``plan_lines`` and the data set exists."""
     task, shape = _import(config.model.class_path), run_shape(config)
-    if shape is None or not hasattr(task, "plan_lines"):
-        return []
-    return task.plan_lines(dict(config.model.init_args), shape)
+    known = shape is not None and hasattr(task, "plan_lines")
+    lines = task.plan_lines(dict(config.model.init_args), shape) if known else []
+    data, module = config.data.get("init_args") or Namespace(), _import(config.data.class_path)
+    if hasattr(module, "plan_lines") and Path(data.get("data_dir") or "").is_dir():
+        lines += module.plan_lines(data)
+    return lines
 
 
 def check_export(config: Namespace) -> None:

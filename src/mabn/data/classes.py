@@ -7,16 +7,21 @@ A dataset of the user's own (``mabn.data.folder``) describes its classes in ``cl
     ignore_index: 255                  # optional: the mask value of unlabelled pixels (default 255; null: none)
     mask_values: {0: background, 7: road, 26: car}   # optional: mask value -> class (name or index);
                                                      # default: value i is class i
+    mask_format: index                 # optional: index (one value per pixel, the default) or color
 
 Several mask values may map to one class; every class needs at least one (``predict`` writes the smallest).
+With ``mask_format: color`` a mask is an RGB image and each pixel's colour is the class of that colour in
+``colors`` (so the colours must differ); ``ignore_color: [R, G, B]`` (colour masks only, default none) is the
+colour of unlabelled pixels, and ``mask_values`` and ``ignore_index`` do not apply.
 Inside the product a class is its index 0..K-1 and an ignored pixel is 255 (``IGNORE_INDEX``), whatever the
 file says, so the loss, the metrics and the sliding-window evaluation are those of Cityscapes. A mask value that
-is neither a class's nor ``ignore_index`` is an error (``FolderDataset`` names the file).
+is neither a class's nor ignored (a colour neither a class's nor ``ignore_color``) is an error (``FolderDataset``
+names the file).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -28,10 +33,11 @@ import yaml
 from .cityscapes import CLASS_NAMES, IGNORE_INDEX, TRAIN_ID_COLORS, TRAIN_TO_LABEL_ID
 from .errors import DatasetError
 
-__all__ = ["CLASSES_FILE", "ClassTable", "voc_palette"]
+__all__ = ["CLASSES_FILE", "COLOR", "INDEX", "ClassTable", "color_codes", "voc_palette"]
 
 CLASSES_FILE = "classes.yaml"
-KEYS = ("classes", "colors", "ignore_index", "mask_values")
+KEYS = ("classes", "colors", "ignore_index", "mask_values", "mask_format", "ignore_color")
+INDEX, COLOR = "index", "color"  # the mask formats: one value per pixel, or one colour per pixel
 MAX_CLASSES = IGNORE_INDEX  # class indices 0..254: 255 is the ignored pixel inside the product
 MAX_MASK_VALUE = 65535  # a 16-bit PNG's largest value
 _UNKNOWN = -1  # in the lookup table: a mask value of no class, not ignored
@@ -56,6 +62,10 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def _is_color(value: Any) -> bool:
+    return isinstance(value, list) and len(value) == 3 and all(_is_int(v) and 0 <= v <= 255 for v in value)
+
+
 def _yaml_problem(err: yaml.YAMLError) -> str:
     """YAML's complaint in one line, with where it is."""
     problem = getattr(err, "problem", None) or str(err).splitlines()[0]
@@ -71,17 +81,30 @@ def _values_text(values: list[int]) -> str:
     return shown + (", ..." if len(values) > 8 else "")
 
 
+def color_codes(rgb: np.ndarray) -> np.ndarray:
+    """One integer per colour (``0xRRGGBB``) of an ... x 3 array, so that colours compare and sort as numbers."""
+    rgb = np.asarray(rgb, dtype=np.uint32)
+    return (rgb[..., 0] << 16) | (rgb[..., 1] << 8) | rgb[..., 2]
+
+
+def _color_text(code: int) -> str:
+    return f"[{code >> 16}, {(code >> 8) & 255}, {code & 255}]"
+
+
 @dataclass(frozen=True)
 class ClassTable:
     """The classes of a dataset: ``names`` in class-index order, a colour per class, the mask value of unlabelled
-    pixels (``ignore_index``, or None) and the (mask value, class index) pairs, sorted by value. ``source`` names
-    where it came from, for messages."""
+    pixels (``ignore_index``, or None) and the (mask value, class index) pairs, sorted by value; ``mask_format``:
+    whether masks hold those values (``index``) or the class colours (``color``, unlabelled pixels in
+    ``ignore_color``, or None). ``source`` names where it came from, for messages."""
 
     names: tuple[str, ...]
     colors: tuple[tuple[int, int, int], ...]
     ignore_index: int | None
     mask_values: tuple[tuple[int, int], ...]
     source: str = CLASSES_FILE
+    mask_format: str = INDEX
+    ignore_color: tuple[int, int, int] | None = None
 
     @classmethod
     def read(cls, path: str | Path) -> ClassTable:
@@ -118,18 +141,19 @@ class ClassTable:
         if len(names) > MAX_CLASSES:
             raise bad(f"{len(names)} classes: at most {MAX_CLASSES}")
         count = len(names)
+        mask_format = raw.get("mask_format", INDEX)
+        if mask_format not in (INDEX, COLOR):
+            raise bad(f"mask_format={mask_format!r}: {INDEX} (a value per pixel) or {COLOR} (an RGB colour per pixel)")
 
         colors = raw.get("colors")
         if colors is None:
             colors = voc_palette(count)
-        elif not (
-            isinstance(colors, list)
-            and len(colors) == count
-            and all(
-                isinstance(c, list) and len(c) == 3 and all(_is_int(v) and 0 <= v <= 255 for v in c) for c in colors
-            )
-        ):
+        elif not (isinstance(colors, list) and len(colors) == count and all(_is_color(c) for c in colors)):
             raise bad(f"colors must hold one [R, G, B] (each 0..255) per class, {count} in all; got {colors!r}")
+        if mask_format == COLOR:
+            return cls._parse_color(raw, names, colors, bad, source)
+        if "ignore_color" in raw:
+            raise bad(f"ignore_color applies to colour masks (mask_format: {COLOR}); index masks use ignore_index")
 
         ignore = raw.get("ignore_index", IGNORE_INDEX)
         if ignore is not None and not (_is_int(ignore) and 0 <= ignore <= MAX_MASK_VALUE):
@@ -171,6 +195,37 @@ class ClassTable:
         )
 
     @classmethod
+    def _parse_color(
+        cls,
+        raw: Mapping[str, Any],
+        names: list[str],
+        colors: list[Any],
+        bad: Callable[[str], DatasetError],
+        source: str,
+    ) -> ClassTable:
+        """The table of colour masks: each pixel's colour is its class's (or ``ignore_color``), so no two share one."""
+        for key in ("mask_values", "ignore_index"):
+            if key in raw:
+                raise bad(f"{key} applies to index masks; with mask_format: {COLOR} give ignore_color: [R, G, B]")
+        ignore = raw.get("ignore_color")
+        if ignore is not None and not _is_color(ignore):
+            raise bad(f"ignore_color must be one [R, G, B] (each 0..255), or null; got {ignore!r}")
+        seen: dict[tuple[int, ...], str] = {}
+        for name, color in [*zip(names, colors), *([("ignore_color", ignore)] if ignore is not None else [])]:
+            if tuple(color) in seen:
+                raise bad(f"{list(color)} is the colour of both {seen[tuple(color)]!r} and {name!r}")
+            seen[tuple(color)] = name
+        return cls(
+            tuple(names),
+            tuple(tuple(c) for c in colors),  # type: ignore[misc]
+            None,
+            tuple((index, index) for index in range(len(names))),
+            source,
+            COLOR,
+            None if ignore is None else tuple(ignore),  # type: ignore[arg-type]
+        )
+
+    @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> ClassTable:
         """The table ``as_dict`` wrote (into a checkpoint's data module hyperparameters)."""
         return cls(
@@ -179,16 +234,21 @@ class ClassTable:
             data["ignore_index"],
             tuple(sorted((int(v), int(c)) for v, c in data["mask_values"].items())),
             data.get("source", CLASSES_FILE),
+            data.get("mask_format", INDEX),
+            None if data.get("ignore_color") is None else tuple(data["ignore_color"]),
         )
 
     def as_dict(self) -> dict[str, Any]:
-        """Plain values (a checkpoint is read weights-only): names, colors, ignore_index, mask_values, source."""
+        """Plain values (a checkpoint is read weights-only): names, colors, ignore_index, mask_values, source,
+        mask_format, ignore_color."""
         return {
             "names": list(self.names),
             "colors": [list(c) for c in self.colors],
             "ignore_index": self.ignore_index,
             "mask_values": dict(self.mask_values),
             "source": self.source,
+            "mask_format": self.mask_format,
+            "ignore_color": None if self.ignore_color is None else list(self.ignore_color),
         }
 
     @classmethod
@@ -212,6 +272,22 @@ class ClassTable:
             values[index] = value
         return values.astype(np.uint8 if values.max() <= 255 else np.uint16)
 
+    def to_mask(self, class_map: np.ndarray) -> np.ndarray:
+        """A class map as the dataset's masks hold it: its mask values (``class_values``), or its colours."""
+        return self.palette[class_map] if self.mask_format == COLOR else self.class_values[class_map]
+
+    @cached_property
+    def _color_lookup(self) -> tuple[np.ndarray, np.ndarray]:
+        """(the codes of the class colours and ``ignore_color``, sorted; the class index of each, ``IGNORE_INDEX``
+        for ``ignore_color``), for ``np.searchsorted``."""
+        colors, index = list(self.colors), list(range(len(self.names)))
+        if self.ignore_color is not None:
+            colors.append(self.ignore_color)
+            index.append(IGNORE_INDEX)
+        codes = color_codes(np.asarray(colors))
+        order = np.argsort(codes)
+        return codes[order], np.asarray(index, dtype=np.uint8)[order]
+
     @cached_property
     def _lookup(self) -> np.ndarray:
         lut = np.full(MAX_MASK_VALUE + 1, _UNKNOWN, dtype=np.int16)
@@ -223,8 +299,11 @@ class ClassTable:
 
     def classes_of(self, mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(the uint8 class map of ``mask``, with ignored pixels ``IGNORE_INDEX``; the sorted mask values that are
-        neither a class's nor ignored, empty when there is none). Those pixels are ``IGNORE_INDEX`` in the map."""
+        neither a class's nor ignored, empty when there is none). Those pixels are ``IGNORE_INDEX`` in the map.
+        With colour masks ``mask`` is H x W x 3 and the unknown values are colour codes (``color_codes``)."""
         mask = np.asarray(mask)
+        if self.mask_format == COLOR:
+            return self._classes_of_colors(mask)
         if mask.dtype == np.bool_:
             mask = mask.astype(np.uint8)
         if not np.issubdtype(mask.dtype, np.integer):
@@ -240,6 +319,32 @@ class ClassTable:
             mapped = np.where(unknown, IGNORE_INDEX, mapped)
             return mapped.astype(np.uint8), np.unique(mask[unknown])
         return mapped.astype(np.uint8), np.empty(0, dtype=mask.dtype)
+
+    def _classes_of_colors(self, mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        if mask.ndim != 3 or mask.shape[2] != 3:
+            raise ValueError(f"colour masks are H x W x 3, got shape {mask.shape}")
+        codes, (known, index) = color_codes(mask), self._color_lookup
+        at = np.minimum(np.searchsorted(known, codes), len(known) - 1)
+        found = known[at] == codes
+        classes = np.where(found, index[at], np.uint8(IGNORE_INDEX)).astype(np.uint8)
+        return classes, np.unique(codes[~found])
+
+    def describe_unknown(self, values: np.ndarray) -> str:
+        """What a mask holding ``values`` (``classes_of``'s unknown ones) holds, for messages: ``value 99, neither
+        a class nor ignored by ...``, or ``colour [1, 2, 3], neither a class's nor ignored by ...``."""
+        many = "s" if len(values) > 1 else ""
+        more = ", ..." if len(values) > 5 else ""
+        if self.mask_format == COLOR:
+            shown = ", ".join(_color_text(int(code)) for code in values[:5]) + more
+            ignored = "no ignore_color" if self.ignore_color is None else f"ignore_color {list(self.ignore_color)}"
+            return f"colour{many} {shown}, neither a class's nor ignored by {self.source} (colors, {ignored})"
+        shown = ", ".join(map(str, values[:5].tolist())) + more
+        return f"value{many} {shown}, neither a class nor ignored by {self.source} ({self.describe_values()})"
+
+    @property
+    def mask_unit(self) -> str:
+        """What a mask holds per pixel, in the plural, for messages."""
+        return "colours" if self.mask_format == COLOR else "values"
 
     def describe_values(self) -> str:
         """The mask values of the classes and the ignored one, for messages: ``mask values 7, 8, 11, ..., ignore_index

@@ -5,17 +5,19 @@ Layout::
 
     DIR/classes.yaml                    the classes (``mabn.data.classes``)
     DIR/images/<split>/<name>.<ext>     .png, .jpg, .jpeg, .bmp, .tif, .tiff or .webp, any mode (read as RGB)
-    DIR/masks/<split>/<name>.png        one single-channel PNG of mask values per image, of the image's size
+    DIR/masks/<split>/<name>.png        one PNG per image, of the image's size: single-channel mask values, or
+                                        the class colours with ``mask_format: color``
 
 for the splits ``train`` and ``val``. An image and its mask pair by their path below the split folder without
 the suffix (``images/val/a/x.jpg`` and ``masks/val/a/x.png``). The recipe is stage 2's (``CityscapesDataModule``'s
-augmentation, batches and loaders); the crop is the configured ``crop_size`` unless a training image is smaller:
-then the smallest side of the training images (``fitting_crop``).
+augmentation, batches, loaders and crop): a training image smaller than the crop is padded up to it as the
+augmentation pads (the image with the mean pixel, the mask with ignored pixels), and ``small_images`` says how
+many are.
 
 What is checked when: ``classes.yaml`` when the data module is made (``--dry-run`` included); that every image
 has its mask and the reverse, and their sizes (from the files' headers, no pixel decoded), when a split is
-indexed; a mask's values when the mask is first read, and then the whole split is scanned to say how many masks
-hold values of no class.
+indexed (the training split also by ``--dry-run``); a mask's values when the mask is first read, and then the
+whole split is scanned to say how many masks hold values (colours) of no class.
 """
 
 from __future__ import annotations
@@ -34,11 +36,11 @@ from .cityscapes import (
     CityscapesDataset,
     CityscapesSample,
 )
-from .classes import CLASSES_FILE, ClassTable
+from .classes import CLASSES_FILE, COLOR, ClassTable
 from .errors import DatasetError, require_pairs
 from .images import image_size, imagenet_normalize, read_image
 
-__all__ = ["FolderDataModule", "FolderDataset", "find_pairs", "fitting_crop"]
+__all__ = ["FolderDataModule", "FolderDataset", "find_pairs", "small_images"]
 
 IMAGES, MASKS = "images", "masks"
 IMAGE_TYPES = (".png", ".jpg", ".jpeg", ".bmp", ".tif", ".tiff", ".webp")
@@ -105,25 +107,19 @@ def pair_sizes(samples: list[CityscapesSample], image_dir: Path) -> list[tuple[i
     return sizes
 
 
-def fitting_crop(crop_size: int, dataset: FolderDataset) -> tuple[int, str | None]:
-    """The training crop: ``crop_size``, or the smallest side of the training images when that is smaller, with
-    the line that says so (None when the crop is ``crop_size``)."""
-    index = min(range(len(dataset.sizes)), key=lambda i: min(dataset.sizes[i]))
-    width, height = dataset.sizes[index]
-    side = min(width, height)
-    if side >= crop_size:
-        return crop_size, None
-    return side, (
-        f"Crop {side} instead of crop_size {crop_size}: the smallest side of the training images "
-        f"({dataset.samples[index].image} is {width}x{height}, WxH)"
-    )
+def small_images(sizes: list[tuple[int, int]], crop_size: int) -> tuple[int, str]:
+    """(how many of the training images of ``sizes`` (width, height) are narrower or lower than the crop, and so
+    padded up to it; the line that says so)."""
+    count = sum(1 for width, height in sizes if min(width, height) < crop_size)
+    line = f"{count} of the {len(sizes)} training images are smaller than the crop {crop_size}x{crop_size}"
+    return count, line + (": padded up to it (images with the mean pixel, masks with ignored pixels)" if count else "")
 
 
 class FolderDataset(CityscapesDataset):
     """The ``split`` of a dataset in the layout of this module under ``root``, yielding normalized images and class
     maps: items as ``CityscapesDataset``'s (3xHxW float32, HxW int64 class indices with 255 for ignored pixels),
-    the mask values mapped to classes by ``classes`` (``ClassTable.classes_of``). ``sizes[i]`` is item ``i``'s
-    (width, height)."""
+    the mask values (or colours) mapped to classes by ``classes`` (``ClassTable.classes_of``). ``sizes[i]`` is
+    item ``i``'s (width, height)."""
 
     def __init__(
         self,
@@ -138,6 +134,9 @@ class FolderDataset(CityscapesDataset):
         self._normalize = imagenet_normalize()
 
     def read_mask(self, path: Path) -> np.ndarray:
+        """The mask's values (H x W), or its RGB colours (H x W x 3) for colour masks."""
+        if self.classes.mask_format == COLOR:
+            return read_image(path, "mask")
         mask = read_image(path, "mask", mode=None)
         if mask.ndim != 2:
             raise DatasetError(
@@ -151,8 +150,8 @@ class FolderDataset(CityscapesDataset):
         sample = self.samples[index]
         image = read_image(sample.image)
         mask = self.read_mask(sample.label)
-        if image.shape[:2] != mask.shape:  # the files changed since they were indexed
-            (ih, iw), (mh, mw) = image.shape[:2], mask.shape
+        if image.shape[:2] != mask.shape[:2]:  # the files changed since they were indexed
+            (ih, iw), (mh, mw) = image.shape[:2], mask.shape[:2]
             raise DatasetError(
                 f"size mismatch: image {sample.image} is {iw}x{ih} but mask {sample.label} is {mw}x{mh} (WxH)"
             )
@@ -162,8 +161,9 @@ class FolderDataset(CityscapesDataset):
         return image, classes
 
     def unknown_values(self) -> DatasetError:
-        """The error for mask values of no class: the first mask of the split (in sorted order) that holds one,
-        its values, and how many of the split's masks do (a scan of the whole split, on this error only)."""
+        """The error for mask values (colours) of no class: the first mask of the split (in sorted order) that
+        holds one, its values, and how many of the split's masks do (a scan of the whole split, on this error
+        only)."""
         first, count = None, 0
         for sample in self.samples:
             _, unknown = self.classes.classes_of(self.read_mask(sample.label))
@@ -172,11 +172,9 @@ class FolderDataset(CityscapesDataset):
                 first = first or (sample.label, unknown)
         assert first is not None, "called without a mask holding an unknown value"
         path, values = first
-        shown = ", ".join(map(str, values[:5].tolist())) + (", ..." if len(values) > 5 else "")
         return DatasetError(
-            f"mask {path} holds value{'s' if len(values) > 1 else ''} {shown}, neither a class nor ignored by "
-            f"{self.classes.source} ({self.classes.describe_values()}); {count} of the {len(self.samples)} masks in "
-            f"{self.root / MASKS / self.split} hold such values"
+            f"mask {path} holds {self.classes.describe_unknown(values)}; {count} of the {len(self.samples)} masks "
+            f"in {self.root / MASKS / self.split} hold such {self.classes.mask_unit}"
         )
 
 
@@ -185,10 +183,11 @@ class FolderDataModule(CityscapesDataModule):
     arguments, augmentation (``train_transform``), batches over devices and loaders as ``CityscapesDataModule``.
 
     The classes come from ``data_dir/classes.yaml``: ``num_classes`` (linked to the model's) and ``class_names``
-    (the validation tables) are read from it when the module is made. The crop of a fit is ``crop_size``, or the
-    smallest side of the training images when that is smaller (``fitting_crop``, said in one line). The class
-    table and the crop trained with are kept in the module's hyperparameters (``classes``, ``crop_size``), which
-    Lightning writes into every checkpoint: what ``python -m mabn test`` and ``predict`` read.
+    (the validation tables) are read from it when the module is made. The crop is ``crop_size`` whatever the
+    images' sizes: smaller training images are padded up to it, and a fit says how many are (``small_images``,
+    as ``--dry-run`` does). The class table and the crop are kept in the module's hyperparameters (``classes``,
+    ``crop_size``), which Lightning writes into every checkpoint: what ``python -m mabn test`` and ``predict``
+    read.
     """
 
     @cached_property
@@ -210,10 +209,9 @@ class FolderDataModule(CityscapesDataModule):
     def make_dataset(self, split: str, train: bool) -> FolderDataset:
         dataset = FolderDataset(self.data_dir, split, self.classes)
         if train:
-            crop, line = fitting_crop(self.hparams_initial.get("crop_size", self.crop_size), dataset)
-            if line is not None and crop != self.crop_size:
+            count, line = small_images(dataset.sizes, self.crop_size)
+            if count:  # a fit speaks of padding only where there is some; a dry run always says the count
                 say(line)
-            self.crop_size = self.hparams["crop_size"] = crop
             dataset.transform = self.augmentation()
         return dataset
 
@@ -224,3 +222,11 @@ class FolderDataModule(CityscapesDataModule):
         root = Path(args["data_dir"])
         ClassTable.read(root / CLASSES_FILE)
         return len(find_pairs(root, args.get("train_split") or "train"))
+
+    @staticmethod
+    def plan_lines(args: Mapping[str, Any]) -> list[str]:
+        """What ``--dry-run`` says of the training images: how many are smaller than the crop (``small_images``),
+        from the files' headers, which are checked to give each mask its image's size."""
+        root, split = Path(args["data_dir"]), args.get("train_split") or "train"
+        sizes = pair_sizes(find_pairs(root, split), root / IMAGES / split)
+        return [small_images(sizes, args["crop_size"])[1]]

@@ -141,7 +141,7 @@ class PredictionWriter(BasePredictionWriter):
     ) -> None:
         for class_map, index in zip(prediction.cpu().numpy(), batch[1].tolist()):
             name, colors = self.images.names[index], self.classes.palette[class_map]
-            save_png(self.out / mask_file(self.own_data, name), self.classes.class_values[class_map])
+            save_png(self.out / mask_file(self.own_data, name), self.classes.to_mask(class_map))
             save_png(self.out / "color" / f"{name}_color.png", colors)
             if self.with_overlay:
                 save_png(self.out / "overlay" / f"{name}_overlay.png", overlay(self.images.read_rgb(index), colors))
@@ -262,9 +262,10 @@ class Segmenter:
         return self.classes.palette[class_map]
 
     def to_mask(self, class_map: np.ndarray) -> np.ndarray:
-        """The class map in the dataset's mask values: labelIds for Cityscapes, the values of ``classes.yaml``
-        (each class's first) for a dataset of the user's own (``predict``'s ``labelIds/`` or ``masks/`` files)."""
-        return self.classes.class_values[class_map]
+        """The class map as the dataset's masks hold it: labelIds for Cityscapes, the values of ``classes.yaml``
+        (each class's first) or, with ``mask_format: color``, its colours for a dataset of the user's own
+        (``predict``'s ``labelIds/`` or ``masks/`` files)."""
+        return self.classes.to_mask(class_map)
 
 
 def load(
