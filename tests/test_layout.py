@@ -103,3 +103,12 @@ def test_no_import_of_another_units_private_module():
         if _unit(a) != _unit(b) and any(part.startswith("_") and part != "__init__" for part in b.split("."))
     ]
     assert private == []
+
+
+def test_import_mabn_exposes_its_api_and_its_modules_only():
+    """``import mabn`` gives the public API (``__all__``) and the package's own modules, nothing it used to set up."""
+    import mabn
+
+    modules = {path.stem if path.is_file() else path.name for path in (SRC / "mabn").iterdir()}
+    extra = [name for name in dir(mabn) if not name.startswith("_") and name not in {*mabn.__all__, *modules}]
+    assert extra == []

@@ -1,9 +1,9 @@
 """MABN: Moving Average Batch Normalization for small-batch training (ICLR 2020), as a Lightning app."""
 
-import os
+import os as _os
 
 # albumentations asks the package index for a newer release on import: a training run reaches no network.
-os.environ.setdefault("NO_ALBUMENTATIONS_UPDATE", "1")
+_os.environ.setdefault("NO_ALBUMENTATIONS_UPDATE", "1")
 
 from .norm import (
     NORM_PRESETS,

@@ -1,5 +1,5 @@
 """Stage 2 on any decoder: the paper's PSPNet, or a decoder of segmentation_models_pytorch (smp) on the same ResNet
-encoder, with one norm everywhere (``build_segmentation_model``; the list, strides and choices: docs/decoders.md).
+encoder, with one norm everywhere (``build_segmentation_model``; the list, strides and choices: docs/models.md).
 
 Every network has the parts PSPNet has, under the names the stage-2 config, the norm policy's groups and the
 optimizer's head group already use:
