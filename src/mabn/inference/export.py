@@ -230,6 +230,95 @@ def _run_onnxruntime(path: Path, *inputs: Tensor) -> list[Tensor] | None:
     return outs
 
 
+@dataclass
+class _Folded:
+    """The folded float32 model with what its outputs are held to: the exact (float64, unfolded) output at the
+    sample, the folded model's own output there, the allowance, and the folding's float64 difference."""
+
+    model: nn.Module
+    exact: Tensor
+    out: Tensor
+    limit: float
+    folding: Difference
+
+
+def _fold(model: nn.Module, sample: Tensor, checkpoint: Path) -> _Folded:
+    """Step 1: fold the norms, checked in float64 (the folding itself) and in float32 (as exported)."""
+    # The folding is exact algebra, so check it in float64, where rounding cannot hide or fake an error.
+    # The float32 outputs (eager, TorchScript, onnxruntime) are then held to the exact result within
+    # twice the float32 rounding error of the unfolded model itself: a deep random-init network turns
+    # float32 rounding into ~1e-4 of its output, folded or not (see tests/test_convert_fold.py).
+    model64 = copy.deepcopy(model).double()
+    exact = model64(sample.double())
+    folding = Difference.between(fold_norms(model64)(sample.double()), exact)
+    del model64
+    shape = "x".join(map(str, sample.shape))
+    print(f"folded vs unfolded model on {shape}, float64 (the folding itself): {folding}")
+    _check("the folded model", folding, TOLERANCE, checkpoint, "nothing written")
+
+    reference = model(sample)
+    folded = fold_norms(model)
+    out = folded(sample)
+    rounding = Difference.between(reference, exact).relative
+    limit = max(TOLERANCE, 2 * rounding)
+    print(
+        f"folded vs unfolded model, float32 (as exported): {Difference.between(out, reference)} "
+        f"(float32 rounding alone puts the unfolded model {rounding:.3g} from exact)"
+    )
+    _check("the float32 folded model", Difference.between(out, exact), limit, checkpoint, "nothing written")
+    return _Folded(folded, exact, out, limit, folding)
+
+
+def _write_torchscript(folded: _Folded, sample: Tensor, path: Path, meta: dict[str, Any]) -> None:
+    """Step 2: the traced folded model, checked, written with its metadata."""
+    traced = _trace(folded.model, sample)
+    ts_out = traced(sample)
+    _check("the TorchScript module", Difference.between(ts_out, folded.exact), folded.limit, path, "nothing written")
+    extra = {METADATA_FILE: json.dumps(meta, indent=2)}
+    write_atomic(path, lambda tmp: traced.save(str(tmp), _extra_files=extra))
+    print(f"TorchScript: wrote {path} ({Difference.between(ts_out, folded.out)} to the folded model)")
+
+
+def _write_onnx(
+    folded: _Folded, sample: Tensor, other: Tensor, path: Path, ts_path: Path, meta: dict[str, Any]
+) -> tuple[Path | None, Difference | None, Difference | None]:
+    """Step 3: the ONNX model, run by onnxruntime at the sample and at ``other``'s size where it is installed, moved
+    into place once checked; (its path or None, its difference at the sample and at ``other``)."""
+    shown_other = "x".join(map(str, other.shape))
+    ort_diff, other_diff = None, None
+    # Written in a scratch folder first and moved into place only once checked.
+    with tempfile.TemporaryDirectory(dir=path.parent) as scratch:
+        scratch_path = Path(scratch) / path.name
+        try:
+            _export_onnx(folded.model, sample, scratch_path, meta)
+        except ImportError as err:  # torch.onnx's dynamo exporter needs the onnx and onnxscript packages
+            print(f"ONNX: not written, the exporter needs `pip install onnx onnxscript`: {first_line(err)}")
+            return None, None, None
+        except Exception as err:  # an operator the exporter cannot translate, or a failed graph capture
+            reason = f"{type(err).__name__}: {first_line(err)}"
+            raise ExportError(f"{path}: ONNX export failed ({reason}); only {ts_path} written") from err
+        try:
+            ort_outs = _run_onnxruntime(scratch_path, sample, other)
+        except RuntimeError as err:
+            raise ExportError(f"{path}: onnxruntime cannot run the ONNX model {err}; only {ts_path} written") from err
+        if ort_outs is None:
+            print("onnxruntime is not installed: the ONNX file was not run (`pip install onnxruntime`)")
+        else:
+            outcome = f"only {ts_path} written"
+            _check("the ONNX model under onnxruntime", Difference.between(ort_outs[0], folded.exact), folded.limit,
+                   path, outcome)  # fmt: skip
+            ort_diff = Difference.between(ort_outs[0], folded.out)
+            # At the second size the float32 folded model is the reference: as far from exact as at the sample,
+            # so the same allowance holds; a graph fixed to the sample's size is off by O(1).
+            other_diff = Difference.between(ort_outs[1], folded.model(other))
+            _check(f"the ONNX model under onnxruntime at {shown_other}", other_diff, folded.limit, path, outcome)
+            shape = "x".join(map(str, sample.shape))
+            print(f"ONNX under onnxruntime vs the folded model: {ort_diff} at {shape}, {other_diff} at {shown_other}")
+        os.replace(scratch_path, path)
+    print(f"ONNX: wrote {path} (input image: any batch, height and width)")
+    return path, ort_diff, other_diff
+
+
 def export(
     checkpoint: str | Path, out_dir: str | Path | None = None, input_size: tuple[int, int] | None = None
 ) -> Exported:
@@ -257,73 +346,9 @@ def export(
     sample = torch.randn(1, 3, height, width, generator=gen)
     other = torch.randn(2, 3, *other_size(height, width), generator=gen)
     other_shape = (2, 3, *other.shape[-2:])
-    shown_other = "x".join(map(str, other_shape))
 
     with torch.no_grad():
-        # The folding is exact algebra, so check it in float64, where rounding cannot hide or fake an error.
-        # The float32 outputs (eager, TorchScript, onnxruntime) are then held to the exact result within
-        # twice the float32 rounding error of the unfolded model itself: a deep random-init network turns
-        # float32 rounding into ~1e-4 of its output, folded or not (see tests/test_convert_fold.py).
-        model64 = copy.deepcopy(model).double()
-        exact = model64(sample.double())
-        folded_diff = Difference.between(fold_norms(model64)(sample.double()), exact)
-        del model64
-        print(f"folded vs unfolded model on 1x3x{height}x{width}, float64 (the folding itself): {folded_diff}")
-        _check("the folded model", folded_diff, TOLERANCE, checkpoint, "nothing written")
-
-        reference = model(sample)
-        folded = fold_norms(model)
-        out = folded(sample)
-        rounding = Difference.between(reference, exact).relative
-        limit = max(TOLERANCE, 2 * rounding)
-        print(
-            f"folded vs unfolded model, float32 (as exported): {Difference.between(out, reference)} "
-            f"(float32 rounding alone puts the unfolded model {rounding:.3g} from exact)"
-        )
-        _check("the float32 folded model", Difference.between(out, exact), limit, checkpoint, "nothing written")
-
-        traced = _trace(folded, sample)
-        ts_out = traced(sample)
-        _check("the TorchScript module", Difference.between(ts_out, exact), limit, ts_path, "nothing written")
-        ts_diff = Difference.between(ts_out, out)
-        extra = {METADATA_FILE: json.dumps(meta, indent=2)}
-        write_atomic(ts_path, lambda tmp: traced.save(str(tmp), _extra_files=extra))
-        print(f"TorchScript: wrote {ts_path} ({ts_diff} to the folded model)")
-
-        onnx_written, ort_diff, other_diff = None, None, None
-        # Written in a scratch folder first and moved into place only once checked.
-        with tempfile.TemporaryDirectory(dir=out_dir) as scratch:
-            scratch_path = Path(scratch) / onnx_path.name
-            try:
-                _export_onnx(folded, sample, scratch_path, meta)
-            except ImportError as err:  # torch.onnx's dynamo exporter needs the onnx and onnxscript packages
-                print(f"ONNX: not written, the exporter needs `pip install onnx onnxscript`: {first_line(err)}")
-            except Exception as err:  # an operator the exporter cannot translate, or a failed graph capture
-                reason = f"{type(err).__name__}: {first_line(err)}"
-                raise ExportError(f"{onnx_path}: ONNX export failed ({reason}); only {ts_path} written") from err
-            else:
-                try:
-                    ort_outs = _run_onnxruntime(scratch_path, sample, other)
-                except RuntimeError as err:
-                    raise ExportError(
-                        f"{onnx_path}: onnxruntime cannot run the ONNX model {err}; only {ts_path} written"
-                    ) from err
-                if ort_outs is None:
-                    print("onnxruntime is not installed: the ONNX file was not run (`pip install onnxruntime`)")
-                else:
-                    outcome = f"only {ts_path} written"
-                    diff = Difference.between(ort_outs[0], exact)
-                    _check("the ONNX model under onnxruntime", diff, limit, onnx_path, outcome)
-                    ort_diff = Difference.between(ort_outs[0], out)
-                    # At the second size the float32 folded model is the reference: as far from exact as at the
-                    # sample, so the same allowance holds; a graph fixed to the sample's size is off by O(1).
-                    other_diff = Difference.between(ort_outs[1], folded(other))
-                    _check(f"the ONNX model under onnxruntime at {shown_other}", other_diff, limit, onnx_path, outcome)
-                    print(
-                        f"ONNX under onnxruntime vs the folded model: {ort_diff} at 1x3x{height}x{width}, "
-                        f"{other_diff} at {shown_other}"
-                    )
-                os.replace(scratch_path, onnx_path)
-                onnx_written = onnx_path
-                print(f"ONNX: wrote {onnx_path} (input image: any batch, height and width)")
-    return Exported(name, meta, ts_path, onnx_written, folded_diff, ort_diff, other_diff, other_shape)
+        checked = _fold(model, sample, checkpoint)
+        _write_torchscript(checked, sample, ts_path, meta)
+        onnx_written, ort_diff, other_diff = _write_onnx(checked, sample, other, onnx_path, ts_path, meta)
+    return Exported(name, meta, ts_path, onnx_written, checked.folding, ort_diff, other_diff, other_shape)
