@@ -237,6 +237,20 @@ class CityscapesDataModule(pl.LightningDataModule):
     normalization batch. The train loader shuffles and drops the last partial batch so every batch splits into
     whole ghost batches. Validation yields
     full, untransformed images (``val_batch_size`` 1 by default) for sliding-window evaluation.
+
+    Args:
+        data_dir: the dataset's root folder, which holds ``leftImg8bit/`` and ``gtFine/`` (the official layout).
+        crop_size: the side in pixels of the square random training crops; smaller images are padded up to it.
+        batch_size: training crops per device and step (replaced by the share of ``global_batch_size`` if set).
+        val_batch_size: full images per device and validation step.
+        num_workers: data loading processes per device; 0: load in the training process.
+        scale_range: the lowest and highest factor of the random training rescale, before the crop.
+        rotate_limit: the largest random training rotation, in degrees either way (applied with p 0.5).
+        blur_p: the probability of a 5x5 Gaussian blur of a training image.
+        train_split: the split folder trained on, below ``leftImg8bit/`` and ``gtFine/``.
+        val_split: the split folder validated on.
+        global_batch_size: the largest training batch over all devices: each device takes its share, in whole
+            normalization batches (never under one); null: ``batch_size`` per device.
     """
 
     num_classes: int = NUM_CLASSES

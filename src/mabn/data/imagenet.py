@@ -61,6 +61,15 @@ class ImageFolderDataModule(pl.LightningDataModule):
     Training: random resized crop to ``image_size`` and horizontal flip; validation: resize the shorter
     side to ``val_resize`` and centre-crop ``image_size``. The train loader drops the last partial batch
     so every batch splits into whole ghost batches.
+
+    Args:
+        data_dir: the dataset's root folder, which holds ``train/<class>/`` and ``val/<class>/`` image folders.
+        batch_size: images per device and step, for training and validation.
+        num_workers: data loading processes per device; 0: load in the training process.
+        image_size: the side in pixels of the square images the model sees (training and validation crops).
+        val_resize: the length in pixels the shorter side of a validation image is resized to before its centre
+            crop.
+        crop_scale: the smallest and largest area of a random training crop, as fractions of the image's area.
     """
 
     def __init__(

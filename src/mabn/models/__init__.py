@@ -1,5 +1,6 @@
-"""Networks built with a chosen norm: ResNet-101 (stage 1) and PSPNet-101 (stage 2), or another ResNet depth
-(``arch``, one of ``ARCHS``); stage 2 also on the other decoders of ``DECODERS`` (``build_segmentation_model``)."""
+"""Networks built with a chosen norm: ResNet-101 (stage 1, or another ResNet depth of ``ARCHS``) and PSPNet-101
+(stage 2, on any smp encoder: ``check_encoder``); stage 2 also on the other decoders of ``DECODERS``
+(``build_segmentation_model``)."""
 
 from .backbone import (
     BackboneError,
@@ -11,7 +12,7 @@ from .backbone import (
 )
 from .decoders import DECODERS, DEFAULT_DECODER, Decoder, DecoderNet, build_segmentation_model, resolve_decoder
 from .pspnet import PSPNet
-from .resnet import ARCHS, DEFAULT_ARCH, check_arch, logged_norms, norm_kwargs_for, resnet, resnet101
+from .resnet import ARCHS, DEFAULT_ARCH, check_arch, check_encoder, logged_norms, norm_kwargs_for, resnet, resnet101
 
 __all__ = [
     "PSPNet",
@@ -24,6 +25,7 @@ __all__ = [
     "ARCHS",
     "DEFAULT_ARCH",
     "check_arch",
+    "check_encoder",
     "resnet",
     "resnet101",
     "norm_kwargs_for",

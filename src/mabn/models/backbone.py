@@ -6,7 +6,8 @@ A backbone file is one of (see docs/backbones.md):
   ``syncbn`` encoder: the paper's Cityscapes baselines BN, BRN and SyncBN all start from one BN ResNet-101;
 - torchvision's ResNet-101 ``state_dict()`` saved with ``torch.save`` (a BN network), for the same encoders.
 Any other pairing is refused with the reason, before training (``check_backbone``) and at loading. So is a file
-of another ResNet depth than the encoder's (the ``arch`` model option, default resnet101).
+of another ResNet depth than the encoder's (the ``arch`` model option, default resnet101), and any file for an
+encoder that is not a ResNet (stage 2 takes any smp encoder; stage 1 trains ResNets only).
 """
 
 from __future__ import annotations
@@ -186,7 +187,12 @@ def check_fits(backbone: Backbone, norm: str) -> None:
 
 def check_backbone(path: str | Path, norm: str, arch: str = DEFAULT_ARCH) -> Backbone:
     """The backbone at ``path``, checked to fit an encoder of the ResNet ``arch`` built with ``norm`` (weights not
-    yet loaded)."""
+    yet loaded). Backbone files hold ResNets only: an encoder of another ``arch`` is refused before reading."""
+    if arch not in ARCHS:
+        raise BackboneError(
+            f"backbone {path} cannot start encoder {arch!r}: backbone files hold ResNets ({', '.join(ARCHS)}); "
+            "train this encoder from random weights (--backbone none) or pick a ResNet arch"
+        )
     backbone = read_backbone(path, arch)
     if backbone.arch != arch:
         raise BackboneError(

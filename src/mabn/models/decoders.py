@@ -4,8 +4,8 @@ encoder, with one norm everywhere (``build_segmentation_model``; the list, strid
 Every network has the parts PSPNet has, under the names the stage-2 config, the norm policy's groups and the
 optimizer's head group already use:
 
-- ``encoder``: smp's ResNet ``arch`` (random weights, never downloaded; the stage-1 backbone is loaded separately,
-  into this module, as for PSPNet), dilated to the decoder's output stride;
+- ``encoder``: smp's encoder ``arch``, a ResNet by default (random weights, never downloaded; the stage-1 backbone
+  is loaded separately, into this module, as for PSPNet), dilated to the decoder's output stride;
 - ``classifier``: everything newly initialized that produces the main logits; for an smp decoder its
   ``decoder`` and its ``head`` (smp's segmentation head: the last conv and the upsampling to the input size);
 - ``aux``: the auxiliary head on layer3 (PSPNet's: 3x3 conv-norm-ReLU 256, dropout, 1x1), for the decoders that
@@ -36,8 +36,8 @@ from segmentation_models_pytorch.decoders.deeplabv3.decoder import SeparableConv
 from torch import Tensor, nn
 
 from ..norm import convert_norm
-from .pspnet import PSPNet, init_head, seg_head
-from .resnet import DEFAULT_ARCH, check_arch, norm_kwargs_for
+from .pspnet import PSPNet, init_head, seg_head, undilatable
+from .resnet import DEFAULT_ARCH, check_encoder, norm_kwargs_for
 
 
 @dataclass(frozen=True)
@@ -120,7 +120,7 @@ class DecoderHead(nn.Module):
 
 
 class DecoderNet(nn.Module):
-    """An smp decoder on a ResNet encoder (``arch``) at ``output_stride``, every norm set to ``norm``.
+    """An smp decoder on the smp encoder ``arch`` at ``output_stride``, every norm set to ``norm``.
 
     Training returns (main logits, auxiliary logits) for a decoder with an auxiliary head and the main logits
     alone otherwise; eval returns the main logits. Logits are at the input's size: an input whose sides are not
@@ -142,13 +142,18 @@ class DecoderNet(nn.Module):
         spec, stride = resolve_decoder(decoder, output_stride)
         if spec.smp_model is None:
             raise ValueError(f"decoder {decoder} is not an smp decoder: build it with build_segmentation_model")
-        kwargs: dict[str, Any] = {"encoder_name": check_arch(arch), "encoder_weights": None, "classes": num_classes}
+        kwargs: dict[str, Any] = {"encoder_name": check_encoder(arch), "encoder_weights": None, "classes": num_classes}
         if len(spec.output_strides) > 1:
             kwargs["encoder_output_stride"] = stride
         if spec.dropout_arg is not None:
             kwargs[spec.dropout_arg] = dropout
         # smp builds, and initializes, the encoder, the decoder and the head; weights=None: nothing is downloaded.
-        built = getattr(smp, spec.smp_model)(**kwargs)
+        try:
+            built = getattr(smp, spec.smp_model)(**kwargs)
+        except (ValueError, AssertionError) as error:  # timm asserts its output strides
+            if stride == 32:  # no dilation asked: smp refused something else
+                raise
+            raise undilatable(arch, stride, error) from None
         self.decoder_name, self.output_stride = decoder, stride
         self.size_divisor = stride  # the smp decoders' upsamplings by 2, 4, 8 meet the skips' sizes then
         self.encoder = built.encoder
@@ -189,7 +194,7 @@ def build_segmentation_model(
     dropout: float = 0.1,
     output_stride: int | None = None,
 ) -> nn.Module:
-    """The stage-2 network: ``decoder`` (one of ``DECODERS``) on the ResNet ``arch`` at ``output_stride`` (default:
+    """The stage-2 network: ``decoder`` (one of ``DECODERS``) on the smp encoder ``arch`` at ``output_stride`` (default:
     the decoder's), with every norm, encoder and decoder alike, set to ``norm``. ``pspnet`` is ``PSPNet``
     unchanged; the others are ``DecoderNet``."""
     spec, stride = resolve_decoder(decoder, output_stride)

@@ -2,7 +2,8 @@
 
 smp's own ``PSPNet`` is a different network (encoder depth 3, no auxiliary segmentation head), so this
 composes smp's ResNet-101 encoder with the heads of Zhao et al. (2017) / hszhao/semseg. ``arch`` picks another
-ResNet encoder (``mabn.models.ARCHS``); the heads follow its channel counts.
+smp encoder (``check_encoder``: a ResNet of ``mabn.models.ARCHS``, ResNeXt, EfficientNet, ``tu-`` timm models...)
+that smp can dilate to output stride 8; the heads follow its channel counts.
 """
 
 from __future__ import annotations
@@ -16,7 +17,16 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..norm import convert_norm
-from .resnet import DEFAULT_ARCH, check_arch, norm_kwargs_for
+from .resnet import DEFAULT_ARCH, check_encoder, norm_kwargs_for
+
+
+def undilatable(arch: str, output_stride: int, error: Exception) -> ValueError:
+    """The one error for an encoder that smp cannot run at ``output_stride`` (``error``: smp's or timm's reason)."""
+    reason = str(error) or type(error).__name__
+    return ValueError(
+        f"encoder {arch!r} does not run at output stride {output_stride} ({reason}): pick a decoder at output "
+        "stride 32 or another encoder (docs/models.md, Encoders)"
+    )
 
 
 def conv_norm_relu(cin: int, cout: int, kernel: int) -> nn.Sequential:
@@ -67,7 +77,7 @@ def init_head(module: nn.Module, classifier: nn.Conv2d | None = None) -> None:
 
 
 class PSPNet(nn.Module):
-    """PSPNet on a dilated ResNet-101 (or the ResNet ``arch``) with every norm (encoder and heads) set to ``norm``.
+    """PSPNet on a dilated ResNet-101 (or the encoder ``arch``) with every norm (encoder and heads) set to ``norm``.
 
     Training returns (main logits, auxiliary logits from layer3), both at input resolution; eval
     returns the main logits only, so the auxiliary head costs nothing at inference.
@@ -85,7 +95,11 @@ class PSPNet(nn.Module):
     ) -> None:
         super().__init__()
         # weights=None: never download; the stage-1 backbone is loaded separately.
-        self.encoder = smp.encoders.get_encoder(check_arch(arch), weights=None, output_stride=8)
+        check_encoder(arch)
+        try:
+            self.encoder = smp.encoders.get_encoder(arch, weights=None, output_stride=8)
+        except (ValueError, AssertionError) as error:  # timm asserts its output strides
+            raise undilatable(arch, 8, error) from None
         channels = self.encoder.out_channels
         self.ppm = PyramidPooling(channels[-1], bins)
         init_head(self.ppm)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import segmentation_models_pytorch as smp
+import timm
 import torchvision
 from torch import nn
 
@@ -12,9 +14,10 @@ from ..norm import NORM_PRESETS, convert_norm
 
 # Norm kinds that normalize over a batch and so accept ghost batches.
 _BATCH_KINDS = ("bn", "brn", "mabn")
-# The ``arch`` model option of both stages: torchvision's ResNets, which smp's encoders of the same names mirror
-# key for key. The paper's network, and every default, is ResNet-101.
+# The ``arch`` model option of stage 1: torchvision's ResNets, which smp's encoders of the same names mirror key for
+# key. The paper's network, and every default, is ResNet-101. Stage 2 takes any smp encoder (``check_encoder``).
 ARCHS = ("resnet18", "resnet34", "resnet50", "resnet101", "resnet152")
+TIMM_PREFIX = "tu-"  # smp's prefix for any timm model, as an encoder
 DEFAULT_ARCH = "resnet101"
 
 
@@ -22,6 +25,20 @@ def check_arch(arch: str) -> str:
     """``arch`` when it is one of ``ARCHS``; otherwise a ValueError naming it and the choices."""
     if arch not in ARCHS:
         raise ValueError(f"unknown arch {arch!r}; choose one of {', '.join(ARCHS)}")
+    return arch
+
+
+def check_encoder(arch: str) -> str:
+    """``arch`` when smp builds an encoder of that name (its own encoders, ``ARCHS`` among them, or ``tu-`` and a
+    timm model); otherwise a ValueError naming it and where the choices are listed."""
+    known = arch in smp.encoders.get_encoder_names() or (
+        arch.startswith(TIMM_PREFIX) and timm.is_model(arch.removeprefix(TIMM_PREFIX))
+    )
+    if not known:
+        raise ValueError(
+            f"unknown encoder arch {arch!r}: name an smp encoder (segmentation_models_pytorch.encoders."
+            f"get_encoder_names()) or {TIMM_PREFIX}<a timm model> (timm.list_models()); see docs/models.md, Encoders"
+        )
     return arch
 
 
@@ -73,12 +90,16 @@ def resnet101(
 
 def logged_norms(names: list[str]) -> list[str]:
     """Of the qualified names of a network's norms (or of a LightningModule's, under ``model.``), those whose
-    statistics are logged by default: the first norm under ResNet's ``layer1`` and the first norm of each top-level
-    part besides the ResNet (PSPNet's heads)."""
-    chosen = [next((n for n in names if ".layer1." in f".{n}"), None)]
+    statistics are logged by default: the first norm under ResNet's ``layer1`` (an encoder without one: its first
+    norm) and the first norm of each top-level part besides the ResNet (PSPNet's heads)."""
+
+    def top(n: str) -> str:
+        return n.split(".")[1] if n.startswith("model.") else n.split(".")[0]
+
+    layer1 = next((n for n in names if ".layer1." in f".{n}"), None)
+    chosen = [layer1 or next((n for n in names if top(n) == "encoder"), None)]
     parts: dict[str, str] = {}
     for n in names:
-        top = n.split(".")[1] if n.startswith("model.") else n.split(".")[0]
-        if top not in ("encoder", "layer1", "layer2", "layer3", "layer4", "bn1"):
-            parts.setdefault(top, n)
+        if top(n) not in ("encoder", "layer1", "layer2", "layer3", "layer4", "bn1"):
+            parts.setdefault(top(n), n)
     return [n for n in [*chosen, *parts.values()] if n is not None]

@@ -3,10 +3,16 @@
 from __future__ import annotations
 
 import copy
+import logging
+import warnings
+from collections import Counter, OrderedDict
 from collections.abc import Iterator
 from typing import Any
 
 import torch
+from segmentation_models_pytorch.decoders.upernet.decoder import LayerNorm2d as SmpLayerNorm2d
+from timm.layers import BatchNormAct2d, SyncBatchNormAct
+from timm.layers import LayerNorm2d as TimmLayerNorm2d
 from torch import Tensor, nn
 
 from .batchrenorm import BatchRenorm2d
@@ -17,27 +23,63 @@ from .mabn import MABN2d
 _BATCH_NORMS = (nn.BatchNorm2d, nn.SyncBatchNorm)
 _LINEAR_NORMS = (nn.BatchNorm2d, nn.SyncBatchNorm, BatchRenorm2d, MABN2d)
 _ALL_NORMS = (*_LINEAR_NORMS, nn.GroupNorm)
+# LayerNorms over the channels of an NCHW map (smp's UPerNet and timm build them): a 2d norm can take their place,
+# which ``convert_norm`` does only when asked (``layer_norms=True``), since it changes what they normalize over.
+_CHANNEL_LAYER_NORMS = (SmpLayerNorm2d, TimmLayerNorm2d)
+log = logging.getLogger(__name__)
+
+
+class NormAct(nn.Sequential):
+    """A converted norm followed by the dropout and activation that timm's fused BatchNormAct2d (or SyncBatchNormAct)
+    applied after its normalization (timm's EfficientNet, RegNet and MobileNetV3 use it): the norm stays a layer of
+    its own, which centring and folding pair with the conv before it."""
+
+    def __init__(self, norm: nn.Module, drop: nn.Module, act: nn.Module) -> None:
+        super().__init__(OrderedDict(norm=norm, drop=drop, act=act))
 
 
 def _num_channels(norm: nn.Module) -> int:
+    if isinstance(norm, nn.LayerNorm):
+        return norm.normalized_shape[0]
     return norm.num_channels if isinstance(norm, nn.GroupNorm) else norm.num_features
 
 
-def _conv_norm_pairs(model: nn.Module) -> Iterator[tuple[nn.Module, str, str]]:
-    """(parent, conv name, norm name) for every conv registered right before the norm it feeds.
+def _fed_norms(
+    model: nn.Module, norms: tuple[type[nn.Module], ...] = _ALL_NORMS
+) -> Iterator[tuple[nn.Module, str, nn.Module, str]]:
+    """(parent, layer name, norm parent, norm name) for every conv or transposed conv registered right before the
+    norm it feeds (inside a ``NormAct`` after a conversion), of the types ``norms``.
 
-    torchvision's ResNet (conv1/bn1, downsample.0/.1) and smp's Conv2dReLU (conv, norm, act) register
-    each conv directly before its norm, with matching channels; that is the pairing used here.
+    torchvision's ResNet (conv1/bn1, downsample.0/.1), smp's Conv2dReLU (conv, norm, act) and timm's blocks
+    (conv_pw/bn1, conv/bn) register each conv directly before its norm, with matching channels; that is the
+    pairing used here.
     """
     for parent in model.modules():
         children = list(parent.named_children())
         for (conv_name, conv), (norm_name, norm) in zip(children, children[1:]):
+            holder = parent
+            if isinstance(norm, NormAct):
+                holder, norm_name, norm = norm, "norm", norm.norm
             if (
-                isinstance(conv, nn.Conv2d)
-                and isinstance(norm, _ALL_NORMS)
+                isinstance(conv, nn.Conv2d | nn.ConvTranspose2d)
+                and isinstance(norm, norms)
                 and conv.out_channels == _num_channels(norm)
             ):
-                yield parent, conv_name, norm_name
+                yield parent, conv_name, holder, norm_name
+
+
+def _conv_norm_pairs(model: nn.Module) -> Iterator[tuple[nn.Module, str, nn.Module, str]]:
+    """``_fed_norms`` of the convs (not transposed): the pairs that centring and folding act on."""
+    for parent, conv_name, holder, norm_name in _fed_norms(model):
+        if isinstance(getattr(parent, conv_name), nn.Conv2d):
+            yield parent, conv_name, holder, norm_name
+
+
+def _centrable(conv: nn.Module) -> bool:
+    """Whether ``conv`` can become a CenConv2d: a plain Conv2d (a subclass has its own forward, e.g. smp's
+    EfficientNet's static same padding, which CenConv2d's would drop) whose filters hold more than one weight
+    (a one-weight filter, a 1x1 depthwise conv, is zero once centred)."""
+    return type(conv) is nn.Conv2d and conv.weight[0].numel() > 1
 
 
 def _copy_state(old: nn.Module, new: nn.Module) -> None:
@@ -55,33 +97,80 @@ def _copy_state(old: nn.Module, new: nn.Module) -> None:
                 new.running_std.copy_((old.running_var + new.eps).sqrt())
 
 
-def convert_norm(model: nn.Module, norm: str, centralize_weights: bool | None = None, **kwargs: Any) -> nn.Module:
+def convert_norm(
+    model: nn.Module,
+    norm: str,
+    centralize_weights: bool | None = None,
+    *,
+    layer_norms: bool = False,
+    **kwargs: Any,
+) -> nn.Module:
     """Replace every BatchNorm2d of ``model`` (in place) by the norm named ``norm``; returns ``model``.
 
     ``norm`` is a key of ``NORM_PRESETS`` (bn, syncbn, gn, brn, mabn and the ablation variants); every new layer
     is ``create_norm(norm, channels, **kwargs)`` (momentum always in the paper's convention: the weight of the old
-    value, converted for torch's BatchNorm). For MABN presets, convs that feed a norm become CenConv2d
-    sharing their weights, unless ``centralize_weights=False``. Gamma and beta are kept; BN running
-    statistics are kept only for bn/syncbn/brn (MABN's running_var is a second moment, not a variance).
+    value, converted for torch's BatchNorm). timm's BatchNormAct2d becomes a ``NormAct``: the new norm, then its
+    dropout and activation. For MABN presets, convs that feed a norm become CenConv2d sharing their weights,
+    unless ``centralize_weights=False``; a norm fed by a layer that cannot be centred (a transposed conv, a conv
+    subclass with its own forward, a one-weight filter) is converted all the same, with one warning naming those
+    layers. Gamma and beta are kept; BN running statistics are kept only for bn/syncbn/brn (MABN's running_var is
+    a second moment, not a variance). LayerNorms stay unless ``layer_norms=True``, which converts those over an
+    NCHW map's channels (smp's and timm's LayerNorm2d) too; a LayerNorm over tokens always stays.
+
+    One INFO line of this module's logger counts what was converted, by kind, and what was kept; a warning says
+    when nothing was converted.
     """
     if norm not in NORM_PRESETS:
         raise ValueError(f"convert_norm: unknown norm {norm!r}; choose one of {sorted(NORM_PRESETS)}")
     centre = NORM_PRESETS[norm].centre_weights if centralize_weights is None else centralize_weights
+    names = {id(m): n for n, m in model.named_modules()}
 
+    centred, uncentred = 0, []
     if centre:
-        for parent, conv_name, _ in list(_conv_norm_pairs(model)):
-            conv = getattr(parent, conv_name)
-            if type(conv) is nn.Conv2d:
-                setattr(parent, conv_name, CenConv2d.from_conv(conv))
+        paired = (*_ALL_NORMS, *_CHANNEL_LAYER_NORMS) if layer_norms else _ALL_NORMS
+        for parent, layer_name, _, _ in list(_fed_norms(model, paired)):
+            layer = getattr(parent, layer_name)
+            if _centrable(layer):
+                setattr(parent, layer_name, CenConv2d.from_conv(layer))
+                centred += 1
+            elif not isinstance(layer, CenConv2d):
+                uncentred.append(f"{names[id(layer)]} ({type(layer).__name__})")
 
+    converted: Counter[str] = Counter()
+    kept: Counter[str] = Counter()
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if isinstance(child, _BATCH_NORMS):
-                new = create_norm(norm, child.num_features, **kwargs)
-                new.to(device=child.weight.device if child.weight is not None else None)
-                _copy_state(child, new)
-                new.train(child.training)
-                setattr(parent, name, new)
+            convert = isinstance(child, _BATCH_NORMS) or (layer_norms and isinstance(child, _CHANNEL_LAYER_NORMS))
+            if isinstance(child, nn.LayerNorm) and not convert:
+                kept[type(child).__name__] += 1
+            if not convert:
+                continue
+            channels = child.num_features if isinstance(child, _BATCH_NORMS) else child.normalized_shape[0]
+            new = create_norm(norm, channels, **kwargs)
+            new.to(device=child.weight.device if child.weight is not None else None)
+            _copy_state(child, new)
+            new.train(child.training)
+            if isinstance(child, BatchNormAct2d | SyncBatchNormAct):
+                new = NormAct(new, child.drop, child.act).train(child.training)
+            setattr(parent, name, new)
+            converted[type(child).__name__] += 1
+
+    if uncentred:
+        warnings.warn(
+            f"convert_norm: {len(uncentred)} norm(s) converted to {norm} after a layer that cannot be centred, "
+            f"so their inputs are not centred: {', '.join(uncentred)}",
+            stacklevel=2,
+        )
+    done = ", ".join(f"{n} {kind}" for kind, n in converted.items())
+    left = f"; kept {', '.join(f'{n} {kind}' for kind, n in kept.items())}" if kept else ""
+    hint = " (layer_norms=True converts channel LayerNorm2d)" if kept and not layer_norms else ""
+    if not converted:
+        warnings.warn(
+            f"convert_norm: converted nothing to {norm}: {type(model).__name__} has no BatchNorm2d{left}{hint}",
+            stacklevel=2,
+        )
+    else:
+        log.info("convert_norm: %s -> %s, %d conv(s) centred%s%s", done, norm, centred, left, hint)
     return model
 
 
@@ -99,6 +188,11 @@ def _inference_affine(norm: nn.Module) -> tuple[Tensor, Tensor]:
 
 
 def _plain_conv(conv: nn.Conv2d, weight: Tensor, bias: Tensor | None) -> nn.Conv2d:
+    if type(conv) not in (nn.Conv2d, CenConv2d):
+        # a conv subclass has a forward of its own (e.g. static same padding): keep it, with the new weights
+        conv.weight = nn.Parameter(weight.to(conv.weight.dtype))
+        conv.bias = None if bias is None else nn.Parameter(bias.to(conv.weight.dtype))
+        return conv
     new = conv_like(nn.Conv2d, conv, bias=bias is not None)
     with torch.no_grad():
         new.weight.copy_(weight)
@@ -117,8 +211,8 @@ def fold_norms(model: nn.Module) -> nn.Module:
     """
     model = copy.deepcopy(model).eval()
     with torch.no_grad():
-        for parent, conv_name, norm_name in list(_conv_norm_pairs(model)):
-            conv, norm = getattr(parent, conv_name), getattr(parent, norm_name)
+        for parent, conv_name, holder, norm_name in list(_conv_norm_pairs(model)):
+            conv, norm = getattr(parent, conv_name), getattr(holder, norm_name)
             if not isinstance(norm, _LINEAR_NORMS):
                 continue
             scale, shift = _inference_affine(norm)
@@ -126,7 +220,7 @@ def fold_norms(model: nn.Module) -> nn.Module:
             bias = shift if conv.bias is None else conv.bias.double() * scale + shift
             folded = w.double() * scale.view(-1, 1, 1, 1)
             setattr(parent, conv_name, _plain_conv(conv, folded, bias))
-            setattr(parent, norm_name, nn.Identity())
+            setattr(holder, norm_name, nn.Identity())
 
         for parent in list(model.modules()):
             for name, child in list(parent.named_children()):

@@ -14,7 +14,7 @@ from pytorch_lightning.utilities import rank_zero_info
 
 from ..callbacks import NormPolicy, norm_callbacks
 from ..errors import ConfigError
-from ..models import ARCHS, DEFAULT_ARCH
+from ..models import DEFAULT_ARCH
 from ..norm import NORM_PRESETS
 from ..norm.cenconv import SGDCentring, keep_centred
 from ..run import RunShape, iterations_per_epoch
@@ -50,7 +50,27 @@ class NormTask(pl.LightningModule):
       logging), a ``mabn.callbacks.NormPolicy``; unset: its defaults;
     - ``momentum``, ``weight_decay``: SGD's;
     - ``cuda_graph`` (true, false or auto), ``compile``: as above;
-    - ``arch``: the ResNet depth of the network, one of ``mabn.models.ARCHS`` (default resnet101, the paper's).
+    - ``arch``: the encoder (default resnet101, the paper's): a ResNet depth of ``mabn.models.ARCHS`` for stage 1,
+      any smp encoder name or ``tu-<timm model>`` for stage 2.
+
+    Args:
+        norm: the normalization layer by name, one of ``mabn.norm.NORM_PRESETS`` (e.g. ``mabn``, ``bn``, ``brn``,
+            ``syncbn``, ``gn``).
+        norm_batch_size: samples per normalization (ghost) batch: each device's batch is normalized in groups of
+            this many; null: over the device's whole batch (``syncbn``: over every device's, and needs null).
+        norm_options: layer arguments by norm kind, e.g. ``{mabn: {momentum: 0.98, buffer_size: 16}}``; a momentum
+            is the weight of the old value (the paper's convention).
+        norm_policy: how MABNCallback drives MABN2d and BatchRenorm2d: phases per module group, resets and
+            statistics logging (docs/mabn-callback.md; ``--model.help <task> --model.norm_policy.help`` lists the
+            settings); null: the defaults.
+        momentum: SGD's momentum, in [0, 1).
+        weight_decay: SGD's weight decay (L2 factor), applied to every parameter; >= 0.
+        cuda_graph: run the training forward and backward as CUDA graphs captured at the first training batch:
+            true (stop with an error where they cannot be), false (eager), auto (where possible, else eager).
+        compile: ``torch.compile`` the training forward and backward at the first training batch: true (the default
+            mode), a mode name such as ``reduce-overhead``, or false (eager).
+        arch: the encoder: stage 1 a ResNet depth of ``mabn.models.ARCHS`` (``resnet18`` to ``resnet152``), stage 2
+            any smp encoder name or ``tu-<timm model>`` (docs/models.md).
     """
 
     model: torch.nn.Module
@@ -87,8 +107,6 @@ class NormTask(pl.LightningModule):
         parsed config; ``__init__`` on its own arguments). Subclasses add their own."""
         norm = hp.get("norm")
         require(norm in NORM_PRESETS, "norm", norm, f"choose one of {', '.join(sorted(NORM_PRESETS))}")
-        arch = hp.get("arch", DEFAULT_ARCH)
-        require(arch in ARCHS, "arch", arch, f"choose one of {', '.join(ARCHS)}")
         size = hp.get("norm_batch_size")
         require(size is None or (isinstance(size, int) and size >= 1), "norm_batch_size", size, "must be >= 1")
         require(hp.get("base_lr", 1) > 0, "base_lr", hp.get("base_lr"), "must be > 0")

@@ -15,7 +15,7 @@ from torchmetrics import MeanMetric
 from torchmetrics.classification import MulticlassAccuracy
 
 from ..errors import ConfigError
-from ..models import DEFAULT_ARCH, resnet, save_backbone
+from ..models import ARCHS, DEFAULT_ARCH, resnet, save_backbone
 from ..run import RunShape, auto_warmup_epochs, load_weights_file
 from . import schedules
 from .base import NormTask, require
@@ -55,6 +55,20 @@ class ClassificationTask(NormTask):
     The norm, its phases and statistics logging (``norm_policy``), SGD's momentum and weight decay, ``cuda_graph``,
     ``compile`` and ``arch`` are the arguments every stage shares (``**shared``, see ``NormTask``); the backbone file
     is ``<arch>-<norm>.pt``.
+
+    Args:
+        num_classes: the classes of the classifier; a fit takes it from the data module (the class folders).
+        base_lr: the learning rate at a global batch of ``base_batch_size``; scaled linearly with the global batch.
+        base_batch_size: the global batch (samples per optimizer step over all devices) that ``base_lr`` is for.
+        milestones: the epochs at which the lr is multiplied by ``lr_gamma``, increasing.
+        lr_gamma: the factor the lr is multiplied by at each milestone.
+        warmup_epochs: epochs of linear lr warm-up; null (auto): 5 when the global batch exceeds
+            ``base_batch_size``, none otherwise.
+        zero_init_residual: start the last norm's gamma of each residual block at 0 (each block the identity)
+            instead of 1.
+        label_smoothing: the label smoothing of the cross-entropy loss, in [0, 1); 0: none.
+        export_dir: the folder that the best checkpoint's backbone is written to at the end of fitting, as
+            ``<arch>-<norm>.pt``; null: no export.
     """
 
     def __init__(
@@ -82,6 +96,8 @@ class ClassificationTask(NormTask):
     @classmethod
     def check_hparams(cls, hp: Mapping[str, Any]) -> None:
         super().check_hparams(hp)
+        arch = hp.get("arch", DEFAULT_ARCH)
+        require(arch in ARCHS, "arch", arch, f"choose one of {', '.join(ARCHS)}")
         require(hp["base_batch_size"] > 0, "base_batch_size", hp["base_batch_size"], "must be > 0")
         require(hp["lr_gamma"] > 0, "lr_gamma", hp["lr_gamma"], "must be > 0")
         warmup = hp["warmup_epochs"]

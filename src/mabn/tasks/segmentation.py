@@ -1,5 +1,5 @@
 """Stage 2: PSPNet-101 fine-tuning on Cityscapes with warm-up + poly lr, evaluated by sliding window (``arch``: a
-PSPNet on another ResNet depth; ``decoder``: another decoder on the same encoder, docs/decoders.md)."""
+PSPNet on another ResNet depth; ``decoder``: another decoder on the same encoder, docs/models.md)."""
 
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ from ..models import (
     DEFAULT_DECODER,
     build_segmentation_model,
     check_backbone,
+    check_encoder,
     load_backbone_into,
 )
 from ..run import RunShape, device_batch, device_batch_reason
@@ -61,7 +62,33 @@ class SegmentationTask(NormTask):
     ``decoder`` (default ``pspnet``, the paper's) puts another decoder of ``mabn.models.DECODERS`` on the same
     encoder, at ``output_stride`` (default: the decoder's own); ``heads()`` and the norm policy's heads group cover
     its decoder and head (``model.classifier``) and its auxiliary head (``model.aux``) where it has one; a decoder
-    without one trains on the main loss alone (``aux_weight`` unused). See docs/decoders.md.
+    without one trains on the main loss alone (``aux_weight`` unused). See docs/models.md.
+
+    Args:
+        num_classes: the classes the heads predict; a fit takes it from the data module (Cityscapes: 19; a dataset
+            of your own: its ``classes.yaml``).
+        backbone: the encoder's starting weights: a stage-1 backbone file or torchvision ResNet weights
+            (docs/backbones.md), of the same ``arch`` and a norm that can start ``norm``; null: random weights.
+        base_lr: the encoder's learning rate at a global batch of ``base_batch_size``; scaled linearly with the
+            global batch.
+        base_batch_size: the global batch (samples per optimizer step over all devices) that ``base_lr`` is for.
+        head_lr_mult: the new heads' (decoder, classifier, auxiliary head) lr as a multiple of the encoder's.
+        warmup_epochs: epochs of linear lr warm-up before the poly decay; 0: none.
+        poly_power: the exponent of the poly decay, lr x (1 - iteration / total iterations) ** poly_power.
+        aux_weight: the weight of the auxiliary head's cross-entropy in the training loss (the main head's is 1).
+        dropout: the dropout probability in the heads, before their last 1x1 conv (and in the decoder where smp
+            gives it one), in [0, 1).
+        eval_crop: the side in pixels of the sliding window of validation, test and prediction (stride 2/3 of it);
+            null: the data module's training crop.
+        eval_flip: also evaluate the horizontally flipped image and average the class probabilities.
+        eval_scales: the image scales evaluated and averaged (multi-scale testing); ``[1.0]``: the image as it is.
+        log_predictions_every_n_epochs: log sample predictions and labels as masks to Weights & Biases at every
+            n-th validation, the first included; 0: never.
+        num_logged_predictions: how many images of the first validation batch such a log shows.
+        decoder: the segmentation decoder on the encoder, one of ``mabn.models.DECODERS`` (``pspnet``, the paper's;
+            ``deeplabv3``, ``deeplabv3plus``, ``upernet``, ``fpn``, ``unet``, ...).
+        output_stride: the encoder's output stride, input size / feature size (8, 16 or 32, as the decoder takes);
+            null: the decoder's default.
     """
 
     def __init__(
@@ -102,6 +129,10 @@ class SegmentationTask(NormTask):
     @classmethod
     def check_hparams(cls, hp: Mapping[str, Any]) -> None:
         super().check_hparams(hp)
+        try:
+            check_encoder(hp.get("arch", DEFAULT_ARCH))
+        except ValueError as err:  # one line naming the value, as every argument's mistake
+            raise ConfigError(str(err)) from err
         if hp.get("backbone"):  # a backbone that cannot start this norm stops before any data is read
             check_backbone(hp["backbone"], hp["norm"], hp.get("arch", DEFAULT_ARCH))
         require(hp["base_batch_size"] > 0, "base_batch_size", hp["base_batch_size"], "must be > 0")

@@ -400,7 +400,7 @@ def run(plan: Plan, device: torch.device, save: Callable[[str], object], deadlin
             (last, eager_last),
             lambda: compare(compared, graphed, eager, device),
         ),
-        test.name: ((resumed,), (last,), product(test, "mIoU")),
+        test.name: ((resumed,), (last,), product(test, "| **mean** |")),
         predict.name: ((resumed,), (last,), product(predict, "Wrote 2 predictions")),
         export.name: ((resumed,), (last,), product(export, "TorchScript")),
         ranks.name: ((), (), two_ranks),
