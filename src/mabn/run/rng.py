@@ -18,7 +18,7 @@ RNG_KEY = "rng_states"
 def collect_rng_states() -> dict[str, Any]:
     """This process's Python, NumPy and torch generators (CPU, and the current CUDA device if in use).
 
-    Only plain types and tensors, so that checkpoints still load with ``torch.load(weights_only=True)``.
+    Only plain types and tensors, so that checkpoints still load weights only (``mabn.run.load_weights_file``).
     """
     kind, keys, pos, has_gauss, cached = np.random.get_state()
     states: dict[str, Any] = {
