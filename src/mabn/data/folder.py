@@ -14,16 +14,29 @@ augmentation, batches, loaders and crop): a training image smaller than the crop
 augmentation pads (the image with the mean pixel, the mask with ignored pixels), and ``small_images`` says how
 many are.
 
-What is checked when: ``classes.yaml`` when the data module is made (``--dry-run`` included); that every image
-has its mask and the reverse, and their sizes (from the files' headers, no pixel decoded), when a split is
-indexed (the training split also by ``--dry-run``); a mask's values when the mask is first read, and then the
-whole split is scanned to say how many masks hold values (colours) of no class.
+What is checked when: ``--dry-run`` checks the whole dataset (``check_dataset``) and names every problem at once,
+one line per kind: ``classes.yaml``; for both splits the folders, that every image has its PNG mask and the
+reverse, the sizes (from the files' headers, no pixel decoded) and every mask's values (decoded, in worker
+processes for many masks); and that the training images fill one global batch. A fit checks ``classes.yaml`` when
+the data module is made, then each split's pairs and sizes as it is indexed and its mask values before the first
+step (stopping at the first problem). A fit records the masks its scan found clean in ``DIR/MASK_CACHE`` (by size
+and modification time, for one class table; not written where the data folder is read-only), so that later dry
+runs and fits decode only new or changed masks; a dry run reads it and, writing nothing, decodes each other mask
+once.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import json
+import multiprocessing
+import os
+import sys
+import time
+from collections.abc import Iterable, Mapping
+from concurrent.futures import ProcessPoolExecutor
+from contextlib import suppress
 from functools import cached_property
+from itertools import repeat
 from pathlib import Path
 from typing import Any
 
@@ -31,21 +44,30 @@ import albumentations as A
 import numpy as np
 
 from ..distributed import say
+from ..errors import WriteError
+from ..run import write_text_atomic
 from .cityscapes import (
     CityscapesDataModule,
     CityscapesDataset,
     CityscapesSample,
 )
 from .classes import CLASSES_FILE, COLOR, ClassTable
-from .errors import DatasetError, require_pairs
+from .errors import DatasetError, DatasetErrors, pair_problems
 from .images import image_size, imagenet_normalize, read_image
 
-__all__ = ["FolderDataModule", "FolderDataset", "find_pairs", "small_images"]
+__all__ = ["FolderDataModule", "FolderDataset", "check_dataset", "find_pairs", "small_images"]
 
 IMAGES, MASKS = "images", "masks"
 IMAGE_TYPES = (".png", ".jpg", ".jpeg", ".bmp", ".tif", ".tiff", ".webp")
 MASK_TYPE = ".png"
 LAYOUT = f"DIR/{IMAGES}/<split>/<name>.<png|jpg|...> with masks DIR/{MASKS}/<split>/<name>.png and DIR/{CLASSES_FILE}"
+MASK_CACHE = ".mabn-mask-check.json"  # in the data folder: the masks whose values were found to be classes'
+SCAN_PARALLEL = 64  # masks: fewer are decoded in this process, where a pool's start would cost more than it saves
+SCAN_WORKERS = 4  # decoding processes: a few, since the other cores may be a fit's or another user's
+SCAN_REPORTS = 10  # progress lines on stderr in a parallel scan
+# A file's modification time moves in ticks (up to 2 s on some filesystems): a mask modified within a tick of
+# its decode could keep its size and time, so masks modified this shortly before a scan are not recorded clean.
+RECENT_NS = 2_000_000_000
 
 
 def _files(folder: Path, suffixes: tuple[str, ...]) -> dict[str, Path]:
@@ -62,19 +84,28 @@ def _files(folder: Path, suffixes: tuple[str, ...]) -> dict[str, Path]:
     return found
 
 
-def find_pairs(root: str | Path, split: str) -> list[CityscapesSample]:
-    """The image/mask pairs of ``split`` in sorted order, as ``(name, image, mask)``; ``DatasetError`` naming the
-    folder or the first file for a missing split folder, a split without images, an image without its mask or a
-    mask without its image (with how many)."""
-    root = Path(root)
+def index_split(root: Path, split: str) -> tuple[list[CityscapesSample], list[str]]:
+    """(the image/mask pairs of ``split`` in sorted order, as ``(name, image, mask)``; the problems of its layout,
+    one line per kind naming the folder or the first file, with how many: a missing split folder, a split without
+    images, masks of another type than PNG, images without their mask and masks without their image)."""
     image_dir, mask_dir = root / IMAGES / split, root / MASKS / split
-    for folder in (image_dir, mask_dir):
-        if not folder.is_dir():
-            raise DatasetError(f"missing folder {folder}; expected {LAYOUT}")
-    images, masks = _files(image_dir, IMAGE_TYPES), _files(mask_dir, (MASK_TYPE,))
+    missing = [str(folder) for folder in (image_dir, mask_dir) if not folder.is_dir()]
+    if missing:
+        return [], [f"missing folder {' and '.join(missing)}; expected {LAYOUT}"]
+    images = _files(image_dir, IMAGE_TYPES)
     if not images:
-        raise DatasetError(f"no images ({', '.join(IMAGE_TYPES)}) in {image_dir}; expected {LAYOUT}")
-    require_pairs(
+        return [], [f"no images ({', '.join(IMAGE_TYPES)}) in {image_dir}; expected {LAYOUT}"]
+    # Masks of every image type are looked for, so that a JPEG mask is named as found rather than as missing.
+    masks = _files(mask_dir, IMAGE_TYPES)
+    problems = []
+    other = {key for key, path in masks.items() if path.suffix.lower() != MASK_TYPE}
+    if other:
+        path = masks[min(other)]
+        problems.append(
+            f"{path}: masks are PNG files (a lossy format such as JPEG changes mask values): save it as "
+            f"{path.with_suffix(MASK_TYPE).name} ({len(other)} mask(s) of another type in {mask_dir})"
+        )
+    problems += pair_problems(
         images,
         masks,
         lambda key, n: (
@@ -86,25 +117,178 @@ def find_pairs(root: str | Path, split: str) -> list[CityscapesSample]:
             f"({n} mask(s) without images in {mask_dir})"
         ),
     )
-    return [CityscapesSample(Path(key).name, images[key], masks[key]) for key in sorted(images)]
+    paired = sorted(images.keys() & masks.keys() - other)
+    return [CityscapesSample(Path(key).name, images[key], masks[key]) for key in paired], problems
+
+
+def find_pairs(root: str | Path, split: str) -> list[CityscapesSample]:
+    """The image/mask pairs of ``split`` in sorted order, as ``(name, image, mask)``; ``DatasetError`` for the
+    first problem of its layout (``index_split``)."""
+    samples, problems = index_split(Path(root), split)
+    if problems:
+        raise DatasetError(problems[0])
+    return samples
+
+
+def _sizes(
+    samples: list[CityscapesSample], image_dir: Path
+) -> tuple[dict[CityscapesSample, tuple[int, int]], list[str]]:
+    """(the (width, height) of each pair's image, read from the headers, by pair, for the pairs whose headers
+    read; the lines for unreadable files and for masks of another size than their image, the first such pair
+    named, with how many)."""
+    sizes: dict[CityscapesSample, tuple[int, int]] = {}
+    mismatched, unreadable = [], []
+    for sample in samples:
+        try:
+            image, mask = image_size(sample.image), image_size(sample.label, "mask")
+        except DatasetError as err:
+            unreadable.append(str(err))
+            continue
+        sizes[sample] = image
+        if image != mask:
+            mismatched.append((sample, image, mask))
+    problems = [f"{unreadable[0]} ({len(unreadable)} unreadable pair(s) in {image_dir})"] if unreadable else []
+    if mismatched:
+        sample, (iw, ih), (mw, mh) = mismatched[0]
+        problems.append(
+            f"size mismatch: image {sample.image} is {iw}x{ih} but mask {sample.label} is {mw}x{mh} (WxH) "
+            f"({len(mismatched)} of the {len(samples)} pairs in {image_dir} differ): give each mask its image's size"
+        )
+    return sizes, problems
 
 
 def pair_sizes(samples: list[CityscapesSample], image_dir: Path) -> list[tuple[int, int]]:
-    """The (width, height) of each pair's image, read from the headers; ``DatasetError`` naming the first pair
-    whose mask has another size, and how many do."""
-    sizes, mismatched = [], []
-    for sample in samples:
-        image, mask = image_size(sample.image), image_size(sample.label, "mask")
-        sizes.append(image)
-        if image != mask:
-            mismatched.append((sample, image, mask))
-    if mismatched:
-        sample, (iw, ih), (mw, mh) = mismatched[0]
+    """The (width, height) of each pair's image, read from the headers; ``DatasetError`` for the first problem
+    of ``_sizes`` (an unreadable file, masks of another size than their image)."""
+    sizes, problems = _sizes(samples, image_dir)
+    if problems:
+        raise DatasetError(problems[0])
+    return list(sizes.values())
+
+
+def read_mask(path: Path, classes: ClassTable) -> np.ndarray:
+    """The mask's values (H x W), or its RGB colours (H x W x 3) for colour masks."""
+    if classes.mask_format == COLOR:
+        return read_image(path, "mask")
+    mask = read_image(path, "mask", mode=None)
+    if mask.ndim != 2:
         raise DatasetError(
-            f"size mismatch: image {sample.image} is {iw}x{ih} but mask {sample.label} is {mw}x{mh} (WxH) "
-            f"({len(mismatched)} of the {len(samples)} pairs in {image_dir} differ)"
+            f"mask file {path} has shape {mask.shape}; expected a single-channel PNG of mask values "
+            "(greyscale or palette), not a colour image"
         )
-    return sizes
+    return mask
+
+
+def unknown_in(path: Path, classes: ClassTable) -> np.ndarray:
+    """The values (colours) of the mask at ``path`` that are neither a class's nor ignored (``classes_of``)."""
+    return classes.classes_of(read_mask(path, classes))[1]
+
+
+class MaskCache:
+    """The masks of the dataset under ``root`` found to hold only values (colours) of ``classes``, by path below
+    ``root`` with the file's size and modification time when it was decoded: a later check (a fit's or a dry
+    run's) decodes only masks that are new, changed or not clean. Kept in ``root/MASK_CACHE`` for a class table
+    (another table drops it), and in this process too, so that one process (a dry run, which writes no file; a
+    read-only data folder) decodes each mask once."""
+
+    _memory: dict[tuple[Path, str], dict[str, list[int]]] = {}  # by (cache file, class table)
+
+    def __init__(self, root: Path, classes: ClassTable) -> None:
+        self.root, self.path = root, root / MASK_CACHE
+        self.table = json.dumps(classes.as_dict(), sort_keys=True)
+        self.clean = dict(self._memory.get((self.path, self.table), {}))
+        with suppress(OSError, ValueError):  # no cache, or one that is unreadable or not this table's: none
+            saved = json.loads(self.path.read_text())
+            if saved.get("classes") == self.table:
+                self.clean.update(saved["clean"])
+
+    def _key_stamp(self, path: Path) -> tuple[str, list[int]]:
+        stat = path.stat()
+        return path.relative_to(self.root).as_posix(), [stat.st_size, stat.st_mtime_ns]
+
+    def is_clean(self, path: Path) -> bool:
+        key, stamp = self._key_stamp(path)
+        return self.clean.get(key) == stamp
+
+    def add(self, paths: Iterable[Path], started_ns: int, save: bool) -> None:
+        """Record the masks at ``paths``, decoded from ``started_ns`` (``time.time_ns``) on, as clean, but for
+        those modified less than ``RECENT_NS`` before; with ``save``, write the cache too, where the data folder
+        may be written."""
+        before = dict(self.clean)
+        stamps = (self._key_stamp(path) for path in paths)
+        self.clean.update((key, stamp) for key, stamp in stamps if stamp[1] < started_ns - RECENT_NS)
+        self._memory[self.path, self.table] = self.clean
+        if not save or self.clean == before or not os.access(self.root, os.W_OK):
+            return
+        text = json.dumps({"classes": self.table, "clean": self.clean}, sort_keys=True)
+        with suppress(WriteError):  # the cache only saves time: a full disk or a locked file fails no check
+            write_text_atomic(self.path, text)
+
+
+def _decode(paths: list[Path], classes: ClassTable) -> list[np.ndarray]:
+    """``unknown_in`` of each mask: in worker processes, with progress lines on stderr, for many masks (not in a
+    daemonic process, such as a DataLoader worker, which may not start processes)."""
+    if len(paths) < SCAN_PARALLEL or multiprocessing.current_process().daemon:
+        return [unknown_in(path, classes) for path in paths]
+    found, step = [], max(1, len(paths) // SCAN_REPORTS)
+    with ProcessPoolExecutor(max_workers=min(SCAN_WORKERS, os.cpu_count() or 1)) as pool:
+        for done, values in enumerate(pool.map(unknown_in, paths, repeat(classes), chunksize=8), 1):
+            found.append(values)
+            if done % step == 0 or done == len(paths):
+                print(f"checking mask values: {done}/{len(paths)} masks", file=sys.stderr, flush=True)
+    return found
+
+
+def unknown_values(
+    root: Path, split: str, samples: list[CityscapesSample], classes: ClassTable, save: bool = True
+) -> str | None:
+    """The line for the masks of ``samples`` (the ``split`` of the dataset under ``root``) that hold values (colours)
+    of no class: the first such mask (in sorted order), its values, and how many of the split's masks hold some;
+    None when none does. Masks ``MaskCache`` knows clean are not decoded again; ``save``: write the masks found
+    clean into its file."""
+    cache = MaskCache(root, classes)
+    todo = [sample.label for sample in samples if not cache.is_clean(sample.label)]
+    started_ns = time.time_ns()
+    found = dict(zip(todo, _decode(todo, classes)))
+    cache.add((path for path, values in found.items() if not values.size), started_ns, save)
+    bad = [(path, values) for path, values in found.items() if values.size]
+    if not bad:
+        return None
+    path, values = bad[0]
+    return (
+        f"mask {path} holds {classes.describe_unknown(values)}; {len(bad)} of the {len(samples)} masks in "
+        f"{root / MASKS / split} hold such {classes.mask_unit}: map them to a class (or ignore them) in "
+        f"{classes.source}, or correct the masks"
+    )
+
+
+def check_dataset(args: Mapping[str, Any]) -> list[tuple[int, int]]:
+    """Check the dataset of the data module arguments ``args`` (``data_dir``, the splits, ``global_batch_size``)
+    as a dry run does, and return the (width, height) of the training images: ``classes.yaml``, then for both
+    splits the layout and the pairs (``index_split``), the sizes from the headers (``_sizes``) and every mask's
+    values (``unknown_values``: read from the cache a fit wrote, not written; the masks whose headers read), and
+    that the training pairs fill one global batch. ``DatasetErrors`` with one line per problem found, all of them."""
+    root = Path(args["data_dir"])
+    classes = ClassTable.read(root / CLASSES_FILE)
+    problems: list[str] = []
+    train_split = args.get("train_split") or "train"
+    train_sizes: list[tuple[int, int]] = []
+    for split in dict.fromkeys((train_split, args.get("val_split") or "val")):  # one split may serve both
+        samples, found = index_split(root, split)
+        sizes, bad_sizes = _sizes(samples, root / IMAGES / split)
+        values = unknown_values(root, split, list(sizes), classes, save=False)  # a dry run writes nothing
+        problems += [*found, *bad_sizes, *([values] if values else [])]
+        if split == train_split:
+            train_sizes = list(sizes.values())
+            batch = args.get("global_batch_size")
+            if samples and batch and len(samples) < batch:
+                problems.append(
+                    f"{len(samples)} training images, fewer than the global batch {batch}: lower "
+                    f"--data.init_args.global_batch_size (to {len(samples)} or less), or add training images"
+                )
+    if problems:
+        raise DatasetErrors(problems)
+    return train_sizes
 
 
 def small_images(sizes: list[tuple[int, int]], crop_size: int) -> tuple[int, str]:
@@ -133,23 +317,11 @@ class FolderDataset(CityscapesDataset):
         self.sizes = pair_sizes(self.samples, self.root / IMAGES / split)
         self._normalize = imagenet_normalize()
 
-    def read_mask(self, path: Path) -> np.ndarray:
-        """The mask's values (H x W), or its RGB colours (H x W x 3) for colour masks."""
-        if self.classes.mask_format == COLOR:
-            return read_image(path, "mask")
-        mask = read_image(path, "mask", mode=None)
-        if mask.ndim != 2:
-            raise DatasetError(
-                f"mask file {path} has shape {mask.shape}; expected a single-channel PNG of mask values "
-                "(greyscale or palette), not a colour image"
-            )
-        return mask
-
     def read_pair(self, index: int) -> tuple[np.ndarray, np.ndarray]:
         """The raw item: uint8 RGB image HxWx3 and uint8 class map HxW."""
         sample = self.samples[index]
         image = read_image(sample.image)
-        mask = self.read_mask(sample.label)
+        mask = read_mask(sample.label, self.classes)
         if image.shape[:2] != mask.shape[:2]:  # the files changed since they were indexed
             (ih, iw), (mh, mw) = image.shape[:2], mask.shape[:2]
             raise DatasetError(
@@ -161,33 +333,30 @@ class FolderDataset(CityscapesDataset):
         return image, classes
 
     def unknown_values(self) -> DatasetError:
-        """The error for mask values (colours) of no class: the first mask of the split (in sorted order) that
-        holds one, its values, and how many of the split's masks do (a scan of the whole split, on this error
-        only)."""
-        first, count = None, 0
-        for sample in self.samples:
-            _, unknown = self.classes.classes_of(self.read_mask(sample.label))
-            if unknown.size:
-                count += 1
-                first = first or (sample.label, unknown)
-        assert first is not None, "called without a mask holding an unknown value"
-        path, values = first
-        return DatasetError(
-            f"mask {path} holds {self.classes.describe_unknown(values)}; {count} of the {len(self.samples)} masks "
-            f"in {self.root / MASKS / self.split} hold such {self.classes.mask_unit}"
-        )
+        """The error for mask values (colours) of no class, from a scan of the whole split (on this error only:
+        ``FolderDataModule`` scans before a fit, so this is met only by files changed since)."""
+        problem = unknown_values(self.root, self.split, self.samples, self.classes)
+        assert problem is not None, "called without a mask holding an unknown value"
+        return DatasetError(problem)
 
 
 class FolderDataModule(CityscapesDataModule):
-    """Stage 2 on a dataset in the layout of this module under ``data_dir``, with the Cityscapes recipe: the same
-    arguments, augmentation (``train_transform``), batches over devices and loaders as ``CityscapesDataModule``.
+    """Stage 2 on a dataset of one's own, in the layout of this module under ``data_dir``, with the Cityscapes recipe.
+
+    Its arguments, augmentation (``train_transform``), batches over devices and loaders are ``CityscapesDataModule``'s.
 
     The classes come from ``data_dir/classes.yaml``: ``num_classes`` (linked to the model's) and ``class_names``
     (the validation tables) are read from it when the module is made. The crop is ``crop_size`` whatever the
     images' sizes: smaller training images are padded up to it, and a fit says how many are (``small_images``,
     as ``--dry-run`` does). The class table and the crop are kept in the module's hyperparameters (``classes``,
     ``crop_size``), which Lightning writes into every checkpoint: what ``python -m mabn test`` and ``predict``
-    read.
+    read. The arguments are ``CityscapesDataModule``'s; the layout makes these differ:
+
+    Args:
+        data_dir: the dataset's folder, which holds ``classes.yaml``, ``images/<split>/`` and ``masks/<split>/``
+            (docs/your-data.md).
+        train_split: the split folder trained on, below ``images/`` and ``masks/``.
+        val_split: the split folder validated on, below ``images/`` and ``masks/``.
     """
 
     @cached_property
@@ -208,6 +377,11 @@ class FolderDataModule(CityscapesDataModule):
 
     def make_dataset(self, split: str, train: bool) -> FolderDataset:
         dataset = FolderDataset(self.data_dir, split, self.classes)
+        # Every mask's values before the first step, not at the mask's first read hours in; the masks found clean
+        # go into the cache, so the next fit (a resume, a rerun) and dry run decode only new or changed ones.
+        problem = unknown_values(dataset.root, split, dataset.samples, self.classes)
+        if problem:
+            raise DatasetError(problem)
         if train:
             count, line = small_images(dataset.sizes, self.crop_size)
             if count:  # a fit speaks of padding only where there is some; a dry run always says the count
@@ -217,16 +391,13 @@ class FolderDataModule(CityscapesDataModule):
 
     @staticmethod
     def train_samples(args: Mapping[str, Any]) -> int:
-        """The size of the training split, from file names alone; the classes file is parsed too, so that
-        ``--dry-run`` and the check before a run refuse one that does not parse."""
-        root = Path(args["data_dir"])
-        ClassTable.read(root / CLASSES_FILE)
-        return len(find_pairs(root, args.get("train_split") or "train"))
+        """The size of the training split, for ``--dry-run``'s plan, once the whole dataset passed
+        ``check_dataset``: run here, before the plan's own count of batches, so that too few training images for
+        the global batch is said with the dataset's other problems and its fix."""
+        return len(check_dataset(args))
 
     @staticmethod
     def plan_lines(args: Mapping[str, Any]) -> list[str]:
-        """What ``--dry-run`` says of the training images: how many are smaller than the crop (``small_images``),
-        from the files' headers, which are checked to give each mask its image's size."""
-        root, split = Path(args["data_dir"]), args.get("train_split") or "train"
-        sizes = pair_sizes(find_pairs(root, split), root / IMAGES / split)
-        return [small_images(sizes, args["crop_size"])[1]]
+        """What ``--dry-run`` says of the training images, once the dataset passed ``check_dataset`` (its mask
+        values from the cache by now): how many are smaller than the crop (``small_images``)."""
+        return [small_images(check_dataset(args), args["crop_size"])[1]]
