@@ -7,6 +7,7 @@ import torch.nn.functional as F
 import torchvision
 from torch import nn
 
+from helpers.folding import randomize_affine
 from helpers.marks import default_suite_runs
 from mabn import BatchRenorm2d, CenConv2d, MABN2d, convert_norm, fold_norms
 from mabn.norm import NORM_PRESETS
@@ -106,11 +107,8 @@ def _trained_like(norm):
     forward with momentum 0 (paper convention), so every running statistic is that batch's."""
     model = convert_norm(torchvision.models.resnet101(weights=None), norm, momentum=0.0)
     gen = torch.Generator().manual_seed(3)
+    randomize_affine(model, ALL_NORMS, gen)
     with torch.no_grad():
-        for m in model.modules():
-            if isinstance(m, ALL_NORMS):
-                m.weight.copy_(0.5 + torch.rand(m.weight.shape, generator=gen))
-                m.bias.copy_(0.2 * torch.randn(m.bias.shape, generator=gen))
         model.train()(torch.randn(4, 3, 64, 64, generator=gen))
     return model.eval()
 

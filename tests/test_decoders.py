@@ -16,6 +16,7 @@ import torch
 import yaml
 from torch import nn
 
+from helpers.folding import randomize_affine
 from helpers.marks import default_suite_runs
 from helpers.trainer import STAGE2_FIT
 from mabn.cli import launch
@@ -55,11 +56,7 @@ def _heads_group() -> list[str]:
 def _trained_like(model: nn.Module) -> nn.Module:
     """Random gamma/beta and the running statistics of a real batch, so that folding has something to fold."""
     gen = torch.Generator().manual_seed(3)
-    with torch.no_grad():
-        for m in model.modules():
-            if isinstance(m, BATCH_NORMS):
-                m.weight.copy_(0.5 + torch.rand(m.weight.shape, generator=gen))
-                m.bias.copy_(0.2 * torch.randn(m.bias.shape, generator=gen))
+    randomize_affine(model, BATCH_NORMS, gen)
     calibrate(model, torch.randn(2, 3, 64, 64, generator=gen))
     return model.eval()
 

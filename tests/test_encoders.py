@@ -12,6 +12,7 @@ from segmentation_models_pytorch.decoders.upernet.decoder import LayerNorm2d
 from torch import nn
 
 from helpers.commands import run_mabn
+from helpers.folding import randomize_affine
 from helpers.trainer import STAGE2_FIT
 from mabn.models import build_segmentation_model, logged_norms, resnet
 from mabn.models.backbone import BackboneError, check_backbone
@@ -43,11 +44,7 @@ def _train_step(model: nn.Module) -> None:
 def _assert_folds_exactly(model: nn.Module) -> None:
     """Norms with trained-like gamma, beta and statistics fold into their convs: the same eval outputs in float64."""
     gen = torch.Generator().manual_seed(3)
-    with torch.no_grad():
-        for m in model.modules():
-            if isinstance(m, NORM_TYPES):
-                m.weight.copy_(0.5 + torch.rand(m.weight.shape, generator=gen))
-                m.bias.copy_(0.2 * torch.randn(m.bias.shape, generator=gen))
+    randomize_affine(model, NORM_TYPES, gen)
     model = model.double()
     calibrate(model, torch.randn(2, 3, 64, 64, generator=gen, dtype=torch.float64))
     folded = fold_norms(model)
