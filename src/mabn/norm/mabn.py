@@ -156,15 +156,17 @@ class MABN2d(ManagedNorm):
     @torch.no_grad()
     def _statistics(
         self, x: Tensor, groups: int, synced: bool, kernels: ModuleType | None
-    ) -> tuple[Tensor, ForwardStats, NativeBackward]:
+    ) -> tuple[Tensor, ForwardStats, NativeBackward | None]:
         """A training forward's statistic step, committed to the buffers: the per-sample scale
-        weight * r / sqrt(var + eps) (N, C, 1, 1), the statistics, and the native backward's inputs."""
+        weight * r / sqrt(var + eps) (N, C, 1, 1) in x's dtype, the statistics, and the native backward's inputs;
+        with ``kernels`` the scale flat (N * C) in the statistics' dtype, for the row kernels, and no native
+        inputs."""
         n, _, h, w = x.shape
         # The one pass over x: per sample and channel, in float32 or better.
         norm = torch.linalg.vector_norm(x, 2, dim=(2, 3), dtype=stat_dtype(x))
         cfg = self.step_config(x.device)
         if kernels is not None:
-            return kernels.forward_stats(norm, h * w, groups, self.weight, self, cfg, x.dtype)
+            return *kernels.forward_stats(norm, h * w, groups, self.weight, self, cfg), None
         chi2 = _group_chi2(norm, groups, h * w)
         if synced:  # the chi^2 of group k over every device, weighted by the devices' element counts
             count = (n // groups) * h * w
@@ -188,7 +190,7 @@ class MABN2d(ManagedNorm):
             self.last_stats = {k: v.view(groups, c) for k, v in per_group.items()}
             self.last_stats.update(chi2_ema=stats.ema, active=stats.active.view(groups) != 0)
         # Tensors only through apply (autograd and torch.compile see each one); the records are rebuilt inside.
-        saved = (*native, stats.var, stats.r, stats.active)
+        saved = (*(native or (None, None, None)), stats.var, stats.r, stats.active)
         return _MABNFunction.apply(x, self.weight, self.bias, scale, *saved, self, groups, synced, kernels)
 
     def extra_repr(self) -> str:
@@ -224,7 +226,8 @@ class MABN2d(ManagedNorm):
 
 class _MABNFunction(torch.autograd.Function):
     """out = bias + x * scale with MABN's backward; the statistic step (``MABN2d._statistics``, no gradient flows
-    through it) runs before and hands over what the backward needs."""
+    through it) runs before and hands over what the backward needs. With ``kernels`` (CUDA) the passes over x are
+    Triton's row kernels, else torch ops and the native BN backward."""
 
     @staticmethod
     def forward(
@@ -233,9 +236,9 @@ class _MABNFunction(torch.autograd.Function):
         weight: Tensor,
         bias: Tensor,
         scale: Tensor,
-        native_weight: Tensor,
-        native_var: Tensor,
-        native_mean: Tensor,
+        native_weight: Tensor | None,
+        native_var: Tensor | None,
+        native_mean: Tensor | None,
         var: Tensor,
         r: Tensor,
         active: Tensor,
@@ -244,50 +247,73 @@ class _MABNFunction(torch.autograd.Function):
         synced: bool,
         kernels: ModuleType | None,
     ) -> Tensor:
-        ctx.save_for_backward(x, weight, native_weight, native_var, native_mean, var, r, active)
+        ctx.save_for_backward(x, weight, scale, native_weight, native_var, native_mean, var, r, active)
         ctx.layer, ctx.synced, ctx.kernels, ctx.groups = layer, synced, kernels, groups
+        if kernels is not None:
+            return kernels.scale_shift(x, scale, bias)
         c = x.shape[1]
         return torch.addcmul((bias if bias.dtype == x.dtype else bias.to(x.dtype)).view(1, c, 1, 1), x, scale)
 
     @staticmethod
     def backward(ctx, grad_out: Tensor):
-        x, weight, native_weight, native_var, native_mean, var, r, active = ctx.saved_tensors
-        native = NativeBackward(native_weight, native_var, native_mean)
-        layer = ctx.layer
+        x, weight, scale, native_weight, native_var, native_mean, var, r, active = ctx.saved_tensors
+        layer, kernels = ctx.layer, ctx.kernels
         n, c, h, w = x.shape
-
-        # With mean 0, var and weight * r of each sample's group: g / sqrt(var + eps), and sum(dL/dout * z)
-        # and sum(dL/dout) per sample and channel, in one fused pass.
-        need_x = ctx.needs_input_grad[0]
-        g_scaled, dout_z, dout_sum = per_sample_bn_backward(
-            grad_out, x, native.weight, native.mean, native.var, layer.eps, need_x
-        )
         groups = ctx.groups
-        b = n // groups
-        psi_count = b * h * w  # elements behind each group's sum of dL/dout * z
+        psi_count = n // groups * h * w  # elements behind each group's sum of dL/dout * z
         cfg = layer.step_config(x.device)
-        if ctx.kernels is not None:
-            stats = ctx.kernels.backward_stats(
-                dout_z, psi_count, dout_sum, r, var, active, weight, groups, layer, cfg, x.dtype, layer.loss_scale
+        need_x = ctx.needs_input_grad[0]
+        if kernels is not None:  # per sample and channel the sums of dL/dout * x and dL/dout, in one pass
+            dout_x, dout_sum = kernels.row_sums(grad_out, x, var.dtype)
+            stats = kernels.backward_stats(
+                dout_x, psi_count, dout_sum, r, var, active, weight, groups, layer, cfg, layer.loss_scale
             )
+            grad_x = kernels.grad_input(grad_out, x, scale, stats.coef) if need_x else None
         else:
-            dout_z = dout_z.view(groups, b, c).sum(1)  # per group
-            local_dout_z = None
-            if ctx.synced:  # psi of the cross-device normalization batch: over every device's group k
-                local_dout_z = dout_z
-                dout_z, psi_count = _sum_across_devices(dout_z, psi_count)
-            streams = (layer.buffer_gz, layer.running_psi, layer.count_gz)
-            stats = _backward_stats(
-                dout_z, psi_count, dout_sum, r, var, active, weight, *streams, cfg, x.dtype, local_dout_z,
-                layer.loss_scale,
+            stats, g_scaled = _torch_op_backward(
+                ctx, grad_out, x, weight, NativeBackward(native_weight, native_var, native_mean), var, r, active,
+                psi_count, cfg, need_x,
             )  # fmt: skip
+            grad_x = g_scaled.view(n, c, h, w).addcmul_(x, stats.coef) if need_x else None
         if layer.loss_scale is None:  # under a loss scaler a non-finite gradient skips the step instead
             layer._check(stats.ok, 1, x.device)
         # Under torch.compile the backward cannot hand tensors to the host side: only the forward's are logged.
         if layer.track_stats and layer.last_stats is not None and not torch.compiler.is_compiling():
             layer.last_stats.update(psi_batch=stats.psi.view(groups, c), psi_used=stats.psi_bar.view(groups, c))
-        grad_x = g_scaled.view(n, c, h, w).addcmul_(x, stats.coef) if need_x else None
         return grad_x, stats.grad_weight, stats.grad_bias, *[None] * 11
+
+
+def _torch_op_backward(
+    ctx,
+    grad_out: Tensor,
+    x: Tensor,
+    weight: Tensor,
+    native: NativeBackward,
+    var: Tensor,
+    r: Tensor,
+    active: Tensor,
+    psi_count: int,
+    cfg: StepConfig,
+    need_x: bool,
+) -> tuple[BackwardStats, Tensor | None]:
+    """The backward's statistics on the torch-op path, and dL/dout * weight * r / sqrt(var + eps) (when ``need_x``)."""
+    layer, groups = ctx.layer, ctx.groups
+    c = x.shape[1]
+    # With mean 0, var and weight * r of each sample's group: g / sqrt(var + eps), and sum(dL/dout * z)
+    # and sum(dL/dout) per sample and channel, in one fused pass.
+    g_scaled, dout_z, dout_sum = per_sample_bn_backward(
+        grad_out, x, native.weight, native.mean, native.var, layer.eps, need_x
+    )
+    dout_z = dout_z.view(groups, -1, c).sum(1)  # per group
+    local_dout_z = None
+    if ctx.synced:  # psi of the cross-device normalization batch: over every device's group k
+        local_dout_z = dout_z
+        dout_z, psi_count = _sum_across_devices(dout_z, psi_count)
+    streams = (layer.buffer_gz, layer.running_psi, layer.count_gz)
+    stats = _backward_stats(
+        dout_z, psi_count, dout_sum, r, var, active, weight, *streams, cfg, x.dtype, local_dout_z, layer.loss_scale
+    )
+    return stats, g_scaled
 
 
 def _fused_kernels(x: Tensor) -> ModuleType | None:

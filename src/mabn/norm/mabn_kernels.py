@@ -23,14 +23,17 @@ roots and divisions use the correctly rounded forms (``sqrt_rn``, ``div_rn``), a
 import functools
 import types
 
-import torch
 import triton
 import triton.language as tl
 from torch import Tensor, nn
 
-from ._mabn_types import BackwardStats, ForwardStats, NativeBackward, StepConfig
+from ._mabn_types import BackwardStats, ForwardStats, StepConfig
 from .fused import Launcher, aligned, key_of
 from .phase import phase
+from .row_kernels import grad_input, row_sums, scale_shift
+
+# The statistic steps here; the passes over x they feed and follow, from row_kernels.
+__all__ = ["backward_stats", "forward_stats", "grad_input", "row_sums", "scale_shift"]
 
 STATS_CODE = {"batch": 0, "sma": 1, "ema": 2}
 
@@ -162,9 +165,6 @@ def forward_kernel(
     active_ptr,
     ema_ptr,
     scale_ptr,
-    wflat_ptr,
-    vflat_ptr,
-    mflat_ptr,
     flags_ptr,
     tickets_ptr,
     policy_ptr,
@@ -184,10 +184,10 @@ def forward_kernel(
     EMA_FIRST: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    """norm (N, C): per-sample l2 norms over H*W, N = G * B -> ``_forward_stats``'s and
-    ``_scale_and_native_inputs``' outputs for this program's BLOCK channels, committed unless some program met a
-    non-finite chi^2: then the last program restores every buffer and sets flags[0] (sticky) instead of a
-    verdict. ``undo``: (M + 1) * C of the buffers' dtype, scratch."""
+    """norm (N, C): per-sample l2 norms over H*W, N = G * B -> ``_forward_stats``'s outputs and the per-sample
+    scale weight * r / sqrt(var + eps) (N, C, in the statistics' dtype) for this program's BLOCK channels,
+    committed unless some program met a non-finite chi^2: then the last program restores every buffer and sets
+    flags[0] (sticky) instead of a verdict. ``undo``: (M + 1) * C of the buffers' dtype, scratch."""
     cols = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     cmask = cols < C
     dt = norm_ptr.dtype.element_ty
@@ -251,14 +251,9 @@ def forward_kernel(
             clipped = tl.minimum(tl.maximum(_div(std, ema_std), lo), clip)
             r = tl.where(renorm_on, clipped, r)
         tl.store(r_ptr + k * C + cols, r, mask=cmask)
-        weight_r = w * r
-        scale = _div(weight_r, std)
+        scale = _div(w * r, std)
         for j in range(B):
-            n = k * B + j
-            tl.store(scale_ptr + n * C + cols, scale, mask=cmask)
-            tl.store(wflat_ptr + n * C + cols, weight_r, mask=cmask)
-            tl.store(vflat_ptr + n * C + cols, var, mask=cmask)
-            tl.store(mflat_ptr + n * C + cols, tl.zeros_like(var), mask=cmask)
+            tl.store(scale_ptr + (k * B + j) * C + cols, scale, mask=cmask)
         var_sum += var
     if STATS == 2:
         ema = e
@@ -310,9 +305,11 @@ def backward_kernel(
     SCALED: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    """Per-(sample, channel) sums of dL/dout * z and of dL/dout (N, C) -> ``_backward_stats``'s outputs for this
-    program's BLOCK channels, committed unless some program met a non-finite psi: then the last program restores
-    every buffer and sets flags[1], except under a loss scale (SCALED: read from scale_ptr, as the policy is)."""
+    """Per-(sample, channel) sums of dL/dout * x and of dL/dout (N, C) -> ``_backward_stats``'s outputs for this
+    program's BLOCK channels (z = x / sqrt(var + eps): its group's std divides the sum; dL/dx's coefficient per
+    sample, N * C, in the statistics' dtype), committed unless some program met a non-finite psi: then the last
+    program restores every buffer and sets flags[1], except under a loss scale (SCALED: read from scale_ptr, as the
+    policy is)."""
     cols = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     cmask = cols < C
     dt = var_ptr.dtype.element_ty
@@ -332,6 +329,7 @@ def backward_kernel(
             n = k * B + j
             dz += tl.load(dz_ptr + n * C + cols, mask=cmask, other=0.0).to(dt)
             grad_bias += tl.load(dsum_ptr + n * C + cols, mask=cmask, other=0.0).to(dt)
+        dz = _div(dz, _sqrt(tl.load(var_ptr + k * C + cols, mask=cmask, other=1.0) + eps))
         r = tl.load(r_ptr + k * C + cols, mask=cmask, other=1.0)
         psi = _div(w * r * dz, tl.full((BLOCK,), psi_count, dt))
         if SCALED:
@@ -416,20 +414,20 @@ _backward = Launcher(backward_kernel, _grid, num_warps=1)
 
 
 def forward_stats(
-    norm: Tensor, hw: int, groups: int, weight: Tensor, layer: nn.Module, cfg: StepConfig, x_dtype: torch.dtype
-) -> tuple[Tensor, ForwardStats, NativeBackward]:
-    """``_forward_stats(_group_chi2(norm, groups, hw), ...)`` and ``_scale_and_native_inputs`` of mabn.py in one
-    launch; the same outputs, but flat (the (G, C) ones as G * C, ``active`` as 0/1 floats) and the verdict in
-    ``layer``'s flags (``ok`` None)."""
+    norm: Tensor, hw: int, groups: int, weight: Tensor, layer: nn.Module, cfg: StepConfig
+) -> tuple[Tensor, ForwardStats]:
+    """``_forward_stats(_group_chi2(norm, groups, hw), ...)`` of mabn.py and the per-sample scale
+    weight * r / sqrt(var + eps) (N * C, in the statistics' dtype, for ``row_kernels``) in one launch; the
+    statistics flat (the (G, C) ones as G * C, ``active`` as 0/1 floats), the verdict in ``layer``'s flags
+    (``ok`` None)."""
     n, c = norm.shape
     gc, nc = groups * c, n * c
     history = layer.buffer_x2  # a module attribute lookup costs host time too: once
     u = _undo_size(cfg.buffer_size, c, history.dtype.itemsize, norm.dtype.itemsize)
     # One allocation for the statistic-dtype outputs and the kernel's scratch (host time, not memory, is what
     # counts here); the scratch first, where its alignment is the allocation's.
-    outs = norm.new_empty(u + 3 * gc + c + 3 * nc + groups).split((u, gc, gc, gc, c, nc, nc, nc, groups))
-    undo, chi2, var, r, ema, weight_flat, var_flat, mean_flat, active = outs
-    scale = torch.empty(n, c, 1, 1, dtype=x_dtype, device=norm.device)
+    outs = norm.new_empty(u + 3 * gc + c + nc + groups).split((u, gc, gc, gc, c, nc, groups))
+    undo, chi2, var, r, ema, scale, active = outs
     ints = (c, groups, n // groups)
     first_steps = cfg.first_steps()
     consts = dict(
@@ -441,22 +439,22 @@ def forward_stats(
         BLOCK=_block(c, MAX_BLOCK),
     )
     device = norm.device
-    key = key_of(norm, x_dtype, weight.dtype, history.dtype, aligned(weight), *ints, *first_steps, *consts.values())
+    key = key_of(norm, weight.dtype, history.dtype, aligned(weight), *ints, *first_steps, *consts.values())
     _forward(
         key,
         (
             *(norm, weight, history, layer.running_var, layer.iters, layer.count_x2, undo),
-            *(chi2, var, r, active, ema, scale, weight_flat, var_flat, mean_flat),
+            *(chi2, var, r, active, ema, scale),
             *(layer.nonfinite_flags(device), layer.tickets(device), layer.policy_flags(device)),
             *(*ints, float(hw), cfg.momentum, cfg.eps, cfg.renorm_clip, *first_steps),
         ),
         consts,
     )
-    return scale, ForwardStats(chi2, var, r, active, ema, None), NativeBackward(weight_flat, var_flat, mean_flat)
+    return scale, ForwardStats(chi2, var, r, active, ema, None)
 
 
 def backward_stats(
-    dout_z: Tensor,
+    dout_x: Tensor,
     psi_count: int,
     dout_sum: Tensor,
     r: Tensor,
@@ -466,25 +464,24 @@ def backward_stats(
     groups: int,
     layer: nn.Module,
     cfg: StepConfig,
-    x_dtype: torch.dtype,
     loss_scale: Tensor | None = None,
 ) -> BackwardStats:
-    """``_backward_stats`` of mabn.py in one launch, from per-(sample, channel) sums ``dout_z`` (N * C) instead
-    of per-group ones and ``forward_stats``'s flat outputs; the same outputs, flat, the verdict in the flags."""
+    """``_backward_stats`` of mabn.py in one launch, from ``row_kernels.row_sums``' per-(sample, channel) sums of
+    dL/dout * x (``dout_x``, N * C) and of dL/dout and ``forward_stats``' flat outputs; the same outputs, flat (the
+    coefficient of dL/dx per sample, N * C, in the statistics' dtype), the verdict in the flags."""
     c = weight.numel()
-    n = dout_z.numel() // c
+    n = dout_x.numel() // c
     gc = groups * c
-    # One allocation for psi, psi_bar, the psi flags and, where the parameters have the statistics' dtype (float32
-    # both, the usual case), the parameters' gradients: each allocation is an operator call on the host. It is new
-    # at every backward, so a second backward of the graph (retain_graph) never writes into gradients already handed
-    # out. The kernel's scratch comes first, as in forward_stats.
+    # One allocation for psi, psi_bar, the psi flags, dL/dx's coefficients and, where the parameters have the
+    # statistics' dtype (float32 both, the usual case), the parameters' gradients: each allocation is an operator
+    # call on the host. It is new at every backward, so a second backward of the graph (retain_graph) never writes
+    # into gradients already handed out. The kernel's scratch comes first, as in forward_stats.
     with_grads = weight.dtype == var.dtype
     history = layer.buffer_gz
     u = _undo_size(cfg.buffer_size, c, history.dtype.itemsize, var.dtype.itemsize)
-    sizes = (u, gc, gc, groups, c, c) if with_grads else (u, gc, gc, groups)
-    undo, psi, psi_bar, psi_active, *grads = var.new_empty(sum(sizes)).split(sizes)
+    sizes = (u, gc, gc, groups, n * c, c, c) if with_grads else (u, gc, gc, groups, n * c)
+    undo, psi, psi_bar, psi_active, coef, *grads = var.new_empty(sum(sizes)).split(sizes)
     grad_weight, grad_bias = grads if with_grads else (weight.new_empty(c), weight.new_empty(c))
-    coef = torch.empty(n, c, 1, 1, dtype=x_dtype, device=var.device)
     ints = (c, groups, n // groups)
     consts = dict(
         M=cfg.buffer_size, STATS=STATS_CODE[cfg.stats], SCALED=loss_scale is not None, BLOCK=_block(c, MAX_BLOCK)
@@ -493,7 +490,6 @@ def backward_stats(
     scale = flags if loss_scale is None else loss_scale  # any pointer when unscaled
     key = key_of(
         var,
-        x_dtype,
         weight.dtype,
         history.dtype,
         scale.dtype,
@@ -505,7 +501,7 @@ def backward_stats(
     _backward(
         key,
         (
-            *(dout_z, dout_sum, r, var, active, weight, history, layer.running_psi, layer.count_gz, undo),
+            *(dout_x, dout_sum, r, var, active, weight, history, layer.running_psi, layer.count_gz, undo),
             *(psi, psi_bar, psi_active, coef, grad_weight, grad_bias, flags, layer.tickets(var.device), scale),
             *(*ints, float(psi_count), cfg.momentum, cfg.eps),
         ),
