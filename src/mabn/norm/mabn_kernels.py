@@ -4,8 +4,9 @@
 and for ``sync_stats``. Written with torch ops they launch ~40 tiny kernels per layer and direction, which
 leaves a GPU training step bound by the host launching them (about 4x BN's step time on an H200 at batch 2).
 Here each direction is one launch over a grid of programs, each of a block of channels (channels are independent).
-Each program computes its channels' statistics and outputs and commits them to the layer's buffers in place,
-keeping the values it overwrites in a scratch area. A non-finite statistic must leave every buffer untouched, a
+Each program loads its channels' inputs of every group, the history and the new statistics as tiles (G, B and M are
+compile-time constants), computes its channels' statistics and outputs from registers and commits them to the
+layer's buffers in place, keeping the values it overwrites in a scratch area. A non-finite statistic must leave every buffer untouched, a
 verdict over all channels: each program takes a ticket (one atomic add on the layer's ``tickets``, which also
 counts whether it met a non-finite statistic), and the program that takes the last one writes the kept values
 back to every channel and sets the layer's sticky flag if any program met one, else advances the step counters;
@@ -66,11 +67,9 @@ def _sqrt(a):
 
 
 @triton.jit
-def _seq(hist_ptr, new_ptr, idx, cols, cmask, C, M: tl.constexpr, dt: tl.constexpr):
-    """Row idx of (history (M rows, oldest first) ++ new rows)."""
-    old = tl.load(hist_ptr + idx * C + cols, mask=cmask & (idx < M), other=0.0).to(dt)
-    new = tl.load(new_ptr + (idx - M) * C + cols, mask=cmask & (idx >= M), other=0.0).to(dt)
-    return tl.where(idx < M, old, new)
+def _row(tile, rows, k):
+    """Row k of a (rows, BLOCK) tile held in registers."""
+    return tl.sum(tl.where((rows == k)[:, None], tile, 0.0), axis=0)
 
 
 @triton.jit
@@ -78,9 +77,9 @@ def _stream(
     hist_ptr,
     undo_ptr,
     new_ptr,
-    used_ptr,
+    new,
     active_ptr,
-    gate_ptr,
+    gates,
     moving,
     count,
     ema_prev,
@@ -88,43 +87,53 @@ def _stream(
     cols,
     cmask,
     C,
-    G,
+    G: tl.constexpr,
     M: tl.constexpr,
+    MP: tl.constexpr,
     STATS: tl.constexpr,
-    GATED: tl.constexpr,
 ):
-    """``_stream_stat`` of mabn.py for one block of channels: writes what each of the G groups uses, shifts the
-    history by G in place (its rows before, to ``undo``) and returns the stream EMA after the last group.
+    """``_stream_stat`` of mabn.py for one block of channels: what each of the G groups uses (returned as a tile,
+    with the stream EMA after the last group), the history shifted by G in place (its rows before, to ``undo``).
 
-    Group k uses the moving statistic when ``moving`` and the stream holds M statistics before it (``count`` + k
-    >= M), and, if GATED, ``gate[k]`` is set: scalars that every program evaluates alike, so none reads another's
-    output. Program 0 writes these flags to ``active``."""
+    ``new``: the groups' statistics (GP, BLOCK) in registers, also stored at ``new_ptr`` (read back for the shift).
+    Group k uses the moving statistic when ``moving``, the stream holds M statistics before it (``count`` + k >=
+    M) and ``gates[k]`` is set: scalars that every program evaluates alike, so none reads another's output.
+    Program 0 writes these flags to ``active``. Every window is a masked sum of tiles in registers, so no load
+    waits on another."""
     dt = ema_prev.dtype
+    gk = tl.arange(0, new.shape[0])
+    hi = tl.arange(0, MP)
+    hmask = (hi < M)[:, None] & cmask[None, :]
+    history = tl.load(hist_ptr + hi[:, None] * C + cols[None, :], mask=hmask, other=0.0)
+    old = history.to(dt)
+    used = new
+    flags = tl.zeros(gk.shape, tl.int32)
     e = ema_prev
-    for k in range(G):
-        new = tl.load(new_ptr + k * C + cols, mask=cmask, other=0.0)
-        if STATS == 1:  # SMA of the M statistics up to and including group k
-            acc = tl.zeros_like(new)
-            for j in tl.static_range(M):
-                acc += _seq(hist_ptr, new_ptr, k + 1 + j, cols, cmask, C, M, dt)
-            smoothed = _div(acc, tl.full(acc.shape, M, dt))
+    for k in tl.static_range(G):
+        row = _row(new, gk, k)
+        if STATS == 1:  # SMA of the M statistics up to and including group k: rows k + 1 .. k + M of history ++ new
+            in_history = tl.sum(tl.where((hi > k)[:, None], old, 0.0), axis=0)
+            in_new = tl.sum(tl.where(((gk <= k) & (gk > k - M))[:, None], new, 0.0), axis=0)
+            smoothed = _div(in_history + in_new, tl.full(row.shape, M, dt))
         elif STATS == 2:
-            e = momentum * e + (1.0 - momentum) * new
+            e = momentum * e + (1.0 - momentum) * row
             smoothed = e
         else:
-            smoothed = new
-        active = moving & (count + k >= M)
-        if GATED:
-            active = active & (tl.load(gate_ptr + k) != 0)
-        tl.store(active_ptr + k, active.to(active_ptr.dtype.element_ty), mask=tl.program_id(0) == 0)
-        tl.store(used_ptr + k * C + cols, tl.where(active, smoothed, new), mask=cmask)
-    # Rows G .. G+M-1 of the sequence; row i is written after row G + i >= i was read.
-    for i in tl.static_range(M):
-        old = tl.load(hist_ptr + i * C + cols, mask=cmask)
-        row = _seq(hist_ptr, new_ptr, G + i, cols, cmask, C, M, dt)
-        tl.store(undo_ptr + i * C + cols, old, mask=cmask)
-        tl.store(hist_ptr + i * C + cols, row, mask=cmask)
-    return e
+            smoothed = row
+        active = moving & (count + k >= M) & (tl.sum(tl.where(gk == k, gates, 0), axis=0) != 0)
+        used = tl.where((gk == k)[:, None], tl.where(active, smoothed, row)[None, :], used)
+        flags = tl.where(gk == k, active.to(tl.int32), flags)
+    tl.store(active_ptr + gk, flags.to(active_ptr.dtype.element_ty), mask=(gk < G) & (tl.program_id(0) == 0))
+    # Rows G .. G+M-1 of history ++ new become the history; every row is read before any is written.
+    src = hi + G
+    shifted = tl.load(hist_ptr + src[:, None] * C + cols[None, :], mask=hmask & (src < M)[:, None], other=0.0)
+    later = tl.load(new_ptr + (src - M)[:, None] * C + cols[None, :], mask=hmask & (src >= M)[:, None], other=0.0)
+    tl.store(undo_ptr + hi[:, None] * C + cols[None, :], history, mask=hmask)
+    # In the statistics' dtype, as the torch-op steps keep it (history ++ new in the statistics' dtype).
+    tl.store(
+        hist_ptr + hi[:, None] * C + cols[None, :], tl.where((src < M)[:, None], shifted.to(dt), later), mask=hmask
+    )
+    return used, e
 
 
 @triton.jit
@@ -169,15 +178,18 @@ def forward_kernel(
     tickets_ptr,
     policy_ptr,
     C,
-    G,
-    B,
     hw: tl.float64,
     momentum_: tl.float64,
     eps_: tl.float64,
     clip_: tl.float64,
     moving_first,
     renorm_first,
+    G: tl.constexpr,
+    B: tl.constexpr,
     M: tl.constexpr,
+    GP: tl.constexpr,
+    BP: tl.constexpr,
+    MP: tl.constexpr,
     STATS: tl.constexpr,
     RENORM: tl.constexpr,
     POLICY: tl.constexpr,
@@ -187,23 +199,26 @@ def forward_kernel(
     """norm (N, C): per-sample l2 norms over H*W, N = G * B -> ``_forward_stats``'s outputs and the per-sample
     scale weight * r / sqrt(var + eps) (N, C, in the statistics' dtype) for this program's BLOCK channels,
     committed unless some program met a non-finite chi^2: then the last program restores every buffer and sets
-    flags[0] (sticky) instead of a verdict. ``undo``: (M + 1) * C of the buffers' dtype, scratch."""
+    flags[0] (sticky) instead of a verdict. ``undo``: (M + 1) * C of the buffers' dtype, scratch. GP, BP, MP: G, B
+    and M rounded up to powers of 2, the tiles' extents."""
     cols = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     cmask = cols < C
+    gk = tl.arange(0, GP)
+    bj = tl.arange(0, BP)
     dt = norm_ptr.dtype.element_ty
     momentum, eps, clip = tl.full((), momentum_, dt), tl.full((), eps_, dt), tl.full((), clip_, dt)
     # The buffers' old values in their own dtype (the history's and the running average's, the layer's), so that a
     # restore is exact also where the buffers hold more bits than the statistics.
     undo = undo_ptr.to(hist_ptr.dtype)
-    nbad = 0
-    for k in range(G):  # chi^2 of every group: equal counts, so the mean of per-sample chi^2
-        acc = tl.zeros((BLOCK,), dt)
-        for j in range(B):
-            v = tl.load(norm_ptr + (k * B + j) * C + cols, mask=cmask, other=0.0)
-            acc += _div(v * v, tl.full((BLOCK,), hw, dt))
-        chi = _div(acc, tl.full((BLOCK,), B, dt))
-        nbad += tl.sum((cmask & ~_finite(chi)).to(tl.int32), axis=0)
-        tl.store(chi2_ptr + k * C + cols, chi, mask=cmask)
+    gmask = (gk < G)[:, None] & cmask[None, :]
+    per_sample = ((gk * B)[:, None, None] + bj[None, :, None]) * C + cols[None, None, :]
+    smask = gmask[:, None, :] & (bj < B)[None, :, None]
+    # chi^2 of every group: equal counts, so the mean of per-sample chi^2
+    v = tl.load(norm_ptr + per_sample, mask=smask, other=0.0)
+    chi = _div(tl.sum(_div(v * v, tl.full(v.shape, hw, dt)), axis=1), tl.full((GP, BLOCK), B, dt))
+    nbad = tl.sum(tl.sum((gmask & ~_finite(chi)).to(tl.int32), axis=1), axis=0)
+    per_group = gk[:, None] * C + cols[None, :]
+    tl.store(chi2_ptr + per_group, chi, mask=gmask)
     t = tl.load(iters_ptr) + 1
     count = tl.load(count_ptr)
     if POLICY:  # read here, not passed by value, so that a captured CUDA graph follows the callback
@@ -211,23 +226,19 @@ def forward_kernel(
         renorm_on = tl.load(policy_ptr + 1) != 0
     else:
         moving, renorm_on = _phase(t, moving_first, renorm_first)
-    tl.debug_barrier()  # chi^2 is read back below
-    lo = _div(tl.full((BLOCK,), 1.0, dt), tl.full((BLOCK,), clip, dt))
+    tl.debug_barrier()  # chi^2 is read back by the history's shift
     running_old = tl.load(running_ptr + cols, mask=cmask, other=1.0)
     ema_prev = running_old.to(dt)  # what r compares with
     ema_base = ema_prev  # the EMA before this forward's update
     if EMA_FIRST:  # a stream's first forward starts the EMA at its groups' mean chi^2
-        chi_sum = tl.zeros((BLOCK,), dt)
-        for k in range(G):
-            chi_sum += tl.load(chi2_ptr + k * C + cols, mask=cmask, other=0.0)
-        ema_base = tl.where(t == 1, _div(chi_sum, tl.full((BLOCK,), G, dt)), ema_prev)
-    e = _stream(
+        ema_base = tl.where(t == 1, _div(tl.sum(chi, axis=0), tl.full((BLOCK,), G, dt)), ema_prev)
+    var, e = _stream(
         hist_ptr,
         undo,
         chi2_ptr,
-        var_ptr,
+        chi,
         active_ptr,
-        active_ptr,  # unread: GATED off
+        tl.full((GP,), 1, tl.int32),
         moving & (STATS != 0),
         count,
         ema_base,
@@ -237,28 +248,26 @@ def forward_kernel(
         C,
         G,
         M,
+        MP,
         STATS,
-        False,
     )
+    var = tl.where(gmask, var, 1.0)
+    std = _sqrt(var + eps)
+    r = tl.full((GP, BLOCK), 1.0, dt)
+    if RENORM:
+        lo = _div(tl.full((GP, BLOCK), 1.0, dt), tl.full((GP, BLOCK), clip, dt))
+        clipped = tl.minimum(tl.maximum(_div(std, _sqrt(ema_prev + eps)[None, :]), lo), clip)
+        r = tl.where(renorm_on, clipped, r)
+    tl.store(var_ptr + per_group, var, mask=gmask)
+    tl.store(r_ptr + per_group, r, mask=gmask)
     w = tl.load(weight_ptr + cols, mask=cmask, other=0.0).to(dt)
-    ema_std = _sqrt(ema_prev + eps)
-    var_sum = tl.zeros((BLOCK,), dt)
-    for k in range(G):
-        var = tl.load(var_ptr + k * C + cols, mask=cmask, other=1.0)
-        std = _sqrt(var + eps)
-        r = tl.full((BLOCK,), 1.0, dt)
-        if RENORM:
-            clipped = tl.minimum(tl.maximum(_div(std, ema_std), lo), clip)
-            r = tl.where(renorm_on, clipped, r)
-        tl.store(r_ptr + k * C + cols, r, mask=cmask)
-        scale = _div(w * r, std)
-        for j in range(B):
-            tl.store(scale_ptr + (k * B + j) * C + cols, scale, mask=cmask)
-        var_sum += var
+    scale = _div(w[None, :] * r, std)
+    tl.store(scale_ptr + per_sample, tl.broadcast_to(scale[:, None, :], (GP, BP, BLOCK)), mask=smask)
     if STATS == 2:
         ema = e
     else:
-        ema = momentum * ema_base + (1.0 - momentum) * _div(var_sum, tl.full((BLOCK,), G, dt))
+        var_mean = _div(tl.sum(tl.where(gmask, var, 0.0), axis=0), tl.full((BLOCK,), G, dt))
+        ema = momentum * ema_base + (1.0 - momentum) * var_mean
     tl.store(ema_ptr + cols, ema, mask=cmask)
     tl.store(undo + M * C + cols, running_old, mask=cmask)
     tl.store(running_ptr + cols, ema, mask=cmask)
@@ -275,7 +284,7 @@ def forward_kernel(
 
 @triton.jit
 def backward_kernel(
-    dz_ptr,
+    dx_ptr,
     dsum_ptr,
     r_ptr,
     var_ptr,
@@ -295,12 +304,15 @@ def backward_kernel(
     tickets_ptr,
     scale_ptr,
     C,
-    G,
-    B,
     psi_count: tl.float64,
     momentum_: tl.float64,
     eps_: tl.float64,
+    G: tl.constexpr,
+    B: tl.constexpr,
     M: tl.constexpr,
+    GP: tl.constexpr,
+    BP: tl.constexpr,
+    MP: tl.constexpr,
     STATS: tl.constexpr,
     SCALED: tl.constexpr,
     BLOCK: tl.constexpr,
@@ -312,6 +324,8 @@ def backward_kernel(
     policy is)."""
     cols = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     cmask = cols < C
+    gk = tl.arange(0, GP)
+    bj = tl.arange(0, BP)
     dt = var_ptr.dtype.element_ty
     momentum, eps = tl.full((), momentum_, dt), tl.full((), eps_, dt)
     undo = undo_ptr.to(hist_ptr.dtype)  # as in forward_kernel
@@ -319,58 +333,50 @@ def backward_kernel(
     loss_scale = tl.full((), 1.0, dt)
     if SCALED:
         loss_scale = tl.load(scale_ptr).to(dt)
-    nbad = 0
+    gmask = (gk < G)[:, None] & cmask[None, :]
+    per_sample = ((gk * B)[:, None, None] + bj[None, :, None]) * C + cols[None, None, :]
+    smask = gmask[:, None, :] & (bj < B)[None, :, None]
+    per_group = gk[:, None] * C + cols[None, :]
     w = tl.load(weight_ptr + cols, mask=cmask, other=0.0).to(dt)
-    grad_weight = tl.zeros((BLOCK,), dt)
-    grad_bias = tl.zeros((BLOCK,), dt)
-    for k in range(G):
-        dz = tl.zeros((BLOCK,), dt)
-        for j in range(B):
-            n = k * B + j
-            dz += tl.load(dz_ptr + n * C + cols, mask=cmask, other=0.0).to(dt)
-            grad_bias += tl.load(dsum_ptr + n * C + cols, mask=cmask, other=0.0).to(dt)
-        dz = _div(dz, _sqrt(tl.load(var_ptr + k * C + cols, mask=cmask, other=1.0) + eps))
-        r = tl.load(r_ptr + k * C + cols, mask=cmask, other=1.0)
-        psi = _div(w * r * dz, tl.full((BLOCK,), psi_count, dt))
-        if SCALED:
-            psi = _div(psi, tl.full((BLOCK,), loss_scale, dt))
-        nbad += tl.sum((cmask & ~_finite(psi)).to(tl.int32), axis=0)
-        tl.store(psi_ptr + k * C + cols, psi, mask=cmask)
-        grad_weight += r * dz
-    tl.store(grad_weight_ptr + cols, grad_weight, mask=cmask)
+    var = tl.load(var_ptr + per_group, mask=gmask, other=1.0)
+    r = tl.load(r_ptr + per_group, mask=gmask, other=1.0)
+    dz = _div(tl.sum(tl.load(dx_ptr + per_sample, mask=smask, other=0.0).to(dt), axis=1), _sqrt(var + eps))
+    grad_bias = tl.sum(tl.sum(tl.load(dsum_ptr + per_sample, mask=smask, other=0.0).to(dt), axis=1), axis=0)
+    psi = _div(w[None, :] * r * dz, tl.full((GP, BLOCK), psi_count, dt))
+    if SCALED:
+        psi = _div(psi, tl.full((GP, BLOCK), loss_scale, dt))
+    nbad = tl.sum(tl.sum((gmask & ~_finite(psi)).to(tl.int32), axis=1), axis=0)
+    tl.store(psi_ptr + per_group, psi, mask=gmask)
+    tl.store(grad_weight_ptr + cols, tl.sum(r * dz, axis=0), mask=cmask)
     tl.store(grad_bias_ptr + cols, grad_bias, mask=cmask)
     count = tl.load(count_ptr)
-    tl.debug_barrier()  # psi is read back below
+    tl.debug_barrier()  # psi is read back by the history's shift
     running_old = tl.load(running_ptr + cols, mask=cmask, other=0.0)
-    ema_prev = running_old.to(dt)
     # psi_active[k] = active[k] (the forward's output) and the psi stream holds M statistics before group k.
-    e = _stream(
+    psi_bar, e = _stream(
         hist_ptr,
         undo,
         psi_ptr,
-        psi_bar_ptr,
+        psi,
         psi_active_ptr,
-        active_ptr,
+        tl.load(active_ptr + gk, mask=gk < G, other=0.0),
         True,
         count,
-        ema_prev,
+        running_old.to(dt),
         momentum,
         cols,
         cmask,
         C,
         G,
         M,
+        MP,
         STATS,
-        True,
     )
-    for k in range(G):
-        psi_bar = tl.load(psi_bar_ptr + k * C + cols, mask=cmask, other=0.0)
-        var = tl.load(var_ptr + k * C + cols, mask=cmask, other=1.0)
-        if SCALED:
-            psi_bar = psi_bar * loss_scale
-        coef = _div(-psi_bar, var + eps)
-        for j in range(B):
-            tl.store(coef_ptr + (k * B + j) * C + cols, coef, mask=cmask)
+    tl.store(psi_bar_ptr + per_group, psi_bar, mask=gmask)
+    if SCALED:
+        psi_bar = psi_bar * loss_scale
+    coef = _div(-psi_bar, var + eps)
+    tl.store(coef_ptr + per_sample, tl.broadcast_to(coef[:, None, :], (GP, BP, BLOCK)), mask=smask)
     tl.store(undo + M * C + cols, running_old, mask=cmask)
     tl.store(running_ptr + cols, e, mask=cmask)
     last, ok = _last_ticket(tickets, nbad)
@@ -384,17 +390,25 @@ def backward_kernel(
         tl.store(tickets, 0)
 
 
-# Channels per program, one warp's lanes. A channel's statistics are a chain of dependent loads and arithmetic (G * M
-# loads for the SMA), so a launch takes about one chain's time while its programs run side by side: at 32 channels a
-# program the widest layers (4096 channels, 128 programs) still have an SM each on an H100 (132). On an H200 at G = 16,
-# M = 16 a forward took 21 µs at any width up to 4096 channels (one program: 263 µs at 4096); 16, 64 (2 warps) or 128
-# (4 warps) channels a program took 22 to 24 µs.
+# Channels per program, one warp's lanes: at 32 channels a program the widest layers (4096 channels, 128 programs)
+# still have an SM each on an H100 (132). A launch takes about one program's time, which is latency: written as a
+# loop over the groups that loads each group's values inside it, each step waited for its loads, and a forward at
+# G = 16, M = 16 took 21 to 24 µs on an H200 at any width and block. The kernels above load every tile they need
+# at once (the groups' samples, the history, the new statistics) and compute the groups from registers.
 MAX_BLOCK = 32
 
 
 @functools.cache  # triton.next_power_of_2 is a constexpr function, microseconds per host call
 def _block(channels: int, max_block: int) -> int:
     return min(triton.next_power_of_2(channels), max_block)
+
+
+@functools.cache
+def _extents(groups: int, group_size: int, buffer_size: int) -> dict[str, int]:
+    """The kernels' G, B, M and the tiles' extents, each rounded up to a power of 2 (GP, BP, MP)."""
+    g, b, m = groups, group_size, buffer_size
+    pow2 = triton.next_power_of_2
+    return dict(G=g, B=b, M=m, GP=pow2(g), BP=pow2(b), MP=pow2(m))
 
 
 @functools.cache
@@ -428,10 +442,9 @@ def forward_stats(
     # counts here); the scratch first, where its alignment is the allocation's.
     outs = norm.new_empty(u + 3 * gc + c + nc + groups).split((u, gc, gc, gc, c, nc, groups))
     undo, chi2, var, r, ema, scale, active = outs
-    ints = (c, groups, n // groups)
     first_steps = cfg.first_steps()
     consts = dict(
-        M=cfg.buffer_size,
+        **_extents(groups, n // groups, cfg.buffer_size),
         STATS=STATS_CODE[cfg.stats],
         RENORM=cfg.renorm,
         POLICY=cfg.policy is not None,
@@ -439,14 +452,14 @@ def forward_stats(
         BLOCK=_block(c, MAX_BLOCK),
     )
     device = norm.device
-    key = key_of(norm, weight.dtype, history.dtype, aligned(weight), *ints, *first_steps, *consts.values())
+    key = key_of(norm, weight.dtype, history.dtype, aligned(weight), c, *first_steps, *consts.values())
     _forward(
         key,
         (
             *(norm, weight, history, layer.running_var, layer.iters, layer.count_x2, undo),
             *(chi2, var, r, active, ema, scale),
             *(layer.nonfinite_flags(device), layer.tickets(device), layer.policy_flags(device)),
-            *(*ints, float(hw), cfg.momentum, cfg.eps, cfg.renorm_clip, *first_steps),
+            *(c, float(hw), cfg.momentum, cfg.eps, cfg.renorm_clip, *first_steps),
         ),
         consts,
     )
@@ -482,9 +495,11 @@ def backward_stats(
     sizes = (u, gc, gc, groups, n * c, c, c) if with_grads else (u, gc, gc, groups, n * c)
     undo, psi, psi_bar, psi_active, coef, *grads = var.new_empty(sum(sizes)).split(sizes)
     grad_weight, grad_bias = grads if with_grads else (weight.new_empty(c), weight.new_empty(c))
-    ints = (c, groups, n // groups)
     consts = dict(
-        M=cfg.buffer_size, STATS=STATS_CODE[cfg.stats], SCALED=loss_scale is not None, BLOCK=_block(c, MAX_BLOCK)
+        **_extents(groups, n // groups, cfg.buffer_size),
+        STATS=STATS_CODE[cfg.stats],
+        SCALED=loss_scale is not None,
+        BLOCK=_block(c, MAX_BLOCK),
     )
     flags = layer.nonfinite_flags(var.device)
     scale = flags if loss_scale is None else loss_scale  # any pointer when unscaled
@@ -495,7 +510,7 @@ def backward_stats(
         scale.dtype,
         aligned(weight),
         aligned(scale),
-        *ints,
+        c,
         *consts.values(),
     )
     _backward(
@@ -503,7 +518,7 @@ def backward_stats(
         (
             *(dout_x, dout_sum, r, var, active, weight, history, layer.running_psi, layer.count_gz, undo),
             *(psi, psi_bar, psi_active, coef, grad_weight, grad_bias, flags, layer.tickets(var.device), scale),
-            *(*ints, float(psi_count), cfg.momentum, cfg.eps),
+            *(c, float(psi_count), cfg.momentum, cfg.eps),
         ),
         consts,
     )
