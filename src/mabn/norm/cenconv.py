@@ -4,19 +4,23 @@ A CenConv2d centres its filters in every training forward (and projects the weig
 the definition and works with any optimizer. With SGD (any momentum, dampening, Nesterov and weight decay, no
 gradient clipping) the same weights follow from keeping the stored weights centred instead: the centring P is a
 linear projection, so P commutes with SGD's update, and re-centring in place after every optimizer step (one
-foreach call for all convs, ``keep_centred``, which both stages use) gives exactly the weights the forward would
-use, while the forward and backward run as a plain convolution: fewer passes over the weights per step.
+launch on CUDA, a foreach call elsewhere, ``keep_centred``, which both stages use) gives exactly the weights the
+forward would use, while the forward and backward run as a plain convolution: fewer passes over the weights per
+step.
 """
 
 from __future__ import annotations
 
 import warnings
 from collections.abc import Iterable
+from types import ModuleType
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
+
+from .fused import kernels_for
 
 
 def _filter_mean(w: Tensor) -> Tensor:
@@ -140,6 +144,39 @@ def recentre_(convs: Iterable[nn.Conv2d]) -> None:
             torch._foreach_sub_(weights, [_filter_mean(w) for w in weights])
 
 
+def _kernels(weight: Tensor) -> ModuleType | None:
+    """The one-launch re-centring (``cenconv_kernels``) for a CUDA weight, or None: the foreach path."""
+    return kernels_for(weight, "cenconv_kernels")
+
+
+class Recentring:
+    """``recentre_`` of a fixed list of convs, called after every optimizer step: on CUDA one Triton launch per
+    device and dtype over a table of the weights' addresses, rebuilt whenever a weight's storage moves (``.to``,
+    a new tensor assigned), so that a launch never writes where a weight used to be."""
+
+    def __init__(self, convs: list[nn.Conv2d]) -> None:
+        self.convs = convs
+        self._tables: dict[tuple, tuple[tuple[int, ...], Tensor]] = {}
+
+    def __call__(self) -> None:
+        groups: dict[tuple, list[Tensor]] = {}
+        rest = []
+        for conv in self.convs:
+            w = conv.weight
+            if _kernels(w) is not None and w.is_contiguous():
+                groups.setdefault((w.device, w.dtype), []).append(w)
+            else:
+                rest.append(conv)
+        recentre_(rest)
+        for key, weights in groups.items():
+            addresses = tuple(w.data_ptr() for w in weights)
+            known = self._tables.get(key)
+            if known is None or known[0] != addresses:
+                rows = [(a, w.shape[0], w[0].numel()) for a, w in zip(addresses, weights, strict=True)]
+                known = self._tables[key] = addresses, torch.tensor(rows, dtype=torch.int64).to(weights[0].device)
+            _kernels(weights[0]).recentre(known[1], weights[0], len(weights), max(w.shape[0] for w in weights))
+
+
 class SGDCentring:
     """The handle of ``keep_centred``: ``remove()`` returns the convs to centring in their forward."""
 
@@ -154,8 +191,9 @@ class SGDCentring:
 
 def keep_centred(model: nn.Module, optimizer: torch.optim.Optimizer) -> SGDCentring | None:
     """Make ``optimizer`` keep ``model``'s CenConv2d weights centred: re-centred in place after each of its steps
-    (one foreach call), their forwards and backwards then plain convolutions. Training is the same as with the
-    centring in every forward, at the cost of the plain network; returns the handle whose ``remove()`` undoes it.
+    (``Recentring``: one launch on CUDA), their forwards and backwards then plain convolutions. Training is the
+    same as with the centring in every forward, at the cost of the plain network; returns the handle whose
+    ``remove()`` undoes it.
 
     Exact for ``torch.optim.SGD`` with any momentum, dampening, Nesterov and weight decay. With P the centring (a
     linear projection), forward centring trains raw weights v on gradients P g; SGD's step (d = g + wd v, buffer
@@ -180,10 +218,11 @@ def keep_centred(model: nn.Module, optimizer: torch.optim.Optimizer) -> SGDCentr
             stacklevel=2,
         )
         return None
-    recentre_(convs)
+    recentring = Recentring(convs)
+    recentring()
     for conv in convs:
         conv.centred_in_place = True
-    hook = optimizer.register_step_post_hook(lambda *_: recentre_(convs))
+    hook = optimizer.register_step_post_hook(lambda *_: recentring())
     return SGDCentring(convs, hook)
 
 

@@ -6,14 +6,14 @@ leaves a GPU training step bound by the host launching them (about 4x BN's step 
 Here each direction is one launch over a grid of programs, each of a block of channels (channels are independent).
 Each program loads its channels' inputs of every group, the history and the new statistics as tiles (G, B and M are
 compile-time constants), computes its channels' statistics and outputs from registers and commits them to the
-layer's buffers in place, keeping the values it overwrites in a scratch area. A non-finite statistic must leave every buffer untouched, a
-verdict over all channels: each program takes a ticket (one atomic add on the layer's ``tickets``, which also
-counts whether it met a non-finite statistic), and the program that takes the last one writes the kept values
-back to every channel and sets the layer's sticky flag if any program met one, else advances the step counters;
-then it zeroes the tickets for the next launch (and every CUDA-graph replay). No program waits for another, so
-the programs may run in any order: side by side on a GPU, one after another in Triton's interpreter. A
-non-finite statistic is rare (an error, or an overflow that a loss scaler skips): the usual launch writes each
-buffer once.
+layer's buffers in place, keeping the values it overwrites in a scratch area. A non-finite statistic must leave
+every buffer untouched, a verdict over all channels: each program takes a ticket (one atomic add on the layer's
+``tickets``, which also counts whether it met a non-finite statistic), and the program that takes the last one
+writes the kept values back to every channel and sets the layer's sticky flag if any program met one, else
+advances the step counters; then it zeroes the tickets for the next launch (and every CUDA-graph replay). No
+program waits for another, so the programs may run in any order: side by side on a GPU, one after another in
+Triton's interpreter. A non-finite statistic is rare (an error, or an overflow that a loss scaler skips): the
+usual launch writes each buffer once.
 
 Scalars that enter float64 arithmetic are passed as fp64 and cast to the statistics' dtype inside, so a
 float32 step rounds as torch does with Python scalars and a float64 step keeps float64 exactly; square

@@ -23,9 +23,7 @@ from .fused import Launcher, aligned, key_of
 @triton.jit
 def _up(v):
     """float64 stays float64; every other float computes in float32 (torch's opmath for half types)."""
-    if v.dtype == tl.float64:
-        return v
-    return v.to(tl.float32)
+    return v.to(tl.float64 if v.dtype == tl.float64 else tl.float32)
 
 
 @triton.jit
