@@ -62,11 +62,13 @@ test-gpu: $(if $(filter $(VENV)/bin/python,$(PY)),$(STAMP))
 	MABN_TEST_DEVICE=cuda PYTHONPATH="$(CURDIR)/src$(if $(PYTHONPATH),:$(PYTHONPATH))" $(PY) -m pytest -q -m gpu
 
 # The first thing to run whenever a GPU is at hand (docs/testing.md#on-a-gpu), in one call of at most 8 minutes:
-# sections in order of value, each stopped at its own time limit (305 s in all), the report in
-# runs/bench/bench-cuda.md (OUT=docs: docs/bench-cuda.md) rewritten as each ends: the chain of a real stage-2 run
+# sections in order of value, each stopped at its own time limit (405 s in all), the report in
+# runs/bench/bench-cuda.md (OUT=docs: docs/bench-cuda.md) rewritten as each ends: the kernel tests on the device
+# (the compiled Triton kernels against the float64 references), the chain of a real stage-2 run
 # (fits killed and resumed, CUDA graphs against eager, test, predict, export, two ranks under bf16-mixed), stage 2's
-# PSPNet-101 step, stage 1's ResNet-101 step; each ratio MABN / BN against its target. SECTIONS=compiled: stage 2's
-# step compiled, a call of its own (420 s). SECTIONS=stage2,stage1: some of them (chain, stage2, stage1, compiled);
+# PSPNet-101 step, stage 1's ResNet-101 step and its kernels' GPU time; each ratio MABN / BN against its target.
+# SECTIONS=compiled: stage 2's step compiled, a call of its own (420 s). SECTIONS=stage2,stage1: some of them
+# (kernels, chain, stage2, stage1, profile, compiled);
 # DRY_RUN=1: the sections, their limits and the report's path; ARGS: further options of python -m mabn bench check,
 # e.g. ARGS="--limits chain=240".
 # PY=python: the machine's own Python instead of .venv, which is then not built (a lent GPU machine with its own

@@ -21,7 +21,7 @@ import torch
 import yaml
 
 from mabn.models import PSPNet
-from mabn.tools.bench import chain, check, step
+from mabn.tools.bench import chain, check, profile, step
 from mabn.tools.bench.command import main
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -41,7 +41,7 @@ def test_dry_run_lists_the_sections_in_order_within_one_gpu_call(capsys):
     assert main(["check", "--dry-run"]) == 0
     out = capsys.readouterr().out
     sections = _sections(out)
-    assert [key for key, _ in sections] == ["chain", "stage2", "stage1"]
+    assert [key for key, _ in sections] == ["kernels", "chain", "stage2", "stage1", "profile"]
     limits = [limit for _, limit in sections]
     assert all(0 < limit <= check.MAX_SECTION_S == 240 for limit in limits)
     assert sum(limits) <= check.MAX_TOTAL_S == 480
@@ -58,6 +58,8 @@ def test_dry_run_lists_the_sections_in_order_within_one_gpu_call(capsys):
     assert "batch 2, 713x713" in lines["stage2"] and "eager, bf16-mixed" in lines["stage2"]
     assert "ResNet-101 (stage 1) training step, batch 32, 224x224" in lines["stage1"]
     assert "600,480 iterations on 8 GPUs" in lines["stage1"]
+    assert "batch 32, 224x224, eager: each kernel's GPU time per step" in lines["profile"]
+    assert "tests/test_row_kernels.py" in lines["kernels"] and "MABN_TEST_DEVICE=cuda" in lines["kernels"]
     assert "compiled, float32 (reduce-overhead, first step timed)" in _sections_text(alone)["compiled"]
 
 
@@ -73,7 +75,8 @@ def test_sections_runs_some_sections_in_the_checks_order(capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["check", "--dry-run", "--sections", "stage2,stage3"])
     assert exit_info.value.code == 2
-    assert "unknown section(s) stage3; choose from chain, stage2, stage1, compiled" in capsys.readouterr().err
+    known = "kernels, chain, stage2, stage1, profile, compiled"
+    assert f"unknown section(s) stage3; choose from {known}" in capsys.readouterr().err
     assert main(["check", "--dry-run", "--sections", "compiled,stage1", "--limits", "compiled=400,stage1=60"]) == 0
     out = capsys.readouterr().out
     assert _sections(out) == [("stage1", 60), ("compiled", 400)] and "total limit: 460 s" in out
@@ -248,3 +251,58 @@ def test_the_command_writes_the_report_and_fails_on_a_section_not_ok(monkeypatch
     assert not list(tmp_path.glob("*.png"))  # tables only: the GPU machine need not have matplotlib
     out = capsys.readouterr().out
     assert "check: quick: ok" in out and f"check: report {tmp_path / 'bench-cuda.md'}; not ok: fails" in out
+
+
+def test_the_profile_table_ranks_each_norms_costliest_work():
+    """``bench.profile`` on two tiny layers' training steps (ATen operators on the CPU standing in for kernels): the
+    table ranks entries by the most either spends, MABN's own among them, and its total's ratio is the totals'."""
+    from mabn.norm import MABN2d
+
+    device = torch.device("cpu")
+    x = torch.randn(4, 8, 16, 16)
+
+    def step_of(layer: torch.nn.Module):
+        def step() -> None:
+            layer(x.requires_grad_()).square().sum().backward()
+
+        return step
+
+    results = [
+        profile.kernel_times("bn", step_of(torch.nn.BatchNorm2d(8)), device),
+        profile.kernel_times("mabn", step_of(MABN2d(8, norm_batch_size=2)), device),
+    ]
+    table = profile.table(results, "two layers", device)
+    rows = {line.split("|")[1].strip(): line for line in table.splitlines() if line.startswith("| ")}
+    assert "`_MABNFunctionBackward`" in rows and "`aten::native_batch_norm`" in rows
+    _, bn_us, mabn_calls, mabn_us = (float(c) for c in rows["all"].split("|")[2:6])
+    ratio = float(re.search(r"time against bn's: mabn (\d+\.\d+)", table)[1])
+    assert ratio == pytest.approx(results[1].total_us / results[0].total_us, abs=1e-3) and mabn_calls > 0
+    assert (bn_us, mabn_us) == pytest.approx((results[0].total_us, results[1].total_us), abs=1)
+    assert profile.short_name("void at::native::k<float, 4>(float*, int)") == "at::native::k"
+
+
+@pytest.mark.slow
+def test_the_profile_section_runs_stage_1s_step_for_each_norm(monkeypatch):
+    """The profile section as the check runs it, at 2 images of 32 px on the CPU."""
+    monkeypatch.setattr(check, "PROFILED", ("resnet101", 2, 32))
+    said, shown = [], []
+    job = check.Job(check.Options(device="cpu"), time.monotonic() + 60, said.append, shown.append)
+    measured = check.run_profile(job)
+    assert measured.markdown == shown[-1]
+    assert measured.markdown.startswith("### Where the step's time goes: ResNet-101 (stage 1) batch 2, 32x32, eager")
+    assert [line.split(":")[0] for line in said] == ["profile bn", "profile mabn"]
+
+
+def test_the_kernels_section_runs_the_checkouts_kernel_tests(monkeypatch):
+    """The kernels section runs pytest on the device named (here the CPU, Triton's interpreter) and fails the check
+    when the tests fail or are not there (an installed package has no tests beside it)."""
+    from mabn.tools.bench import devicetests
+
+    monkeypatch.setattr(devicetests, "TESTS", ("tests/test_recentre_kernel.py",))
+    job = check.Job(check.Options(device="cpu"), time.monotonic() + 120, [].append, [].append)
+    measured = check.run_kernel_tests(job)
+    assert measured.failures == () and "MABN_TEST_DEVICE=cpu python -m pytest" in measured.markdown
+    assert re.search(r": passed in \d+ s", measured.markdown) and "3 passed" in measured.markdown
+    monkeypatch.setattr(devicetests, "TESTS", ("tests/test_no_such_file.py",))
+    missing = check.run_kernel_tests(job)
+    assert missing.failures == ("kernel tests",) and "no checkout's tests beside the package" in missing.markdown

@@ -72,6 +72,8 @@ NOT_RUN = {
     r"^python compile_times\.py\b": "the compile_times.py script of docs/compile.md (see its block)",
     r"^make gpu-wheels\b|^scripts/gpu/wheels\.sh\b": "downloads about 54 MB of wheels from the package index, or "
     "installs them into a GPU machine's own Python",
+    r"runs/gpu-check/chain-\d": "a link of the GPU check's chain as its report lists it, on the chain's own generated "
+    "data and run folders: tests/test_chain.py runs the chain's links",
 }
 # What a <placeholder> stands for, and an elided value (``NAME=...``, ``--flag ...``); a bare ``...`` word (more
 # arguments) is dropped. Data paths (/data/..., /path/to/...) are the test's generated sets (test_docs_commands.py).

@@ -2,13 +2,17 @@
 value, each with its own time limit, so that one GPU call of ``total_limit()`` seconds (at most 8 minutes) brings
 back the most it can.
 
+0. ``kernels``: the checkout's kernel tests on the device (``mabn.tools.bench.devicetests``): the compiled Triton
+   kernels against the float64 references, before anything is measured with them;
 1. ``chain``: the chain of a real stage-2 run (``mabn.tools.bench.chain``): fits killed and resumed, graphed against
    eager, test, predict, export, two ranks under bf16-mixed;
 2. ``stage2``: stage 2's training step, PSPNet-101 at batch 2 and crop 713, MABN against BN, CUDA graphs and eager,
    float32 and bf16-mixed;
 3. ``stage1``: stage 1's training step, ResNet-101 at 32 images of 224 px in ghost batches of 2 against BN over
    the 32 (the ``bn32`` backbone), CUDA graphs and eager, with the hours of the recipe on 8 GPUs;
-4. ``compiled``: stage 2's step through ``torch.compile``, the first (compiling) step's seconds included: a GPU
+4. ``profile``: where stage 1's eager step spends its GPU time, kernel by kernel, BN beside MABN
+   (``mabn.tools.bench.profile``), so that a ratio that misses its target names the kernels behind it;
+5. ``compiled``: stage 2's step through ``torch.compile``, the first (compiling) step's seconds included: a GPU
    call of its own (``--sections compiled``), since compiling PSPNet-101 takes minutes.
 
 Where each runs. The chain's links are commands of the product and stay subprocesses, started from this process,
@@ -43,7 +47,7 @@ import yaml
 
 from ...cli.launch import CONFIGS
 from ...run import device_batch, loader_batches, total_iterations
-from . import chain, step
+from . import chain, devicetests, profile, step
 
 # The goals each measured ratio MABN / BN is held to (the report says met or not met).
 TIME_TARGETS = {"graphs": 1.05, "eager": 1.15, "compiled": 1.05}
@@ -209,6 +213,43 @@ def _describe_chain(options: Options) -> str:
     return chain.describe(options.plan)
 
 
+def run_kernel_tests(job: Job) -> Measured:
+    """The kernels section (in the check's process: the tests are a subprocess it stops at the deadline)."""
+    passed, markdown = devicetests.run(job.options.device, job.deadline)
+    job.show(markdown)
+    return Measured(markdown, failures=() if passed else ("kernel tests",))
+
+
+def _describe_kernel_tests(options: Options) -> str:
+    return (
+        f"the kernel tests of the default suite (tests/test_mabn_kernels.py's reference and low-precision tests, "
+        f"tests/test_row_kernels.py, tests/test_recentre_kernel.py) with MABN_TEST_DEVICE={options.device}: the "
+        "compiled Triton kernels against the float64 references"
+    )
+
+
+PROFILED = ("resnet101", 32, 224)  # stage 1's step: the bulk of the recipe's compute, and its largest ratio
+
+
+def run_profile(job: Job) -> Measured:
+    """The profile section (in the step process)."""
+    device = torch.device(job.options.device)
+    model, batch, crop = PROFILED
+    results = profile.run(device, model, batch, crop, say=job.say)
+    title = f"{step.MODELS[model].split(' (')[0]} (stage 1) batch {batch}, {crop}x{crop}, eager, float32"
+    markdown = profile.table(results, title, device)
+    job.show(markdown)
+    return Measured(markdown)
+
+
+def _describe_profile(options: Options) -> str:
+    model, batch, crop = PROFILED
+    return (
+        f"{step.MODELS[model]} training step, batch {batch}, {crop}x{crop}, eager: each kernel's GPU time per step "
+        f"under torch.profiler, {' and '.join(profile.NORMS)} side by side"
+    )
+
+
 @dataclass(frozen=True)
 class Section:
     """One part of the check: ``key`` (for ``--sections``), its time limit, what it runs (``run``, in the step
@@ -231,13 +272,17 @@ def _steps(key: str, limit_s: int, work: StepWork, alone: bool = False) -> Secti
 STAGE2 = StepWork(2, "pspnet101", 2, 713, tuple(StepPath(h, p) for p in (None, step.BF16) for h in ("graphs", "eager")))
 STAGE1 = StepWork(1, "resnet101", 32, 224, (StepPath("graphs"), StepPath("eager")))
 COMPILED = StepWork(2, "pspnet101", 2, 713, (StepPath("compiled"),))
-# The order is the value: the chain finds what breaks a real run; the stage-2 ratios of the default path are the
-# paper's claim; stage 1's step gives its hours. Compiling PSPNet-101 takes minutes (BN's first compiled step 86 s
-# on an H200, docs/bench-cuda.md): ``compiled`` is a GPU call of its own.
+# The order is the value: the kernel tests say whether what follows runs MABN's maths; the chain finds what breaks
+# a real run; the stage-2 ratios of the default path are the
+# paper's claim; stage 1's step gives its hours, and its profile the kernels behind its ratio. Compiling PSPNet-101
+# takes minutes (the first compiled step 82 s for BN, 302 s for MABN on an H200, docs/bench-compiled-cuda.md):
+# ``compiled`` is a GPU call of its own.
 SECTIONS = (
+    Section("kernels", 60, run_kernel_tests, _describe_kernel_tests, here=True),
     Section("chain", 180, run_chain, _describe_chain, here=True),
     _steps("stage2", 80, STAGE2),
     _steps("stage1", 45, STAGE1),
+    Section("profile", 40, run_profile, _describe_profile),
     _steps("compiled", 420, COMPILED, alone=True),
 )
 # The budget of one GPU call that each plan keeps to (tests/test_gpu_check.py): a section's limit in the default

@@ -153,6 +153,20 @@ def _batch(
     return images.to(device), labels.to(device)
 
 
+def training_step(
+    norm: str, device: torch.device, model: str = "pspnet101", batch: int = 2, crop: int = 512
+) -> Callable[[], None]:
+    """One eager training iteration of ``build(norm, model=model)`` on fixed images, as a function; its first call
+    made (momentum buffers created, kernels compiled)."""
+    dense = model == "pspnet101"
+    torch.manual_seed(0)
+    net = build(norm, 19 if dense else 1000, model).to(device).train()
+    trainer = _Trainer(net)
+    step = partial(trainer.step, *_batch(batch, crop, 19 if dense else 1000, device, dense))
+    step()
+    return step
+
+
 def _say(line: str) -> None:
     print(line, flush=True)
 
