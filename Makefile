@@ -8,8 +8,10 @@ STAMP  := $(VENV)/.installed
 # layout is an error); NORM: bn, syncbn, gn, brn, mabn or an ablation preset (stage 1 also bn32: BN over each
 # device's batch of 32, the backbone of the paper's BN, BRN and SyncBN rows); GPUS per node (0: CPU; without
 # CUDA, GPUS CPU processes under DDP) and NODES pick a preset in configs/trainer/; BACKBONE: for stage 2, a
-# stage-1 file or torchvision ResNet-101 weights (docs/backbones.md); RUN_DIR: the experiment folder (default
-# runs/<stage>/<norm>, runs/demo/<stage>/<norm> for the demo);
+# stage-1 file or torchvision ResNet-101 weights (docs/backbones.md); INIT: for stage 1, beyond the paper, a BN
+# network's file (torchvision ResNet-101 weights or a stage-1 bn/bn32 file) that NORM=mabn starts from for a short
+# re-pretraining (configs/pretrain-warm.yaml; runs/pretrain/mabn-warm, pretrain/warm/; docs/backbones.md);
+# RUN_DIR: the experiment folder (default runs/<stage>/<norm>, runs/demo/<stage>/<norm> for the demo);
 # RESUME: auto (the newest checkpoint of the experiment folder, if any) or a checkpoint path; ARGS: further
 # LightningCLI arguments, e.g. ARGS="--trainer.max_epochs 10".
 NORM     ?= mabn
@@ -17,12 +19,13 @@ DATA     ?=
 GPUS     ?= 0
 NODES    ?= 1
 BACKBONE ?=
+INIT     ?=
 RESUME   ?=
 RUN_DIR  ?=
 ARGS     ?=
 CKPT     ?=
 NORM_ARGS  = --norm $(NORM) $(if $(DATA),--data "$(DATA)") $(if $(BACKBONE),--backbone "$(BACKBONE)") \
-	$(if $(RUN_DIR),--run-dir "$(RUN_DIR)")
+	$(if $(INIT),--init "$(INIT)") $(if $(RUN_DIR),--run-dir "$(RUN_DIR)")
 # DRY_RUN=1: print the run's plan (batches, lr, schedule, backbone) and LightningCLI arguments, check them, train nothing.
 DRY_RUN  ?=
 STAGE_ARGS = $(NORM_ARGS) --gpus $(GPUS) --nodes $(NODES) $(if $(RESUME),--resume "$(RESUME)") $(if $(DRY_RUN),--dry-run) \

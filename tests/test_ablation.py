@@ -129,8 +129,8 @@ def test_same_seed_same_start_and_data_whatever_the_norm(tiny_imagenet: Path, mo
     augmentation); another seed changes both."""
     seen: dict[tuple[str, int], dict] = {}
 
-    def recording_model(row, num_classes, seed, steps):
-        model = initial_model(row, num_classes, seed, steps)
+    def recording_model(row, num_classes, seed, steps, init=None):
+        model = initial_model(row, num_classes, seed, steps, init)
         seen[row.key, seed] = {"weights": {k: v.clone() for k, v in model.state_dict().items()}, "batches": []}
         return model
 

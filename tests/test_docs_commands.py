@@ -51,10 +51,11 @@ set's folder (data/demo-cityscapes, data/demo-segment) finds a small one generat
 stage-2 checkpoint under runs/ finds the session's short fit there. Files a command takes as given are
 created where it expects them, the way the product writes them: stage 2 runs after stage 1, so its sandbox holds
 ``pretrain/[demo/]<arch>-<norm>.pt`` (or the ``BACKBONE=`` file the command names, a torchvision state dict for
-``*.pth``), written by ``save_backbone`` from a ResNet of the norm built on the meta device with zero-strided
-tensors (every key and shape of the real file, a few hundred kB: a dry run reads it, nothing loads its weights);
-the ablation snippets read ``runs/ablation*/results.json`` written by the ablation's own writer. The failing
-examples of docs/reliability.md get the file the row describes (``SETUPS``).
+``*.pth``), and a warm start of stage 1 finds the ``INIT=`` file it names likewise, written by ``save_backbone``
+from a ResNet of the norm built on the meta device with zero-strided tensors (every key and shape of the real
+file, a few hundred kB: a dry run reads it, nothing loads its weights); the ablation snippets read
+``runs/ablation*/results.json`` written by the ablation's own writer. The failing examples of docs/reliability.md
+get the file the row describes (``SETUPS``).
 
 A documented failure (a table row with an ``error:`` cell, ``docs_commands.EXPECTED``, a bare target's usage) must
 exit 2 and print that line; everything else must exit 0.
@@ -382,6 +383,23 @@ def _after_cut(argv: list[str], name: str) -> str | None:
     return rest[rest.index(name) + 1] if name in rest[:-1] else None
 
 
+def _named_backbone(target: Path, arch: str, backbones: Backbones) -> Path | None:
+    """The light file a command names: torchvision's state dict for ``*.pth``, a stage-1 file of the norm and arch
+    for ``<arch>-<norm>.pt`` (of BN over the whole batch under ``bn32/``); None for another name."""
+    named = re.fullmatch(r"(resnet\d+)-(\w+)\.pt", target.name)
+    if target.suffix == ".pth":
+        return backbones.torchvision(arch)
+    if named:
+        return backbones.stage1(named.group(2), named.group(1), None if target.parent.name == "bn32" else 2)
+    return None
+
+
+def _place(source: Path | None, target: Path, case: Case) -> None:
+    target = target if target.is_absolute() else Path.cwd() / target
+    if source is not None and not target.exists():
+        case.created.add(case.request.getfixturevalue("backbones").place(source, target))
+
+
 def _stage2_backbone(argv: list[str], case: Case) -> None:
     """Stage 2 runs after stage 1: the backbone file the command reads, where it reads it."""
     from mabn.cli.launch import STAGE1_PRESETS
@@ -395,20 +413,17 @@ def _stage2_backbone(argv: list[str], case: Case) -> None:
     backbones: Backbones = case.request.getfixturevalue("backbones")
     if given is None:
         target = backbone_path(Path("pretrain") / ("demo" if _option(argv, "--data") is None else ""), norm, arch)
-        source = backbones.stage1(norm, arch)
+        _place(backbones.stage1(norm, arch), target, case)
     else:
-        target = Path(given)
-        named = re.fullmatch(r"(resnet\d+)-(\w+)\.pt", target.name)
-        if target.suffix == ".pth":
-            source = backbones.torchvision(arch)
-        elif named:
-            batch = None if target.parent.name == "bn32" else 2
-            source = backbones.stage1(named.group(2), named.group(1), batch)
-        else:
-            return
-    target = target if target.is_absolute() else Path.cwd() / target
-    if not target.exists():
-        case.created.add(backbones.place(source, target))
+        _place(_named_backbone(Path(given), arch, backbones), Path(given), case)
+
+
+def _stage1_init(argv: list[str], case: Case) -> None:
+    """A warm start (``INIT=``, ``--init``) reads the BN network's file it names, where it names it."""
+    given = _option(argv, "--init")
+    if given is not None:
+        arch = _after_cut(argv, "--model.init_args.arch") or "resnet101"
+        _place(_named_backbone(Path(given), arch, case.request.getfixturevalue("backbones")), Path(given), case)
 
 
 def _run_folder(folder: Path, case: Case, checkpoint: Path | None = None) -> None:
@@ -491,9 +506,8 @@ def _mabn(argv: list[str], call: Call, case: Case) -> int:
             case.say(f"DRY_RUN=1 / --dry-run did not reach the stage: python -m mabn {shlex.join(argv)}")
             return 1
         argv = _with_dry_run(argv)
-        if sub in ("cityscapes", "segment"):
-            with _as_called(call, case):
-                _stage2_backbone(argv, case)
+        with _as_called(call, case):
+            (_stage2_backbone if sub in ("cityscapes", "segment") else _stage1_init)(argv, case)
     elif sub in ("fit", "validate") and not {"--print_config", "--help", "-h"} & set(argv):
 
         def check() -> int:

@@ -41,6 +41,10 @@ DEMO = "demo"  # the folder under runs/ and pretrain/ that holds the demo profil
 NO_BACKBONE = "none"  # --backbone none: stage 2's encoder from random weights, on purpose
 DEMO_WAIT_S = 1800  # how long the processes of other nodes wait for process 0 to generate the demo set
 STAGE2 = ("cityscapes", "segment")  # the stages that fine-tune a stage-1 backbone
+# Stage 1 started from a BN network (INIT=<file>, beyond the paper): its config after the recipe's, and the suffix of
+# its run's name and the folder of its backbone, apart from the runs from scratch (docs/backbones.md).
+WARM_CONFIG = "pretrain-warm.yaml"
+WARM = "warm"
 
 
 class LaunchError(ConfigError):
@@ -245,6 +249,24 @@ def stage2_backbone(norm: str, backbone: str | Path | None, demo: bool, pending:
     )
 
 
+def check_warm_start(stage: str, name: str, preset: Stage1Preset | None, init: str | Path) -> bool:
+    """Whether ``init`` (INIT=<file>) can start this launch as a warm start; a ``LaunchError`` saying why not. The
+    file's content and its fit to the norm are the task's check (``mabn.models.warm_start.check_init``)."""
+    if stage != "pretrain":
+        raise LaunchError(
+            f"INIT={init}: a warm start is stage 1's (make pretrain NORM=mabn INIT=<file>); stage 2 starts its encoder "
+            "from BACKBONE=<file>"
+        )
+    if preset is not None:
+        raise LaunchError(
+            f"INIT={init} with NORM={name}: a warm start runs its own timeline and epochs (configs/{WARM_CONFIG}); "
+            "use NORM=mabn"
+        )
+    if not Path(init).is_file():
+        raise LaunchError(f"INIT={init}: no such file")
+    return True
+
+
 def run_dir(stage: str, norm: str, demo: bool, given: Path | None) -> Path:
     """The experiment folder: ``given``, else runs/<stage>/<norm> (runs/demo/... for the demo profile)."""
     return given if given is not None else (RUNS / DEMO if demo else RUNS) / stage / norm
@@ -261,7 +283,7 @@ class LaunchPlan:
     data_dir: Path
     run_dir: Path
     trainer_args: tuple[str, ...]  # the trainer preset and its flags (devices, nodes, accelerator, sync_batchnorm)
-    backbone_args: tuple[str, ...]  # stage 2: where its encoder starts
+    backbone_args: tuple[str, ...]  # stage 2: where its encoder starts; stage 1: the warm start's file
     resume: str | None
     args: tuple[str, ...]  # the LightningCLI arguments: "fit", the configs, the settings above, the user's extra
     launcher: str | None  # the SLURM or torchrun layout the devices agree with (``check_cluster``)
@@ -297,11 +319,13 @@ def checked_plan(
     dry_run: bool = False,
     folder: Path | None = None,
     backbone_pending: bool = False,
+    init: str | Path | None = None,
 ) -> tuple[LaunchPlan, list[str]]:
     """The plan of a stage run (the demo profile without ``data``) and its checks; nothing is generated or read here
     but file names. ``dry_run`` assumes a GPU machine; ``backbone_pending`` (with it): stage 1 writes the backbone
-    before this run starts. Each check is independent of the others' outcome: (the plan, the problems, one line
-    each, in the order launcher, norm, devices, data, backbone). Where a check failed the plan holds a stand-in
+    before this run starts; ``init``: stage 1's warm start from that BN network's file. Each check is independent
+    of the others' outcome: (the plan, the problems, one line each, in the order launcher, norm, warm start,
+    devices, data, backbone). Where a check failed the plan holds a stand-in
     (the given data folder, or a folder inside it that is not there, norm mabn, one CPU process, no backbone), so
     that the LightningCLI can still check the rest without reporting the same problems again."""
     problems: list[str] = []
@@ -323,6 +347,9 @@ def checked_plan(
         )
         norm_ok = False
     norm = preset.norm if preset else norm
+    warm = init is not None and attempt(lambda: check_warm_start(stage, label, preset, init), False)
+    if warm:
+        label = f"{label}-{WARM}"
     if norm not in NORM_PRESETS:
         names = sorted([*NORM_PRESETS, *STAGE1_PRESETS])
         problems.append(f"NORM={norm}: unknown norm; choose one of {', '.join(names)}")
@@ -341,7 +368,8 @@ def checked_plan(
     demo = data is None
     folder = run_dir(stage, label, demo, folder)
     args = ["fit"]
-    for name in configs + (preset.configs(demo) if preset else []):
+    warm_configs = [WARM_CONFIG, *([f"demo/{WARM_CONFIG}"] if demo else [])] if warm else []
+    for name in configs + (preset.configs(demo) if preset else []) + warm_configs:
         args += ["--config", str(CONFIGS / name)]
     args += ["--data.init_args.data_dir", str(data_dir), "--model.init_args.norm", norm]
     args += ["--trainer.default_root_dir", str(folder)]
@@ -349,11 +377,13 @@ def checked_plan(
     dataset = {"pretrain": "imagenet", "cityscapes": "cityscapes"}.get(stage) if data is not None else None
     args += ["--trainer.logger.init_args.stage", stage]
     args += ["--trainer.logger.init_args.dataset", dataset or data_dir.resolve().name]
+    loading: list[str] = []
     if stage == "pretrain":
         export_dir = BACKBONES / DEMO if demo else BACKBONES
-        args += ["--model.init_args.export_dir", str(export_dir / label if preset else export_dir)]
+        export_dir = export_dir / label if preset else export_dir / WARM if warm else export_dir
+        args += ["--model.init_args.export_dir", str(export_dir)]
         args += list(preset.args) if preset else []
-    loading: list[str] = []
+        loading = ["--model.init_args.warm_start", str(init)] if warm else []
     # Stage 1's export for an unknown norm is no file to look for: the norm's problem is the one to report.
     if stage in STAGE2 and (norm_ok or backbone is not None):
         found = attempt(lambda: stage2_backbone(norm, backbone, demo, backbone_pending and dry_run))

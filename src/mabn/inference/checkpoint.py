@@ -68,7 +68,8 @@ def load_task(path: str | Path, error: type[Exception] = ConfigError) -> Restore
     """Rebuild the task of a Lightning checkpoint from its hyperparameters and load its weights; ``error`` with one
     line naming the file when it is missing, unreadable, of another task, or holds weights that do not fit.
 
-    A stage-2 encoder is built without reading the fit's backbone file: the checkpoint holds the trained weights.
+    A stage-2 encoder is built without reading the fit's backbone file, a stage-1 network without its warm start's
+    file: the checkpoint holds the trained weights.
     """
     path = Path(path)
     ckpt = load_weights_file(path, "checkpoint", error)
@@ -79,6 +80,8 @@ def load_task(path: str | Path, error: type[Exception] = ConfigError) -> Restore
     kwargs = {k: v for k, v in ckpt["hyper_parameters"].items() if not k.startswith("_")}
     if name == "SegmentationTask":
         kwargs["backbone"] = None
+    if name == "ClassificationTask":
+        kwargs["warm_start"] = None
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="No backbone given")  # the weights come next

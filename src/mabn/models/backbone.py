@@ -12,7 +12,7 @@ encoder that is not a ResNet (stage 2 takes any smp encoder; stage 1 trains ResN
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +59,9 @@ class Backbone:
     state_dict: dict[str, torch.Tensor]
     info: dict[str, Any]  # the stage-1 payload without weights (empty for torchvision)
     arch: str = DEFAULT_ARCH  # the ResNet the weights belong to
+    # The classifier (``fc.*``) of a torchvision state dict, which an encoder does not load and a stage-1 warm start
+    # (``mabn.models.warm_start``) does; empty for a stage-1 file, which holds none.
+    head: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def describe(self) -> str:
         """What the file is, for the line stage 2 logs and for errors."""
@@ -138,7 +141,8 @@ def read_backbone(path: str | Path, arch: str = DEFAULT_ARCH) -> Backbone:
     if _is_torchvision(payload):
         state = {k: v for k, v in payload.items() if not k.startswith("fc.")}
         _check_blocks(path, state, check_arch(arch))
-        return Backbone(path, TORCHVISION, "bn", False, BN_EPS, state, {}, arch)
+        head = {k: v for k, v in payload.items() if k.startswith("fc.")}
+        return Backbone(path, TORCHVISION, "bn", False, BN_EPS, state, {}, arch, head)
     if not isinstance(payload, dict) or payload.get("format") != FORMAT:
         raise BackboneError(
             f"{path} is neither a {FORMAT} file (pretrain/README.md) nor a torchvision ResNet-101 state dict"

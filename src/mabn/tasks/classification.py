@@ -16,6 +16,7 @@ from torchmetrics.classification import MulticlassAccuracy
 
 from ..errors import ConfigError
 from ..models import ARCHS, DEFAULT_ARCH, resnet, save_backbone
+from ..models.warm_start import check_init, load_warm_start
 from ..run import RunShape, auto_warmup_epochs, load_weights_file
 from . import schedules
 from .base import NormTask, require
@@ -69,6 +70,9 @@ class ClassificationTask(NormTask):
         label_smoothing: the label smoothing of the cross-entropy loss, in [0, 1); 0: none.
         export_dir: the folder that the best checkpoint's backbone is written to at the end of fitting, as
             ``<arch>-<norm>.pt``; null: no export.
+        warm_start: beyond the paper: a BN network's weights file (torchvision's ResNet state dict, or a stage-1
+            bn or bn32 file) that a centring MABN norm starts from, convs centred and MABN's statistics seeded from
+            BN's (``mabn.models.warm_start``; docs/backbones.md); null: random weights.
     """
 
     def __init__(
@@ -82,10 +86,15 @@ class ClassificationTask(NormTask):
         zero_init_residual: bool = False,
         label_smoothing: float = 0.0,
         export_dir: str | None = "pretrain",
+        warm_start: str | None = None,
         **shared: Any,
     ) -> None:
         super().__init__(**shared)
         self.model = self.build_model()
+        if warm_start:
+            hp = self.hparams
+            for line in load_warm_start(self.model, warm_start, hp.norm, hp.arch):
+                rank_zero_info(line)
         self.train_top1 = MulticlassAccuracy(num_classes, top_k=1)
         self.val_top1 = MulticlassAccuracy(num_classes, top_k=1)
         self.val_top5 = MulticlassAccuracy(num_classes, top_k=min(5, num_classes))
@@ -103,6 +112,8 @@ class ClassificationTask(NormTask):
         warmup = hp["warmup_epochs"]
         require(warmup is None or warmup >= 0, "warmup_epochs", warmup, "must be >= 0 (or null: auto)")
         require(0 <= hp["label_smoothing"] < 1, "label_smoothing", hp["label_smoothing"], "must be in [0, 1)")
+        if hp.get("warm_start"):  # a file that cannot start this network stops before any data is read
+            check_init(hp["warm_start"], hp["norm"], arch)
         epochs = list(hp["milestones"])
         require(
             epochs == sorted(epochs) and min(epochs, default=0) >= 0, "milestones", epochs, "must be increasing epochs"

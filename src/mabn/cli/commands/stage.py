@@ -42,6 +42,12 @@ def parser(stage: str) -> argparse.ArgumentParser:
         action="store_true",
         help="with --dry-run: stage 1's backbone is written by a job that runs first (make slurm AFTER=<job>)",
     )
+    parser.add_argument(
+        "--init",
+        help="stage 1, beyond the paper: warm-start a centring MABN norm from this BN network's weights file "
+        "(torchvision's ResNet state dict, or a stage-1 bn / bn32 file), with configs/pretrain-warm.yaml's "
+        "epochs and timeline; runs in runs/pretrain/<norm>-warm, writes pretrain/warm/ (docs/backbones.md)",
+    )
     parser.add_argument("--resume", help="'auto' (the newest checkpoint of the experiment folder, if any) or a path")
     parser.add_argument("--run-dir", type=Path, help="the experiment folder (default: runs/<stage>/<norm>)")
     parser.add_argument(
@@ -70,6 +76,7 @@ def main(argv: list[str]) -> int:
         dry_run=ns.dry_run,
         folder=ns.run_dir,
         backbone_pending=ns.backbone_pending,
+        init=ns.init,
     )
     if problems and not ns.dry_run:  # a run stops at its first problem
         raise launch.LaunchError(problems[0])

@@ -6,8 +6,10 @@ paired difference to BN(32) (confidence interval, paired t-test) beside the pape
 <out>/ablation.md, the run outcomes and training losses to <out>/results.json, the training curves beside
 the final errors to <out>/curves.png, the per-step statistics of layer1.0.bn1 to <out>/stats/*.csv and
 the paper's Figures 2, 5 and 6 to <out>/*.png. By default the key rows of Table 2 (--rows all: Tables 2
-and 6 in full). --dry-run checks the options and the dataset, prints the runs and the files they would write,
-and trains, generates and writes nothing.
+and 6 in full). --warm-start (beyond the paper) trains BN(32) and MABN(2) from scratch per seed, then MABN(2)
+started from that seed's BN(32) network for each given number of steps, and writes their table against MABN(2)
+from scratch to <out>/ablation.md (default out: runs/ablation-warm). --dry-run checks the options and the
+dataset, prints the runs and the files they would write, and trains, generates and writes nothing.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import argparse
 import shlex
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -24,9 +27,9 @@ from ...data.imagenet import ImageFolderDataModule
 from ...errors import ConfigError
 from . import figures, report, shapes
 from .model import BLOCKS, WIDTHS
-from .rows import ALL, KEY_ROWS, ROWS, Row, select
+from .rows import ALL, DEFAULT_WARM_STEPS, KEY_ROWS, ROWS, WARM_SOURCE, Row, select, warm_rows
 from .runner import Task, available_cores, default_workers, run_all
-from .train import TrainConfig, open_data
+from .train import RunResult, TrainConfig, open_data, run_steps
 
 GENERATED_DATA = Path("data/ablation-shapes")
 # Sized for the 5 key rows x 8 seeds within 30 minutes on 2 idle CPU cores, two one-thread runs at a time (20
@@ -36,6 +39,18 @@ GENERATED_DATA = Path("data/ablation-shapes")
 DEFAULT_STEPS = 600
 DEFAULT_SEEDS = 8
 DEFAULT_OUT = Path("runs/ablation")
+DEFAULT_WARM_OUT = Path("runs/ablation-warm")
+
+
+def _step_counts(text: str) -> list[int]:
+    """``--warm-start``'s comma-separated step counts, each an integer >= 0 (0: the seeded network untrained)."""
+    try:
+        steps = [int(k) for k in text.split(",") if k.strip()]
+    except ValueError:
+        steps = []
+    if not steps or min(steps) < 0:
+        raise argparse.ArgumentTypeError(f"expected comma-separated step counts >= 0, e.g. 0,60,150,300, got {text!r}")
+    return steps
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -65,7 +80,21 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         help="runs at a time (default: on the CPU, available cores // threads, here "
         f"{default_workers(1)} at one thread; on another device, 1)",
     )
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"output folder (default: {DEFAULT_OUT})")
+    parser.add_argument(
+        "--warm-start",
+        type=_step_counts,
+        nargs="?",
+        const=list(DEFAULT_WARM_STEPS),
+        metavar="STEPS",
+        help="beyond the paper: BN(32), MABN(2) from scratch, and MABN(2) warm-started from the BN(32) network of "
+        "the same seed for each of these comma-separated step counts (default: "
+        f"{','.join(map(str, DEFAULT_WARM_STEPS))}); the table compares them with MABN(2) from scratch",
+    )
+    parser.add_argument(
+        "--out",
+        type=Path,
+        help=f"output folder (default: {DEFAULT_OUT}; with --warm-start {DEFAULT_WARM_OUT})",
+    )
     parser.add_argument("--image-size", type=positive, default=32, help="square training crop in pixels (default: 32)")
     parser.add_argument(
         "--lr",
@@ -112,9 +141,10 @@ def _check_out(out: Path) -> None:
             raise ConfigError(f"--out {out}: {folder} is not a folder")
 
 
-def outputs(out: Path, rows: list[Row]) -> list[Path]:
-    """The files a run of ``rows`` writes under ``out`` (the statistics and their figures: seed 0's probed rows)."""
-    probed = {row.key for row in rows if row.key in figures.PROBED_ROWS}
+def outputs(out: Path, rows: list[Row], probe: bool = True) -> list[Path]:
+    """The files a run of ``rows`` writes under ``out`` (the statistics and their figures: seed 0's probed rows,
+    where ``probe``)."""
+    probed = {row.key for row in rows if row.key in figures.PROBED_ROWS} if probe else set()
     files = [out / "ablation.md", out / "results.json", out / "curves.png"]
     files += [out / "stats" / f"{row.key}-seed0.csv" for row in rows if row.key in probed]
     figure_rows = {"fig2-bn-statistics.png": figures.FIGURE2_ROWS, "fig5-6-chi2-psi.png": figures.FIGURE56_ROWS}
@@ -140,17 +170,42 @@ def plan(
             f"{len(data.val_set)} validation images, {config.image_size} px crops"
         )
     lines.append(f"rows: {', '.join(f'{row.label} ({row.key}: {row.preset})' for row in rows)}")
+    counts = [run_steps(row, config) for row in rows]
+    steps = str(counts[0]) if len(set(counts)) == 1 else f"{', '.join(map(str, counts))} (in row order)"
     lines.append(
-        f"runs: {len(rows)} rows x {args.seeds} seeds = {len(rows) * args.seeds} runs of {config.steps} steps, peak lr "
+        f"runs: {len(rows)} rows x {args.seeds} seeds = {len(rows) * args.seeds} runs of {steps} steps, peak lr "
         f"{config.lr}, {workers} at a time ({config.threads} thread(s) each), on {config.device}"
     )
-    return lines + [f"writes {path}" for path in outputs(args.out, rows)]
+    if args.warm_start:
+        lines.append("warm starts: from the BN(32) network of the same seed, convs centred, statistics seeded")
+    return lines + [f"writes {path}" for path in outputs(args.out, rows, probe=not args.warm_start)]
+
+
+def _train(rows: list[Row], seeds: range, config: TrainConfig, workers: int, warm: bool) -> list[RunResult]:
+    """Every (row, seed) run. Without ``warm`` seed-major, so the probed runs of the first seed finish first; with
+    it, the rows from scratch first (BN(32) keeps its weights), then each warm start from its seed's BN(32)."""
+    if not warm:
+        tasks = [Task(row, s, s == 0 and row.key in figures.PROBED_ROWS) for s in seeds for row in rows]
+        return run_all(tasks, config, workers)
+    scratch = [
+        Task(row, s, False, keep_state=row.key == WARM_SOURCE) for s in seeds for row in rows if not row.warm_from
+    ]
+    results = run_all(scratch, config, workers)
+    source = {r.seed: r.state for r in results if r.row == WARM_SOURCE}
+    warm = [Task(row, s, False, init=source[s]) for s in seeds for row in rows if row.warm_from]
+    results += run_all(warm, config, workers)
+    for result in results:
+        result.state = None  # the weights were for the warm starts only
+    return results
 
 
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
+    args.out = args.out or (DEFAULT_WARM_OUT if args.warm_start else DEFAULT_OUT)
     _check_out(args.out)
-    rows = select(args.rows)
+    if args.warm_start and args.rows is not None:
+        raise ConfigError("--warm-start trains its own rows (BN(32), MABN(2) and the warm starts): drop --rows")
+    rows = warm_rows(args.warm_start) if args.warm_start else select(args.rows)
     config = TrainConfig(
         data=_data_root(args.data, args.dry_run),
         steps=args.steps,
@@ -168,15 +223,14 @@ def main(argv: list[str]) -> int:
         print("\n".join(plan(args, rows, config, data, workers, argv)))
         return 0
     seeds = range(args.seeds)
-    # Seed-major, so the probed runs of the first seed finish first.
-    tasks = [Task(row, seed, seed == 0 and row.key in figures.PROBED_ROWS) for seed in seeds for row in rows]
+    own = " (warm starts: their own)" if args.warm_start else ""
     print(
-        f"{len(rows)} rows x {args.seeds} seeds = {len(tasks)} runs of {args.steps} steps, {workers} at a time "
-        f"({args.threads} thread(s) each, {available_cores()} cores available), on {config.device}",
+        f"{len(rows)} rows x {args.seeds} seeds = {len(rows) * args.seeds} runs of {args.steps} steps{own}, {workers} "
+        f"at a time ({args.threads} thread(s) each, {available_cores()} cores available), on {config.device}",
         flush=True,
     )
     start = time.perf_counter()
-    results = run_all(tasks, config, workers)
+    results = _train(rows, seeds, config, workers, bool(args.warm_start))
     wall = time.perf_counter() - start
 
     out = args.out
@@ -198,8 +252,13 @@ def main(argv: list[str]) -> int:
     losses = {
         s.row.key: [r.losses for r in sorted(results, key=lambda r: r.seed) if r.row == s.row.key] for s in summaries
     }
+    if args.warm_start:
+        render = partial(report.warm_table, config=config)
+        markdown = report.write_markdown(out / "ablation.md", summaries, report.warm_header(setting), render)
+    else:
+        markdown = report.write_markdown(out / "ablation.md", summaries, report.header(setting))
     written = [
-        report.write_markdown(out / "ablation.md", summaries, report.header(setting)),
+        markdown,
         report.write_results(out / "results.json", setting, results),
         *(report.write_stats(out / "stats" / f"{key}-seed0.csv", records) for key, records in stats.items()),
     ]
@@ -219,7 +278,7 @@ def main(argv: list[str]) -> int:
         if p is not None
     ]
     print()
-    print(report.table(summaries))
+    print(render(summaries) if args.warm_start else report.table(summaries))
     for path in written:
         print(f"wrote {path}")
     return 0

@@ -1,6 +1,7 @@
 """The ablation's outputs: the markdown table (per row the error over seeds and the paired difference to
-BN(32) with its confidence interval and p-value, beside the paper's numbers), the results JSON and the raw
-per-step statistics as CSV, every file written atomically."""
+BN(32) with its confidence interval and p-value, beside the paper's numbers; with --warm-start the warm starts'
+table against MABN(2) from scratch), the results JSON and the raw per-step statistics as CSV, every file written
+atomically."""
 
 from __future__ import annotations
 
@@ -8,14 +9,15 @@ import csv
 import json
 import math
 import statistics
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from ...run import write_atomic, write_text_atomic
-from .rows import GRADIENT_BATCH, SMALL_BATCH, Row
+from .rows import GRADIENT_BATCH, ROWS_BY_KEY, SMALL_BATCH, WARM_TARGET, Row
 from .stats import Paired, paired_test
-from .train import RunResult
+from .train import RunResult, TrainConfig, run_steps
 
 REFERENCE_ROW = "bn32"  # the deltas are taken against BN at the regular batch, as in the paper
 CONFIDENCE = 0.95
@@ -111,19 +113,51 @@ def table(summaries: list[Summary]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def header(setting: dict[str, Any]) -> list[str]:
-    """The lines above the table: the command and the setting every row shared, then how to read it."""
+def warm_table(summaries: list[Summary], config: TrainConfig) -> str:
+    """The warm-start table (--warm-start): per row where it started, its own steps and the steps in all (a warm
+    start's own plus the BN(32) run it started from), its error, and its paired difference to MABN(2) from
+    scratch."""
+    reference = next((s for s in summaries if s.row.key == WARM_TARGET), None)
+    own = {s.row.key: run_steps(s.row, config) for s in summaries}
+    label = ROWS_BY_KEY[WARM_TARGET].label
+    lines = [
+        "| row | starts from | steps of its own | steps in all | top-1 error % (mean ± std) | per seed | "
+        f"Δ vs {label} from scratch, paired [{CONFIDENCE:.0%} CI] | p (paired t) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for s in summaries:
+        row = s.row
+        source = row.warm_from
+        start = f"{ROWS_BY_KEY[source].label} after {own.get(source, config.steps)} steps" if source else "random"
+        total = own[row.key] + (own.get(source, config.steps) if source else 0)
+        seeds = ", ".join("div." if math.isnan(e) else f"{e:.2f}" for e in s.errors)
+        lines.append(
+            f"| {row.label} | {start} | {own[row.key]} | {total} | {_error_cell(s)} | {seeds} | "
+            f"{_paired_cells(s, reference)} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def _setting_line(setting: dict[str, Any]) -> str:
+    """The command and the setting every row shared, in one paragraph."""
     c = setting["config"]
-    return [
-        "# MABN ablation at small scale (paper Tables 2 and 6)",
-        "",
+    return (
         f"`{setting['command']}`: {setting['model']} on {setting['data']} ({setting['classes']} classes, "
         f"{setting['train_images']} training and {setting['val_images']} validation images, {c['image_size']} px "
         f"crops); gradient batch {GRADIENT_BATCH}, small normalization batch {SMALL_BATCH} through ghost batches; "
         f"SGD momentum {c['momentum']}, weight decay {c['weight_decay']}, lr {c['lr']} with "
         f"{c['warmup_fraction']:.0%} linear warm-up then cosine, {c['steps']} steps; seeds {setting['seeds']}; "
         f"{setting['wall_seconds'] / 60:.1f} min wall on {c['device']} ({setting['workers']} runs at a time, "
-        f"{c['threads']} thread(s) each), torch {setting['torch']}.",
+        f"{c['threads']} thread(s) each), torch {setting['torch']}."
+    )
+
+
+def header(setting: dict[str, Any]) -> list[str]:
+    """The lines above the table: the command and the setting every row shared, then how to read it."""
+    return [
+        "# MABN ablation at small scale (paper Tables 2 and 6)",
+        "",
+        _setting_line(setting),
         "",
         "Top-1 error on the validation split after the last step (norms in inference mode); mean ± sample std "
         "over the seeds. Seeds are paired: with the same seed every row starts the layers they share from the "
@@ -135,15 +169,34 @@ def header(setting: dict[str, Any]) -> list[str]:
     ]
 
 
-def write_markdown(path: Path, summaries: list[Summary], header: list[str]) -> Path:
-    """``header`` lines (the setting), a blank line, then the table."""
-    return write_text_atomic(path, "\n".join(header) + "\n\n" + table(summaries))
+def warm_header(setting: dict[str, Any]) -> list[str]:
+    """The lines above the warm-start table: the setting, then what the rows are and how to read them."""
+    return [
+        "# MABN warm start at small scale (beyond the paper)",
+        "",
+        _setting_line(setting),
+        "",
+        "Each warm start is MABN(2) started from the BN(32) network of the same seed (convs centred, MABN's chi^2 "
+        "statistics seeded from BN's running variance, affine and classifier copied: mabn.models.warm_start) and "
+        "trained with the same loop (peak lr, warm-up and cosine decay) over its own steps; 0 steps: the seeded "
+        "network as it starts. Top-1 error on the "
+        "validation split after the last step; mean ± sample std over the seeds. Δ is the paired difference to "
+        "MABN(2) from scratch (same seed) with its confidence interval from Student's t; p is the two-sided paired "
+        "t-test's (" + ", ".join(f"{m} p < {a}" for a, m in MARKS) + ").",
+    ]
+
+
+def write_markdown(
+    path: Path, summaries: list[Summary], header: list[str], render: Callable[[list[Summary]], str] = table
+) -> Path:
+    """``header`` lines (the setting), a blank line, then the table (``render``: the ablation's, or another)."""
+    return write_text_atomic(path, "\n".join(header) + "\n\n" + render(summaries))
 
 
 def write_results(path: Path, setting: dict[str, Any], results: list[RunResult]) -> Path:
     """Every run's outcome (the statistics go to their own CSV files) and the setting, as JSON."""
     ordered = sorted(results, key=lambda r: (r.row, r.seed))
-    runs = [{k: v for k, v in asdict(r).items() if k != "stats"} for r in ordered]
+    runs = [{k: v for k, v in asdict(r).items() if k not in ("stats", "state")} for r in ordered]
     for run in runs:  # JSON has no NaN
         run["val_error"] = run["val_error"] if math.isfinite(run["val_error"]) else None
         run["final_loss"] = run["final_loss"] if math.isfinite(run["final_loss"]) else None

@@ -7,7 +7,7 @@ error (%) of ResNet-50 on ImageNet in the paper, beside which the small-scale re
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from ...errors import ConfigError
@@ -29,6 +29,8 @@ class Row:
     norm_batch_size: int | None  # None: the whole gradient batch (or, for GN, no batch at all)
     paper_error: float | None  # ResNet-50 ImageNet top-1 error (%), None where the paper has no such row
     paper_ref: str
+    warm_from: str | None = None  # the row whose trained network (same seed) this row starts from (--warm-start)
+    steps: int | None = None  # its own optimizer steps; None: the run's --steps
 
 
 ROWS: tuple[Row, ...] = (
@@ -66,6 +68,23 @@ RENORM_FROM = 0.2
 BRN_RAMP_START, BRN_D_FULL, BRN_R_FULL = 0.05, 0.25, 0.4
 
 
+# The warm start (beyond the paper, docs/ablation/warm-start.md): MABN(2) started from the BN(32) network of the same
+# seed (``mabn.models.warm_start``) for a few short schedules, against MABN(2) from scratch.
+WARM_SOURCE, WARM_TARGET = "bn32", "mabn2"
+DEFAULT_WARM_STEPS = (0, 60, 150, 300)  # 0: the seeded network, untrained
+
+
+def warm_rows(steps: list[int]) -> list[Row]:
+    """BN(32), MABN(2) from scratch, and MABN(2) warm-started from BN(32) for each of ``steps``."""
+    target = ROWS_BY_KEY[WARM_TARGET]
+    warm = [
+        replace(target, key=f"{target.key}-warm{k}", label=f"{target.label} warm start, {k} steps", paper_error=None,
+                paper_ref="beyond the paper", warm_from=WARM_SOURCE, steps=k)
+        for k in steps
+    ]  # fmt: skip
+    return [ROWS_BY_KEY[WARM_SOURCE], target, *warm]
+
+
 def select(keys: list[str] | None) -> list[Row]:
     """The rows named by ``keys`` in table order: KEY_ROWS for None, every row for ``[ALL]``; unknown
     keys raise a ConfigError."""
@@ -86,7 +105,8 @@ def layer_options(row: Row, steps: int) -> dict[str, Any]:
     if kind == "mabn":
         options.update(
             buffer_size=BUFFER_SIZE,
-            warmup_iters=max(1, round(MOVING_STATS_FROM * steps)),
+            # A warm start's SMA is full of BN's seeded statistics: moving averages from the first forward.
+            warmup_iters=1 if row.warm_from else max(1, round(MOVING_STATS_FROM * steps)),
             renorm_warmup_iters=max(1, round(RENORM_FROM * steps)),
         )
     elif kind == "brn":

@@ -9,6 +9,8 @@ from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
 
+import torch
+
 from .rows import Row
 from .train import RunResult, TrainConfig, train_run
 
@@ -18,6 +20,8 @@ class Task:
     row: Row
     seed: int
     probe: bool  # record the probe layer's statistics at every step (for the figures)
+    init: dict[str, torch.Tensor] | None = None  # a warm-start row's BN network
+    keep_state: bool = False  # return the trained weights (a warm start's source)
 
 
 def available_cores() -> int:
@@ -34,11 +38,14 @@ def _outcomes(tasks: list[Task], config: TrainConfig, workers: int) -> Iterator[
     """Results in order of completion; one worker runs in this process (no start-up cost)."""
     if workers == 1:
         for task in tasks:
-            yield train_run(task.row, task.seed, config, task.probe)
+            yield train_run(task.row, task.seed, config, task.probe, task.init, task.keep_state)
         return
     # spawn: a forked child would inherit torch's thread pools and locks from the parent.
     with ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn")) as pool:
-        futures = [pool.submit(train_run, task.row, task.seed, config, task.probe) for task in tasks]
+        futures = [
+            pool.submit(train_run, task.row, task.seed, config, task.probe, task.init, task.keep_state)
+            for task in tasks
+        ]
         try:
             for future in as_completed(futures):
                 yield future.result()

@@ -24,6 +24,8 @@ from torch.utils.data import DataLoader
 from ...data.errors import DatasetError
 from ...data.imagenet import ImageFolderDataModule
 from ...data.loading import seed_transform_worker
+from ...models.backbone import BN_EPS
+from ...models.warm_start import seed_from_bn
 from ...norm import convert_norm
 from .model import SmallResNet
 from .probes import make_probe
@@ -63,6 +65,7 @@ class RunResult:
     diverged: str | None = None
     losses: list[float] = field(default_factory=list)  # training loss of every step
     stats: list[dict[str, float]] = field(default_factory=list)  # per-step probe records (empty: not probed)
+    state: dict[str, torch.Tensor] | None = None  # the trained network's weights, where asked (a warm start's source)
 
 
 def lr_factor(step: int, steps: int, warmup_fraction: float) -> float:
@@ -129,21 +132,43 @@ def training_batches(
         yield from loader
 
 
-def initial_model(row: Row, num_classes: int, seed: int, steps: int) -> nn.Module:
+def initial_model(
+    row: Row, num_classes: int, seed: int, steps: int, init: dict[str, torch.Tensor] | None = None
+) -> nn.Module:
     """The row's network at its start: the plain network is drawn first from ``seed``, so the layers
-    every row shares (convs, linear, norm affine) start equal across rows."""
+    every row shares (convs, linear, norm affine) start equal across rows. A warm-start row then takes the
+    weights and statistics of the BN network ``init`` (``mabn.models.warm_start.seed_from_bn``)."""
     torch.manual_seed(seed)
-    return build_model(row, num_classes, steps)
+    model = build_model(row, num_classes, steps)
+    if row.warm_from:
+        if init is None:
+            raise ValueError(f"row {row.key} starts from {row.warm_from}'s network: pass its weights")
+        seed_from_bn(model, init, BN_EPS)
+    return model
 
 
-def train_run(row: Row, seed: int, config: TrainConfig, probe: bool = False) -> RunResult:
-    """Train ``row`` with ``seed`` for ``config.steps`` steps; ``probe`` records the statistics of
-    ``config.probe_layer`` at every step. A non-finite loss or norm statistic ends the run as diverged."""
+def run_steps(row: Row, config: TrainConfig) -> int:
+    """The optimizer steps of ``row``'s runs: its own, or the run's."""
+    return config.steps if row.steps is None else row.steps
+
+
+def train_run(
+    row: Row,
+    seed: int,
+    config: TrainConfig,
+    probe: bool = False,
+    init: dict[str, torch.Tensor] | None = None,
+    keep_state: bool = False,
+) -> RunResult:
+    """Train ``row`` with ``seed`` for its steps (``run_steps``); ``probe`` records the statistics of
+    ``config.probe_layer`` at every step; ``init``: a warm-start row's BN network; ``keep_state``: return the
+    trained weights. A non-finite loss or norm statistic ends the run as diverged."""
     torch.set_num_threads(config.threads)
     device = torch.device(config.device)
     start = time.perf_counter()
     data = open_data(config)
-    model = initial_model(row, data.num_classes, seed, config.steps).to(device)
+    steps = run_steps(row, config)
+    model = initial_model(row, data.num_classes, seed, steps, init).to(device)
     optimizer = torch.optim.SGD(
         model.parameters(), lr=config.lr, momentum=config.momentum, weight_decay=config.weight_decay
     )
@@ -151,9 +176,9 @@ def train_run(row: Row, seed: int, config: TrainConfig, probe: bool = False) -> 
     tag = f"[{row.key} seed {seed}]"
     loss_value, diverged, losses = math.nan, None, []
     model.train()
-    for step, (images, labels) in zip(range(config.steps), training_batches(data, seed, config.loader_workers)):
+    for step, (images, labels) in zip(range(steps), training_batches(data, seed, config.loader_workers)):
         for group in optimizer.param_groups:
-            group["lr"] = config.lr * lr_factor(step, config.steps, config.warmup_fraction)
+            group["lr"] = config.lr * lr_factor(step, steps, config.warmup_fraction)
         try:
             loss = F.cross_entropy(model(images.to(device)), labels.to(device))
             if not torch.isfinite(loss):
@@ -169,10 +194,10 @@ def train_run(row: Row, seed: int, config: TrainConfig, probe: bool = False) -> 
         loss_value = loss.item()
         losses.append(loss_value)
         done = step + 1
-        if config.progress_every and (done % config.progress_every == 0 or done == config.steps):
+        if config.progress_every and (done % config.progress_every == 0 or done == steps):
             elapsed = time.perf_counter() - start
-            print(f"{tag} step {done}/{config.steps} loss {loss_value:.3f} ({elapsed / done:.2f} s/step, "
-                  f"ETA {elapsed / done * (config.steps - done):.0f} s)", flush=True)  # fmt: skip
+            print(f"{tag} step {done}/{steps} loss {loss_value:.3f} ({elapsed / done:.2f} s/step, "
+                  f"ETA {elapsed / done * (steps - done):.0f} s)", flush=True)  # fmt: skip
     if recorder is not None:
         recorder.close()
     error = math.nan if diverged else evaluate(model, data, device)
@@ -180,4 +205,5 @@ def train_run(row: Row, seed: int, config: TrainConfig, probe: bool = False) -> 
     outcome = f"diverged at {diverged}" if diverged else f"val error {error:.2f}%"
     print(f"{tag} done in {seconds:.0f} s: {outcome}", flush=True)
     records = recorder.records if recorder is not None else []
-    return RunResult(row.key, seed, error, seconds, loss_value, diverged, losses, records)
+    state = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()} if keep_state else None
+    return RunResult(row.key, seed, error, seconds, loss_value, diverged, losses, records, state)
