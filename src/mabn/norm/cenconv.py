@@ -151,30 +151,40 @@ def _kernels(weight: Tensor) -> ModuleType | None:
 
 class Recentring:
     """``recentre_`` of a fixed list of convs, called after every optimizer step: on CUDA one Triton launch per
-    device and dtype over a table of the weights' addresses, rebuilt whenever a weight's storage moves (``.to``,
-    a new tensor assigned), so that a launch never writes where a weight used to be."""
+    device and dtype over a table of the weights' addresses. The plan (which weights each launch covers, its table)
+    is made again whenever a weight's storage moves (``.to``, a new tensor assigned), so that a launch never writes
+    where a weight used to be; a step only compares the addresses."""
 
     def __init__(self, convs: list[nn.Conv2d]) -> None:
         self.convs = convs
-        self._tables: dict[tuple, tuple[tuple[int, ...], Tensor]] = {}
+        self._addresses: tuple[int, ...] | None = None
+        self._rest: list[nn.Conv2d] = []  # the foreach path's convs
+        self._launches: list[tuple[ModuleType, Tensor, Tensor, int, int]] = []  # (kernels, table, like, convs, widest)
 
     def __call__(self) -> None:
+        addresses = tuple(conv.weight.data_ptr() for conv in self.convs)
+        if addresses != self._addresses:
+            self._plan()
+            self._addresses = addresses
+        recentre_(self._rest)
+        for kernels, table, like, convs, widest in self._launches:
+            kernels.recentre(table, like, convs, widest)
+
+    def _plan(self) -> None:
         groups: dict[tuple, list[Tensor]] = {}
-        rest = []
+        self._rest = []
         for conv in self.convs:
             w = conv.weight
             if _kernels(w) is not None and w.is_contiguous():
                 groups.setdefault((w.device, w.dtype), []).append(w)
             else:
-                rest.append(conv)
-        recentre_(rest)
-        for key, weights in groups.items():
-            addresses = tuple(w.data_ptr() for w in weights)
-            known = self._tables.get(key)
-            if known is None or known[0] != addresses:
-                rows = [(a, w.shape[0], w[0].numel()) for a, w in zip(addresses, weights, strict=True)]
-                known = self._tables[key] = addresses, torch.tensor(rows, dtype=torch.int64).to(weights[0].device)
-            _kernels(weights[0]).recentre(known[1], weights[0], len(weights), max(w.shape[0] for w in weights))
+                self._rest.append(conv)
+        self._launches = []
+        for weights in groups.values():
+            rows = [(w.data_ptr(), w.shape[0], w[0].numel()) for w in weights]
+            table = torch.tensor(rows, dtype=torch.int64).to(weights[0].device)
+            widest = max(w.shape[0] for w in weights)
+            self._launches.append((_kernels(weights[0]), table, weights[0], len(weights), widest))
 
 
 class SGDCentring:

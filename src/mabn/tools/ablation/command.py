@@ -253,12 +253,11 @@ def main(argv: list[str]) -> int:
         s.row.key: [r.losses for r in sorted(results, key=lambda r: r.seed) if r.row == s.row.key] for s in summaries
     }
     if args.warm_start:
-        render = partial(report.warm_table, config=config)
-        markdown = report.write_markdown(out / "ablation.md", summaries, report.warm_header(setting), render)
+        head, render = report.warm_header(setting), partial(report.warm_table, config=config)
     else:
-        markdown = report.write_markdown(out / "ablation.md", summaries, report.header(setting))
+        head, render = report.header(setting), report.table
     written = [
-        markdown,
+        report.write_markdown(out / "ablation.md", summaries, head, render),
         report.write_results(out / "results.json", setting, results),
         *(report.write_stats(out / "stats" / f"{key}-seed0.csv", records) for key, records in stats.items()),
     ]
@@ -278,7 +277,7 @@ def main(argv: list[str]) -> int:
         if p is not None
     ]
     print()
-    print(render(summaries) if args.warm_start else report.table(summaries))
+    print(render(summaries))
     for path in written:
         print(f"wrote {path}")
     return 0

@@ -69,6 +69,10 @@ def _error_cell(s: Summary) -> str:
     return cell + (f" ({s.diverged}/{len(s.errors)} diverged)" if s.diverged else "")
 
 
+def _seeds_cell(s: Summary) -> str:
+    return ", ".join("div." if math.isnan(e) else f"{e:.2f}" for e in s.errors)
+
+
 def _delta(value: float | None, reference: float | None) -> str:
     if value is None or reference is None or not (math.isfinite(value) and math.isfinite(reference)):
         return "–"
@@ -104,11 +108,10 @@ def table(summaries: list[Summary]) -> str:
     for s in summaries:
         row = s.row
         batch = "–" if row.preset == "gn" else str(row.norm_batch_size or "32")
-        seeds = ", ".join("div." if math.isnan(e) else f"{e:.2f}" for e in s.errors)
         paper = "–" if row.paper_error is None else f"{row.paper_error:.2f}"
         lines.append(
-            f"| {row.label} | `{row.preset}` | {batch} | {_error_cell(s)} | {seeds} | {_paired_cells(s, reference)} | "
-            f"{paper} | {_delta(row.paper_error, paper_ref)} | {row.paper_ref} |"
+            f"| {row.label} | `{row.preset}` | {batch} | {_error_cell(s)} | {_seeds_cell(s)} | "
+            f"{_paired_cells(s, reference)} | {paper} | {_delta(row.paper_error, paper_ref)} | {row.paper_ref} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -130,9 +133,8 @@ def warm_table(summaries: list[Summary], config: TrainConfig) -> str:
         source = row.warm_from
         start = f"{ROWS_BY_KEY[source].label} after {own.get(source, config.steps)} steps" if source else "random"
         total = own[row.key] + (own.get(source, config.steps) if source else 0)
-        seeds = ", ".join("div." if math.isnan(e) else f"{e:.2f}" for e in s.errors)
         lines.append(
-            f"| {row.label} | {start} | {own[row.key]} | {total} | {_error_cell(s)} | {seeds} | "
+            f"| {row.label} | {start} | {own[row.key]} | {total} | {_error_cell(s)} | {_seeds_cell(s)} | "
             f"{_paired_cells(s, reference)} |"
         )
     return "\n".join(lines) + "\n"

@@ -34,18 +34,19 @@ def default_workers(threads: int) -> int:
     return max(1, available_cores() // threads)
 
 
+def _run(task: Task, config: TrainConfig) -> RunResult:
+    return train_run(task.row, task.seed, config, task.probe, task.init, task.keep_state)
+
+
 def _outcomes(tasks: list[Task], config: TrainConfig, workers: int) -> Iterator[RunResult]:
     """Results in order of completion; one worker runs in this process (no start-up cost)."""
     if workers == 1:
         for task in tasks:
-            yield train_run(task.row, task.seed, config, task.probe, task.init, task.keep_state)
+            yield _run(task, config)
         return
     # spawn: a forked child would inherit torch's thread pools and locks from the parent.
     with ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn")) as pool:
-        futures = [
-            pool.submit(train_run, task.row, task.seed, config, task.probe, task.init, task.keep_state)
-            for task in tasks
-        ]
+        futures = [pool.submit(_run, task, config) for task in tasks]
         try:
             for future in as_completed(futures):
                 yield future.result()

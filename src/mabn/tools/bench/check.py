@@ -222,9 +222,8 @@ def run_kernel_tests(job: Job) -> Measured:
 
 def _describe_kernel_tests(options: Options) -> str:
     return (
-        f"the kernel tests of the default suite (tests/test_mabn_kernels.py's reference and low-precision tests, "
-        f"tests/test_row_kernels.py, tests/test_recentre_kernel.py) with MABN_TEST_DEVICE={options.device}: the "
-        "compiled Triton kernels against the float64 references"
+        f"the kernel tests of the default suite ({', '.join(devicetests.TESTS)}) with "
+        f"MABN_TEST_DEVICE={options.device}: the compiled Triton kernels against the float64 references"
     )
 
 

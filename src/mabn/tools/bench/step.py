@@ -159,10 +159,10 @@ def training_step(
     """One eager training iteration of ``build(norm, model=model)`` on fixed images, as a function; its first call
     made (momentum buffers created, kernels compiled)."""
     dense = model == "pspnet101"
+    num_classes = 19 if dense else 1000
     torch.manual_seed(0)
-    net = build(norm, 19 if dense else 1000, model).to(device).train()
-    trainer = _Trainer(net)
-    step = partial(trainer.step, *_batch(batch, crop, 19 if dense else 1000, device, dense))
+    trainer = _Trainer(build(norm, num_classes, model).to(device).train())
+    step = partial(trainer.step, *_batch(batch, crop, num_classes, device, dense))
     step()
     return step
 
