@@ -70,7 +70,7 @@ test-gpu: $(if $(filter $(VENV)/bin/python,$(PY)),$(STAMP))
 # (the compiled Triton kernels against the float64 references), the chain of a real stage-2 run
 # (fits killed and resumed, CUDA graphs against eager, test, predict, export, two ranks under bf16-mixed), stage 2's
 # PSPNet-101 step, stage 1's ResNet-101 step and its kernels' GPU time; each ratio MABN / BN against its target.
-# SECTIONS=compiled: stage 2's step compiled, a call of its own (420 s). SECTIONS=stage2,stage1: some of them
+# SECTIONS=compiled: stage 2's step compiled, a call of its own (480 s). SECTIONS=stage2,stage1: some of them
 # (kernels, chain, stage2, stage1, profile, compiled);
 # DRY_RUN=1: the sections, their limits and the report's path; ARGS: further options of python -m mabn bench check,
 # e.g. ARGS="--limits chain=240".

@@ -8,17 +8,20 @@ traces as one graph, and a compiled step computes what the eager one does: outpu
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 
 import pytest
 import pytorch_lightning as pl
 import torch
 from pytorch_lightning.loggers import CSVLogger
-from torch import nn
+from torch import fx, nn
+from torch._dynamo.backends.debugging import aot_eager, boxed_nop
 from torch.utils.data import DataLoader, TensorDataset
 
+import mabn.norm.mabn as mabn_module
 from helpers.marks import default_suite_runs
 from helpers.trainer import BARE
-from mabn.norm import MABN2d, convert_norm
+from mabn.norm import MABN2d, convert_norm, mabn_ops
 from mabn.norm.managed import ManagedNorm, raise_if_any_nonfinite
 from mabn.tasks.base import NormTask
 from mabn.tools.ablation.model import SmallResNet
@@ -66,6 +69,55 @@ def test_training_step_is_one_graph(norm):
     assert (explained.graph_break_count, explained.graph_count) == (0, 1)
 
 
+def _graphs(model: nn.Module, x: torch.Tensor) -> tuple[fx.GraphModule, fx.GraphModule]:
+    """The forward and backward ATen graphs of a compiled training step of ``model`` (run eagerly)."""
+    graphs = []
+
+    def keep(graph: fx.GraphModule, inputs: list[torch.Tensor]) -> Callable:
+        graphs.append(graph)
+        return boxed_nop(graph, inputs)
+
+    def backend(graph: fx.GraphModule, inputs: list[torch.Tensor]) -> Callable:
+        return aot_eager(graph, inputs, fw_compiler=keep, bw_compiler=keep)
+
+    torch._dynamo.reset()
+    _train_step(torch.compile(model, fullgraph=True, backend=backend), x)
+    return tuple(graphs)
+
+
+def _calls(graph: fx.GraphModule) -> list[str]:
+    """The operators a graph calls, a functionalized in-place operator by its own name."""
+    calls = [node for node in graph.graph.nodes if node.op == "call_function"]
+    return [str(n.args[0] if "auto_functionalized" in str(n.target) else n.target) for n in calls]
+
+
+def test_compiled_statistic_steps_are_one_operator_per_direction(monkeypatch, device):
+    """Inside a compiled step each MABN2d calls its Triton statistic step as one operator per direction (on the
+    CPU through Triton's interpreter, as on CUDA), where the torch-op steps are dozens of operations that the
+    compiler traces and fuses; either step computes what the eager step does: gradients and every buffer."""
+    x = _images(1).to(device)
+    counts = {}
+    for path, compiled_kernels in (("torch ops", None), ("operators", mabn_ops)):
+        monkeypatch.setattr(mabn_module, "_compiled_kernels", lambda x, k=compiled_kernels: k)
+        model = _model("mabn").to(device)
+        _train_step(model, _images(0).to(device))  # an eager step first, as a fit's state meets the compiled one
+        model.zero_grad()
+        eager = copy.deepcopy(model)
+        _train_step(eager, x)
+        forward, backward = _graphs(model, x)
+        layers = sum(isinstance(m, MABN2d) for m in model.modules())
+        calls = _calls(forward) + _calls(backward)
+        statistic_ops = {t: calls.count(t) for t in ("mabn.forward_stats.default", "mabn.backward_stats.default")}
+        assert statistic_ops == dict.fromkeys(statistic_ops, layers if compiled_kernels else 0), statistic_ops
+        counts[path] = round(len(calls) / layers)
+        for (name, p_e), p_c in zip(eager.named_parameters(), model.parameters()):
+            _close(p_c.grad, p_e.grad, f"{path}: {name}.grad")
+        for (name, b_e), b_c in zip(eager.named_buffers(), model.buffers()):
+            _close(b_c, b_e, f"{path}: {name}")
+    print(f"ATen operations in the compiled forward and backward graphs per MABN2d layer: {counts}")
+    assert counts["operators"] < counts["torch ops"] / 2, counts
+
+
 def _close(compiled: torch.Tensor, eager: torch.Tensor, what: str) -> None:
     """Equal to float32 rounding: the compiler reorders and fuses float32 arithmetic (relative to the tensor's
     largest entry, since small gradient entries carry the large ones' rounding); integers exactly."""
@@ -82,14 +134,24 @@ def _phases(layer: MABN2d) -> tuple[bool, bool]:
     return bool(stats["active"].any()), bool((stats["r"] != 1).any())
 
 
+@pytest.fixture
+def compiled_operators(monkeypatch):
+    """MABN2d's compiled steps call its Triton launches as custom operators (``mabn_ops``), on the CPU through
+    Triton's interpreter, as they do on CUDA; its eager steps keep their own path."""
+    monkeypatch.setattr(mabn_module, "_compiled_kernels", lambda x: mabn_ops)
+
+
 @pytest.mark.slow  # the inductor compiles C++ kernels: ~25 s on one core without its cache
-@pytest.mark.parametrize("norm", ["mabn", "brn"])
-def test_compiled_training_steps_match_eager(norm, device):
+@pytest.mark.parametrize("norm", ["mabn", "mabn-operators", "brn"])
+def test_compiled_training_steps_match_eager(norm, device, request):
     """Six SGD steps (momentum, weight decay) through warm-up, SMA and renormalization, compiled with
     ``fullgraph=True`` against eager: outputs, every gradient and every buffer, step by step; one policy-driven
     layer switches phase in place without a recompile; a non-finite batch leaves the buffers unchanged and is
-    reported by ``raise_if_any_nonfinite``. On CUDA (MABN_TEST_DEVICE=cuda) the eager steps run the Triton
-    kernels, the compiled ones the compiler's fusion of the torch-op definition."""
+    reported by ``raise_if_any_nonfinite``. ``mabn-operators``: the compiled steps call the Triton launches as
+    operators, as on CUDA, where (MABN_TEST_DEVICE=cuda) the eager steps run the kernels too."""
+    if norm == "mabn-operators":
+        request.getfixturevalue("compiled_operators")
+        norm = "mabn"
     eager = _model(norm).to(device)
     compiled_model = copy.deepcopy(eager)
     compiled = torch.compile(compiled_model, fullgraph=True)

@@ -13,6 +13,7 @@ import shlex
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 
@@ -298,11 +299,45 @@ def test_the_kernels_section_runs_the_checkouts_kernel_tests(monkeypatch):
     when the tests fail or are not there (an installed package has no tests beside it)."""
     from mabn.tools.bench import devicetests
 
-    monkeypatch.setattr(devicetests, "TESTS", ("tests/test_recentre_kernel.py",))
+    kernels = devicetests.KERNELS
+    monkeypatch.setattr(devicetests, "KERNELS", replace(kernels, tests=("tests/test_recentre_kernel.py",)))
     job = check.Job(check.Options(device="cpu"), time.monotonic() + 120, [].append, [].append)
     measured = check.run_kernel_tests(job)
     assert measured.failures == () and "MABN_TEST_DEVICE=cpu python -m pytest" in measured.markdown
     assert re.search(r": passed in \d+ s", measured.markdown) and "3 passed" in measured.markdown
-    monkeypatch.setattr(devicetests, "TESTS", ("tests/test_no_such_file.py",))
+    monkeypatch.setattr(devicetests, "KERNELS", replace(kernels, tests=("tests/test_no_such_file.py",)))
     missing = check.run_kernel_tests(job)
-    assert missing.failures == ("kernel tests",) and "no checkout's tests beside the package" in missing.markdown
+    assert missing.failures == (kernels.title,) and "no checkout's tests beside the package" in missing.markdown
+
+
+def test_the_compiled_section_tests_the_compiled_step_before_timing_it(monkeypatch):
+    """The compiled section runs its device test (a compiled step against the eager one) within its own limit,
+    then the timed steps, whose ratios it keeps; a failed test fails the check. (The timed steps are the step
+    sections' code, run on the CPU by the tests above; here they are replaced by their result.)"""
+    from mabn.tools.bench import devicetests
+
+    case = devicetests.COMPILED.tests[0]
+    assert (devicetests.ROOT / case.split("::")[0]).is_file() and case.endswith("[mabn]")
+    timed = check.Measured("### PSPNet-101 training step", {"step time": 1.0})
+    deadlines = []
+
+    def measure_steps(work: check.StepWork, job: check.Job) -> check.Measured:
+        assert work is check.COMPILED
+        deadlines.append(job.deadline)
+        return timed
+
+    monkeypatch.setattr(check, "measure_steps", measure_steps)
+    said = []
+    job = check.Job(check.Options(device="cpu"), time.monotonic() + 300, said.append, [].append)
+    monkeypatch.setattr(
+        devicetests, "COMPILED", replace(devicetests.COMPILED, tests=("tests/test_recentre_kernel.py",))
+    )
+    started = time.monotonic()
+    measured = check.measure_compiled(job)
+    assert measured.failures == () and measured.ratios == timed.ratios
+    assert measured.markdown.startswith("### Compiled step against the eager one on the device")
+    assert measured.markdown.endswith(timed.markdown) and ": passed in" in said[0]
+    assert deadlines == [job.deadline] and time.monotonic() - started < check.COMPILE_TESTS_S
+    monkeypatch.setattr(devicetests, "COMPILED", replace(devicetests.COMPILED, tests=("tests/test_no_such_file.py",)))
+    failed = check.measure_compiled(job)
+    assert failed.failures == (devicetests.COMPILED.title,) and failed.ratios == timed.ratios

@@ -17,10 +17,15 @@ import torch
 from torch import Tensor
 
 
+def enabled() -> bool:
+    """Whether the kernels may serve at all: not with MABN_FUSED=0."""
+    return os.environ.get("MABN_FUSED", "1") != "0"
+
+
 @functools.cache
 def load(name: str) -> ModuleType | None:
     """The kernel module ``mabn.norm.<name>``, or None without Triton or with MABN_FUSED=0."""
-    if os.environ.get("MABN_FUSED", "1") == "0":
+    if not enabled():
         return None
     try:
         return importlib.import_module(f"{__package__}.{name}")

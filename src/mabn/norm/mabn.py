@@ -26,6 +26,7 @@ import torch
 from torch import Tensor, nn
 
 from ..distributed import all_reduce_sum_, sync_group
+from . import fused
 from ._checks import check_input, check_norm_args
 from ._mabn_types import EMA_STARTS, STATS, BackwardStats, ForwardStats, NativeBackward, StepConfig
 from ._steps import per_sample, per_sample_bn_backward, stat_dtype, values_before_update
@@ -317,10 +318,23 @@ def _torch_op_backward(
 
 
 def _fused_kernels(x: Tensor) -> ModuleType | None:
-    """The one-launch Triton statistic steps (``mabn_kernels``) for ``x``, or None for the torch-op steps
-    below: on the CPU, without Triton, with MABN_FUSED=0, and inside a region ``torch.compile`` traces (there
-    the compiler fuses the torch-op steps itself, with the ops around them)."""
-    return None if torch.compiler.is_compiling() else kernels_for(x, "mabn_kernels")
+    """The one-launch Triton statistic steps for ``x`` (``mabn_kernels``), or inside a region ``torch.compile``
+    traces the same launches as custom operators (``_compiled_kernels``); None for the torch-op steps below: on the
+    CPU, without Triton, with MABN_FUSED=0."""
+    if torch.compiler.is_compiling():
+        return _compiled_kernels(x)
+    return kernels_for(x, "mabn_kernels")
+
+
+def _compiled_kernels(x: Tensor) -> ModuleType | None:
+    """``mabn_ops`` for a CUDA ``x``: its statistic steps are operators the compiler calls, its passes over x torch
+    ops it fuses with their neighbours. Imported by a plain import statement, which Dynamo traces (``fused.load``'s
+    importlib call it cannot); the compiler's CUDA code needs Triton anyway."""
+    if not (x.is_cuda and fused.enabled()):
+        return None
+    from . import mabn_ops
+
+    return mabn_ops
 
 
 # -- the statistic steps: the semantics, and the path for the CPU, sync_stats and torch.compile ---------------

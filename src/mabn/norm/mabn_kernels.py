@@ -23,7 +23,9 @@ roots and divisions use the correctly rounded forms (``sqrt_rn``, ``div_rn``), a
 # No "from __future__ import annotations": Triton reads the tl.float64 annotations as objects.
 import functools
 import types
+from collections.abc import Sequence
 
+import torch
 import triton
 import triton.language as tl
 from torch import Tensor, nn
@@ -434,14 +436,49 @@ def forward_stats(
     weight * r / sqrt(var + eps) (N * C, in the statistics' dtype, for ``row_kernels``) in one launch; the
     statistics flat (the (G, C) ones as G * C, ``active`` as 0/1 floats), the verdict in ``layer``'s flags
     (``ok`` None)."""
-    n, c = norm.shape
-    gc, nc = groups * c, n * c
+    device = norm.device
     history = layer.buffer_x2  # a module attribute lookup costs host time too: once
-    u = _undo_size(cfg.buffer_size, c, history.dtype.itemsize, norm.dtype.itemsize)
-    # One allocation for the statistic-dtype outputs and the kernel's scratch (host time, not memory, is what
-    # counts here); the scratch first, where its alignment is the allocation's.
-    outs = norm.new_empty(u + 3 * gc + c + nc + groups).split((u, gc, gc, gc, c, nc, groups))
-    undo, chi2, var, r, ema, scale, active = outs
+    streams = (history, layer.running_var, layer.iters, layer.count_x2)
+    agreement = (layer.nonfinite_flags(device), layer.tickets(device), layer.policy_flags(device))
+    sizes = forward_sizes(*norm.shape, groups, cfg.buffer_size, history.dtype, norm.dtype)
+    parts = norm.new_empty(sum(sizes)).split(sizes)
+    forward_launch(parts, norm, hw, groups, weight, streams, agreement, cfg)
+    return forward_record(parts)
+
+
+@functools.cache
+def forward_sizes(
+    n: int, c: int, groups: int, buffer_size: int, history: torch.dtype, stat: torch.dtype
+) -> tuple[int, ...]:
+    """The sizes in ``forward_launch``'s one allocation, in the statistics' dtype: the kernel's scratch, chi2, var,
+    r, ema, scale, active. One allocation, since host time, not memory, is what counts here; the scratch first,
+    where its alignment is the allocation's."""
+    gc = groups * c
+    return (_undo_size(buffer_size, c, history.itemsize, stat.itemsize), gc, gc, gc, c, n * c, groups)
+
+
+def forward_record(parts: Sequence[Tensor]) -> tuple[Tensor, ForwardStats]:
+    """The scale and the statistics among the parts of ``forward_launch``'s allocation."""
+    _, chi2, var, r, ema, scale, active = parts
+    return scale, ForwardStats(chi2, var, r, active, ema, None)
+
+
+def forward_launch(
+    parts: Sequence[Tensor],
+    norm: Tensor,
+    hw: int,
+    groups: int,
+    weight: Tensor,
+    streams: tuple[Tensor, Tensor, Tensor, Tensor],
+    agreement: tuple[Tensor, Tensor, Tensor],
+    cfg: StepConfig,
+) -> None:
+    """The forward kernel on a layer's chi^2 stream (history, EMA, step and statistic counters), updated in place,
+    and its (non-finite flags, tickets, policy flags), with its outputs in ``parts``, the split of one allocation
+    by ``forward_sizes``."""
+    n, c = norm.shape
+    history = streams[0]
+    undo, chi2, var, r, ema, scale, active = parts
     first_steps = cfg.first_steps()
     consts = dict(
         **_extents(groups, n // groups, cfg.buffer_size),
@@ -451,19 +488,15 @@ def forward_stats(
         EMA_FIRST=cfg.ema_start == "first",
         BLOCK=_block(c, MAX_BLOCK),
     )
-    device = norm.device
     key = key_of(norm, weight.dtype, history.dtype, aligned(weight), c, *first_steps, *consts.values())
     _forward(
         key,
         (
-            *(norm, weight, history, layer.running_var, layer.iters, layer.count_x2, undo),
-            *(chi2, var, r, active, ema, scale),
-            *(layer.nonfinite_flags(device), layer.tickets(device), layer.policy_flags(device)),
+            *(norm, weight, *streams, undo, chi2, var, r, active, ema, scale, *agreement),
             *(c, float(hw), cfg.momentum, cfg.eps, cfg.renorm_clip, *first_steps),
         ),
         consts,
     )
-    return scale, ForwardStats(chi2, var, r, active, ema, None)
 
 
 def backward_stats(
@@ -482,26 +515,73 @@ def backward_stats(
     """``_backward_stats`` of mabn.py in one launch, from ``row_kernels.row_sums``' per-(sample, channel) sums of
     dL/dout * x (``dout_x``, N * C) and of dL/dout and ``forward_stats``' flat outputs; the same outputs, flat (the
     coefficient of dL/dx per sample, N * C, in the statistics' dtype), the verdict in the flags."""
+    device = var.device
+    history = layer.buffer_gz
+    streams = (history, layer.running_psi, layer.count_gz)
+    agreement = (layer.nonfinite_flags(device), layer.tickets(device))
+    c = weight.numel()
+    # The parameters' gradients share the allocation where they have the statistics' dtype (float32 both, the usual
+    # case). It is new at every backward, so a second backward of the graph (retain_graph) never writes into
+    # gradients already handed out.
+    grads = None if weight.dtype == var.dtype else (weight.new_empty(c), weight.new_empty(c))
+    sizes = backward_sizes(dout_x.numel() // c, c, groups, cfg.buffer_size, history.dtype, var.dtype, grads is not None)
+    parts = var.new_empty(sum(sizes)).split(sizes)
+    backward_launch(
+        parts, grads, dout_x, psi_count, dout_sum, r, var, active, weight, groups, streams, agreement, cfg, loss_scale
+    )
+    return backward_record(parts, grads)
+
+
+@functools.cache
+def backward_sizes(
+    n: int, c: int, groups: int, buffer_size: int, history: torch.dtype, stat: torch.dtype, apart: bool
+) -> tuple[int, ...]:
+    """The sizes in ``backward_launch``'s one allocation, in the statistics' dtype: the kernel's scratch, psi,
+    psi_bar, the psi flags, dL/dx's coefficients and, unless the parameters' gradients are ``apart``, the weight's
+    and the bias's."""
+    gc = groups * c
+    sizes = (_undo_size(buffer_size, c, history.itemsize, stat.itemsize), gc, gc, groups, n * c)
+    return sizes if apart else (*sizes, c, c)
+
+
+def backward_record(parts: Sequence[Tensor], grads: tuple[Tensor, Tensor] | None) -> BackwardStats:
+    """The statistics among the parts of ``backward_launch``'s allocation, the gradients too unless apart."""
+    _, psi, psi_bar, _, coef, *own = parts
+    grad_weight, grad_bias = grads or own
+    return BackwardStats(coef, grad_weight, grad_bias, psi, psi_bar, None)
+
+
+def backward_launch(
+    parts: Sequence[Tensor],
+    grads: tuple[Tensor, Tensor] | None,
+    dout_x: Tensor,
+    psi_count: int,
+    dout_sum: Tensor,
+    r: Tensor,
+    var: Tensor,
+    active: Tensor,
+    weight: Tensor,
+    groups: int,
+    streams: tuple[Tensor, Tensor, Tensor],
+    agreement: tuple[Tensor, Tensor],
+    cfg: StepConfig,
+    loss_scale: Tensor | None,
+) -> None:
+    """The backward kernel on a layer's psi stream (history, EMA, counter), updated in place, and its (non-finite
+    flags, tickets), with its outputs in ``parts``, the split of one allocation by ``backward_sizes``, and the
+    parameters' gradients in ``grads`` where they are apart."""
     c = weight.numel()
     n = dout_x.numel() // c
-    gc = groups * c
-    # One allocation for psi, psi_bar, the psi flags, dL/dx's coefficients and, where the parameters have the
-    # statistics' dtype (float32 both, the usual case), the parameters' gradients: each allocation is an operator
-    # call on the host. It is new at every backward, so a second backward of the graph (retain_graph) never writes
-    # into gradients already handed out. The kernel's scratch comes first, as in forward_stats.
-    with_grads = weight.dtype == var.dtype
-    history = layer.buffer_gz
-    u = _undo_size(cfg.buffer_size, c, history.dtype.itemsize, var.dtype.itemsize)
-    sizes = (u, gc, gc, groups, n * c, c, c) if with_grads else (u, gc, gc, groups, n * c)
-    undo, psi, psi_bar, psi_active, coef, *grads = var.new_empty(sum(sizes)).split(sizes)
-    grad_weight, grad_bias = grads if with_grads else (weight.new_empty(c), weight.new_empty(c))
+    history = streams[0]
+    undo, psi, psi_bar, psi_active, coef, *own = parts
+    grad_weight, grad_bias = grads or own
     consts = dict(
         **_extents(groups, n // groups, cfg.buffer_size),
         STATS=STATS_CODE[cfg.stats],
         SCALED=loss_scale is not None,
         BLOCK=_block(c, MAX_BLOCK),
     )
-    flags = layer.nonfinite_flags(var.device)
+    flags = agreement[0]
     scale = flags if loss_scale is None else loss_scale  # any pointer when unscaled
     key = key_of(
         var,
@@ -516,10 +596,9 @@ def backward_stats(
     _backward(
         key,
         (
-            *(dout_x, dout_sum, r, var, active, weight, history, layer.running_psi, layer.count_gz, undo),
-            *(psi, psi_bar, psi_active, coef, grad_weight, grad_bias, flags, layer.tickets(var.device), scale),
+            *(dout_x, dout_sum, r, var, active, weight, *streams, undo),
+            *(psi, psi_bar, psi_active, coef, grad_weight, grad_bias, *agreement, scale),
             *(c, float(psi_count), cfg.momentum, cfg.eps),
         ),
         consts,
     )
-    return BackwardStats(coef, grad_weight, grad_bias, psi, psi_bar, None)

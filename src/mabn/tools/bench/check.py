@@ -12,8 +12,9 @@ back the most it can.
    the 32 (the ``bn32`` backbone), CUDA graphs and eager, with the hours of the recipe on 8 GPUs;
 4. ``profile``: where stage 1's eager step spends its GPU time, kernel by kernel, BN beside MABN
    (``mabn.tools.bench.profile``), so that a ratio that misses its target names the kernels behind it;
-5. ``compiled``: stage 2's step through ``torch.compile``, the first (compiling) step's seconds included: a GPU
-   call of its own (``--sections compiled``), since compiling PSPNet-101 takes minutes.
+5. ``compiled``: a compiled MABN step against the eager one on the device (``devicetests.COMPILED``), then stage
+   2's step through ``torch.compile``, the first (compiling) step's seconds included: a GPU call of its own
+   (``--sections compiled``), since compiling PSPNet-101 takes minutes.
 
 Where each runs. The chain's links are commands of the product and stay subprocesses, started from this process,
 which stops them at the section's limit itself. The step sections run one after another in ONE child process
@@ -213,17 +214,41 @@ def _describe_chain(options: Options) -> str:
     return chain.describe(options.plan)
 
 
-def run_kernel_tests(job: Job) -> Measured:
-    """The kernels section (in the check's process: the tests are a subprocess it stops at the deadline)."""
-    passed, markdown = devicetests.run(job.options.device, job.deadline)
+def _device_tests(job: Job, suite: devicetests.Suite, deadline: float) -> Measured:
+    """``suite`` run on the device as a subprocess stopped at ``deadline``; a failure fails the check."""
+    passed, markdown = devicetests.run(suite, job.options.device, deadline)
+    job.say(markdown.splitlines()[2])  # the command and its verdict, kept should the section be cut short
     job.show(markdown)
-    return Measured(markdown, failures=() if passed else ("kernel tests",))
+    return Measured(markdown, failures=() if passed else (suite.title,))
+
+
+def run_kernel_tests(job: Job) -> Measured:
+    """The kernels section (in the check's process)."""
+    return _device_tests(job, devicetests.KERNELS, job.deadline)
 
 
 def _describe_kernel_tests(options: Options) -> str:
     return (
-        f"the kernel tests of the default suite ({', '.join(devicetests.TESTS)}) with "
+        f"the kernel tests of the default suite ({', '.join(devicetests.KERNELS.tests)}) with "
         f"MABN_TEST_DEVICE={options.device}: the compiled Triton kernels against the float64 references"
+    )
+
+
+COMPILE_TESTS_S = 90  # of the compiled section: the inductor builds a small ResNet's kernels from a cold cache
+
+
+def measure_compiled(job: Job) -> Measured:
+    """The compiled section (in the step process): a compiled MABN step against the eager one on the device, in at
+    most COMPILE_TESTS_S, then the timed steps."""
+    tests = _device_tests(job, devicetests.COMPILED, min(job.deadline, time.monotonic() + COMPILE_TESTS_S))
+    steps = measure_steps(COMPILED, job)
+    return Measured(f"{tests.markdown}\n\n{steps.markdown}", steps.ratios, tests.failures)
+
+
+def _describe_compiled(options: Options) -> str:
+    return (
+        f"{', '.join(devicetests.COMPILED.tests)} with MABN_TEST_DEVICE={options.device} (at most "
+        f"{COMPILE_TESTS_S} s): compiled MABN steps against eager ones; then {COMPILED.describe(options)}"
     )
 
 
@@ -264,8 +289,8 @@ class Section:
     alone: bool = False
 
 
-def _steps(key: str, limit_s: int, work: StepWork, alone: bool = False) -> Section:
-    return Section(key, limit_s, partial(measure_steps, work), work.describe, work.targets(), alone=alone)
+def _steps(key: str, limit_s: int, work: StepWork) -> Section:
+    return Section(key, limit_s, partial(measure_steps, work), work.describe, work.targets())
 
 
 STAGE2 = StepWork(2, "pspnet101", 2, 713, tuple(StepPath(h, p) for p in (None, step.BF16) for h in ("graphs", "eager")))
@@ -282,7 +307,7 @@ SECTIONS = (
     _steps("stage2", 80, STAGE2),
     _steps("stage1", 45, STAGE1),
     Section("profile", 40, run_profile, _describe_profile),
-    _steps("compiled", 420, COMPILED, alone=True),
+    Section("compiled", 480, measure_compiled, _describe_compiled, COMPILED.targets(), alone=True),
 )
 # The budget of one GPU call that each plan keeps to (tests/test_gpu_check.py): a section's limit in the default
 # plan, and the sum of a plan's limits.

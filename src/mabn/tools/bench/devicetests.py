@@ -1,5 +1,6 @@
-"""The checkout's kernel tests on the device, as a section of the GPU check: those of the default suite (``-m "gpu and
-not slow"``) that hold the Triton kernels to the float64 references; ``make test-gpu`` runs every GPU test.
+"""The checkout's tests on the device, as parts of the GPU check: those of the default suite (``-m "gpu and not slow"``)
+that hold the Triton kernels to the float64 references, and a compiled step against the eager one; ``make test-gpu``
+runs every GPU test.
 
 The chain compares a graphed fit with an eager one, and both run the same Triton kernels: a kernel that computes
 something else on a GPU than in Triton's interpreter would pass it. These tests hold the compiled kernels to the
@@ -13,32 +14,58 @@ import shlex
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[4]  # the checkout: src/mabn/tools/bench/ -> .
-TESTS = (
-    "tests/test_mabn_kernels.py::test_fused_matches_reference",
-    "tests/test_mabn_kernels.py::test_fused_low_precision_input_equals_torch_ops",
-    "tests/test_row_kernels.py",
-    "tests/test_recentre_kernel.py",
+
+
+@dataclass(frozen=True)
+class Suite:
+    """Tests the check runs on the device: their title in the report, node ids and marker expression."""
+
+    title: str
+    tests: tuple[str, ...]
+    marks: str
+
+
+# The default suite's kernel tests: the Triton kernels against the float64 references.
+KERNELS = Suite(
+    "Kernel tests on the device",
+    (
+        "tests/test_mabn_kernels.py::test_fused_matches_reference",
+        "tests/test_mabn_kernels.py::test_fused_low_precision_input_equals_torch_ops",
+        "tests/test_row_kernels.py",
+        "tests/test_recentre_kernel.py",
+    ),
+    "gpu and not slow",
+)
+# A compiled MABN step against the eager one: on the device the compiled step calls the statistic kernels as custom
+# operators (mabn.norm.mabn_ops) and the eager one launches them, which Triton's interpreter cannot tell apart from
+# what a GPU runs. Slow on the CPU (the inductor's C++ builds), so named by its case.
+COMPILED = Suite(
+    "Compiled step against the eager one on the device",
+    ("tests/test_compile.py::test_compiled_training_steps_match_eager[mabn]",),
+    "gpu",
 )
 
 
-def command() -> list[str]:
-    return [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu and not slow", *TESTS]
+def command(suite: Suite) -> list[str]:
+    return [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", suite.marks, *suite.tests]
 
 
-def run(device: str, deadline: float) -> tuple[bool, str]:
-    """(passed, the Markdown): the tests with MABN_TEST_DEVICE=``device``, stopped at ``deadline``
+def run(suite: Suite, device: str, deadline: float) -> tuple[bool, str]:
+    """(passed, the Markdown): ``suite`` with MABN_TEST_DEVICE=``device``, stopped at ``deadline``
     (``time.monotonic()``)."""
-    shown = f"`MABN_TEST_DEVICE={device} {shlex.join(['python', *command()[1:]])}`"
-    if not all((ROOT / t.split("::")[0]).is_file() for t in TESTS):
-        return False, f"### Kernel tests on the device\n\n{shown}: no checkout's tests beside the package ({ROOT})"
+    shown = f"`MABN_TEST_DEVICE={device} {shlex.join(['python', *command(suite)[1:]])}`"
+    heading = f"### {suite.title}"
+    if not all((ROOT / t.split("::")[0]).is_file() for t in suite.tests):
+        return False, f"{heading}\n\n{shown}: no checkout's tests beside the package ({ROOT})"
     env = {**os.environ, "MABN_TEST_DEVICE": device}
     env.pop("TRITON_INTERPRET", None)
     started = time.monotonic()
     try:
-        done = subprocess.run(command(), cwd=ROOT, env=env, capture_output=True, text=True,
+        done = subprocess.run(command(suite), cwd=ROOT, env=env, capture_output=True, text=True,
                               timeout=max(1.0, deadline - started))  # fmt: skip
         passed, out = done.returncode == 0, done.stdout + done.stderr
         verdict = "passed" if passed else f"failed (exit {done.returncode})"
@@ -46,7 +73,4 @@ def run(device: str, deadline: float) -> tuple[bool, str]:
         passed, out = False, (stopped.stdout or b"").decode(errors="replace")
         verdict = "stopped at the section's limit"
     tail = "\n".join(line for line in out.strip().splitlines()[-15:])
-    return passed, (
-        f"### Kernel tests on the device\n\n{shown}: {verdict} in {time.monotonic() - started:.0f} s\n\n"
-        f"```text\n{tail}\n```"
-    )
+    return passed, f"{heading}\n\n{shown}: {verdict} in {time.monotonic() - started:.0f} s\n\n```text\n{tail}\n```"
