@@ -9,6 +9,7 @@ import logging
 import pytest
 import torch
 from segmentation_models_pytorch.decoders.upernet.decoder import LayerNorm2d
+from timm.layers import LayerNorm2d as TimmLayerNorm2d
 from torch import nn
 
 from helpers.commands import run_mabn
@@ -150,13 +151,14 @@ def test_a_norm_after_a_transposed_conv_is_converted_uncentred_with_a_warning_na
         torch.testing.assert_close(fold_norms(model)(x), model.eval()(x), rtol=1e-10, atol=1e-10)
 
 
-def test_layer_norms_are_converted_only_when_asked():
+@pytest.mark.parametrize("layer_norm_2d", [LayerNorm2d, TimmLayerNorm2d], ids=["smp", "timm"])
+def test_layer_norms_are_converted_only_when_asked(layer_norm_2d):
     def model() -> nn.Module:
-        return nn.Sequential(nn.Conv2d(3, 4, 3), LayerNorm2d(4), nn.Flatten(), nn.LayerNorm(24))
+        return nn.Sequential(nn.Conv2d(3, 4, 3), layer_norm_2d(4), nn.Flatten(), nn.LayerNorm(24))
 
     with pytest.warns(UserWarning, match=r"kept 1 LayerNorm2d, 1 LayerNorm \(layer_norms=True converts"):
         kept = convert_norm(model(), "mabn")
-    assert isinstance(kept[1], LayerNorm2d) and type(kept[0]) is nn.Conv2d
+    assert isinstance(kept[1], layer_norm_2d) and type(kept[0]) is nn.Conv2d
     asked = convert_norm(model(), "mabn", layer_norms=True)
     # The channel LayerNorm2d becomes the norm (its conv centred); the LayerNorm over tokens cannot, and stays.
     assert isinstance(asked[1], MABN2d) and isinstance(asked[0], CenConv2d) and isinstance(asked[3], nn.LayerNorm)

@@ -311,33 +311,35 @@ def test_the_kernels_section_runs_the_checkouts_kernel_tests(monkeypatch):
 
 
 def test_the_compiled_section_tests_the_compiled_step_before_timing_it(monkeypatch):
-    """The compiled section runs its device test (a compiled step against the eager one) within its own limit,
-    then the timed steps, whose ratios it keeps; a failed test fails the check. (The timed steps are the step
-    sections' code, run on the CPU by the tests above; here they are replaced by their result.)"""
+    """The compiled section runs its device test (a compiled step against the eager one, a case that exists) within
+    its own part of the limit, then the timed steps, whose ratios it keeps; a failed test fails the check. (The
+    device tests' run is the kernels section's, tested above; the timed steps are the step sections' code, run on
+    the CPU by the tests above, replaced here by their result.)"""
     from mabn.tools.bench import devicetests
 
     case = devicetests.COMPILED.tests[0]
-    assert (devicetests.ROOT / case.split("::")[0]).is_file() and case.endswith("[mabn]")
+    path, name = re.fullmatch(r"(.+)::(\w+)\[mabn\]", case).groups()
+    source = (ROOT / path).read_text()
+    assert re.search(rf'parametrize\("norm", \[[^]]*"mabn"[^]]*\]\)\ndef {name}\(', source), case
     timed = check.Measured("### PSPNet-101 training step", {"step time": 1.0})
-    deadlines = []
+    runs = []
+
+    def run(suite: devicetests.Suite, device: str, deadline: float) -> tuple[bool, str]:
+        runs.append(("tests", suite, deadline - time.monotonic()))
+        return False, f"### {suite.title}\n\n`pytest {case}`: failed (exit 1) in 1 s"
 
     def measure_steps(work: check.StepWork, job: check.Job) -> check.Measured:
-        assert work is check.COMPILED
-        deadlines.append(job.deadline)
+        runs.append(("steps", work, job.deadline))
         return timed
 
+    monkeypatch.setattr(devicetests, "run", run)
     monkeypatch.setattr(check, "measure_steps", measure_steps)
     said = []
     job = check.Job(check.Options(device="cpu"), time.monotonic() + 300, said.append, [].append)
-    monkeypatch.setattr(
-        devicetests, "COMPILED", replace(devicetests.COMPILED, tests=("tests/test_recentre_kernel.py",))
-    )
-    started = time.monotonic()
     measured = check.measure_compiled(job)
-    assert measured.failures == () and measured.ratios == timed.ratios
+    (what, suite, seconds), steps = runs
+    assert (what, suite) == ("tests", devicetests.COMPILED) and seconds <= check.COMPILE_TESTS_S
+    assert steps == ("steps", check.COMPILED, job.deadline)
+    assert measured.failures == (devicetests.COMPILED.title,) and measured.ratios == timed.ratios
     assert measured.markdown.startswith("### Compiled step against the eager one on the device")
-    assert measured.markdown.endswith(timed.markdown) and ": passed in" in said[0]
-    assert deadlines == [job.deadline] and time.monotonic() - started < check.COMPILE_TESTS_S
-    monkeypatch.setattr(devicetests, "COMPILED", replace(devicetests.COMPILED, tests=("tests/test_no_such_file.py",)))
-    failed = check.measure_compiled(job)
-    assert failed.failures == (devicetests.COMPILED.title,) and failed.ratios == timed.ratios
+    assert measured.markdown.endswith(timed.markdown) and said == [f"`pytest {case}`: failed (exit 1) in 1 s"]

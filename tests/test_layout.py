@@ -5,6 +5,8 @@ that an import hidden inside a function counts as much as one at the top of a fi
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import networkx as nx
@@ -112,3 +114,12 @@ def test_import_mabn_exposes_its_api_and_its_modules_only():
     modules = {path.stem if path.is_file() else path.name for path in (SRC / "mabn").iterdir()}
     extra = [name for name in dir(mabn) if not name.startswith("_") and name not in {*mabn.__all__, *modules}]
     assert extra == []
+
+
+def test_import_mabn_leaves_the_model_libraries_and_lightning_unloaded():
+    """``import mabn`` (the norms, ``python -m mabn --help``) loads torch alone: smp, timm and torchvision take
+    seconds to import, Lightning more, and a model made of their classes has imported them already."""
+    heavy = ("segmentation_models_pytorch", "timm", "torchvision", "pytorch_lightning")
+    code = f"import sys, mabn; print(sorted(m for m in {heavy!r} if m in sys.modules))"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "[]"

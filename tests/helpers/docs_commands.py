@@ -100,7 +100,8 @@ EXPECTED = {
 # Cases that cost more than the default suite affords (pytest's slow marker), by command kind or text.
 SLOW_KINDS = {REAL, PYTEST}
 SLOW_TEXT: dict[str, str] = {
-    r"from mabn\.predict import load": "loads a stage-2 checkpoint: the session's short fit, made for the docs",
+    r"from mabn\.inference\.predict import load": "loads the session's short stage-2 fit, made for the docs",
+    r"from mabn\.inference\.export import export": "exports the session's short stage-2 fit for real, ONNX included",
 }
 
 

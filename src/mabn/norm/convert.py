@@ -4,15 +4,13 @@ from __future__ import annotations
 
 import copy
 import logging
+import sys
 import warnings
 from collections import Counter, OrderedDict
 from collections.abc import Iterator
 from typing import Any
 
 import torch
-from segmentation_models_pytorch.decoders.upernet.decoder import LayerNorm2d as SmpLayerNorm2d
-from timm.layers import BatchNormAct2d, SyncBatchNormAct
-from timm.layers import LayerNorm2d as TimmLayerNorm2d
 from torch import Tensor, nn
 
 from .batchrenorm import BatchRenorm2d
@@ -25,7 +23,18 @@ _LINEAR_NORMS = (nn.BatchNorm2d, nn.SyncBatchNorm, BatchRenorm2d, MABN2d)
 _ALL_NORMS = (*_LINEAR_NORMS, nn.GroupNorm)
 # LayerNorms over the channels of an NCHW map (smp's UPerNet and timm build them): a 2d norm can take their place,
 # which ``convert_norm`` does only when asked (``layer_norms=True``), since it changes what they normalize over.
-_CHANNEL_LAYER_NORMS = (SmpLayerNorm2d, TimmLayerNorm2d)
+_CHANNEL_LAYER_NORMS = (
+    ("segmentation_models_pytorch.decoders.upernet.decoder", "LayerNorm2d"),
+    ("timm.layers", "LayerNorm2d"),
+)
+# timm's fused norm and activation (EfficientNet, RegNet, MobileNetV3).
+_NORM_ACTS = (("timm.layers", "BatchNormAct2d"), ("timm.layers", "SyncBatchNormAct"))
+
+
+def _loaded(classes: tuple[tuple[str, str], ...]) -> tuple[type, ...]:
+    """The classes (module, name) whose module is imported: a model can hold instances of no other, so the
+    libraries that define them (smp, timm, seconds of imports) are never imported here."""
+    return tuple(getattr(sys.modules[m], name) for m, name in classes if m in sys.modules)
 log = logging.getLogger(__name__)
 
 
@@ -125,9 +134,10 @@ def convert_norm(
     centre = NORM_PRESETS[norm].centre_weights if centralize_weights is None else centralize_weights
     names = {id(m): n for n, m in model.named_modules()}
 
+    channel_layer_norms, norm_acts = _loaded(_CHANNEL_LAYER_NORMS), _loaded(_NORM_ACTS)
     centred, uncentred = 0, []
     if centre:
-        paired = (*_ALL_NORMS, *_CHANNEL_LAYER_NORMS) if layer_norms else _ALL_NORMS
+        paired = (*_ALL_NORMS, *channel_layer_norms) if layer_norms else _ALL_NORMS
         for parent, layer_name, _, _ in list(_fed_norms(model, paired)):
             layer = getattr(parent, layer_name)
             if _centrable(layer):
@@ -140,7 +150,7 @@ def convert_norm(
     kept: Counter[str] = Counter()
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            convert = isinstance(child, _BATCH_NORMS) or (layer_norms and isinstance(child, _CHANNEL_LAYER_NORMS))
+            convert = isinstance(child, _BATCH_NORMS) or (layer_norms and isinstance(child, channel_layer_norms))
             if isinstance(child, nn.LayerNorm) and not convert:
                 kept[type(child).__name__] += 1
             if not convert:
@@ -150,7 +160,7 @@ def convert_norm(
             new.to(device=child.weight.device if child.weight is not None else None)
             _copy_state(child, new)
             new.train(child.training)
-            if isinstance(child, BatchNormAct2d | SyncBatchNormAct):
+            if isinstance(child, norm_acts):
                 new = NormAct(new, child.drop, child.act).train(child.training)
             setattr(parent, name, new)
             converted[type(child).__name__] += 1
