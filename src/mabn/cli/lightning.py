@@ -41,6 +41,7 @@ import pytorch_lightning as pl
 from jsonargparse import ArgumentParser, DefaultHelpFormatter, Namespace
 from pytorch_lightning.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
 
+from ..data.loading import DataPlan
 from ..distributed import first_process
 from ..errors import ConfigError, UserError
 from ..inference.checkpoint import task_hparams
@@ -111,17 +112,23 @@ def check_batch(config: Namespace) -> None:
         )
 
 
-def run_shape(config: Namespace) -> RunShape | None:
-    """The run's batch and length computed from ``config`` as the Trainer will run them (None without a
-    per-device batch); the training samples are counted by file name when the data set exists."""
-    data, trainer = config.data.get("init_args") or Namespace(), config.trainer
+def data_plan(config: Namespace) -> DataPlan | None:
+    """The data module's ``plan`` of its data set (its training samples, its lines), when it has one and the data
+    set exists."""
+    data, module = config.data.get("init_args") or Namespace(), _import(config.data.class_path)
+    planner = getattr(module, "plan", None)
+    return planner(data) if planner is not None and Path(data.get("data_dir") or "").is_dir() else None
+
+
+def run_shape(config: Namespace, samples: int | None) -> RunShape | None:
+    """The run's batch and length computed from ``config`` and the training ``samples`` (None: unknown) as the
+    Trainer will run them; None without a per-device batch."""
+    trainer = config.trainer
     per_device = _device_batch(config)
     if not per_device:
         return None
     devices = _devices(trainer) or 1
     accumulate = trainer.get("accumulate_grad_batches") or 1
-    counter = getattr(_import(config.data.class_path), "train_samples", None)
-    samples = counter(data) if counter is not None and Path(data.get("data_dir") or "").is_dir() else None
     per_epoch = steps = None
     if samples is not None:
         batches = loader_batches(samples, per_device, devices)
@@ -138,14 +145,12 @@ def run_shape(config: Namespace) -> RunShape | None:
 
 def plan_lines(config: Namespace) -> list[str]:
     """What the run's task says at the start of fit (batch, lr, schedule), computed from ``config``, then what
-    the data module says of the data set when it has a ``plan_lines`` and the data set exists."""
-    task, shape = _import(config.model.class_path), run_shape(config)
+    the data module's ``plan`` says of the data set (checked once for both)."""
+    planned = data_plan(config)
+    task, shape = _import(config.model.class_path), run_shape(config, planned and planned.train_samples)
     known = shape is not None and hasattr(task, "plan_lines")
     lines = task.plan_lines(dict(config.model.init_args), shape) if known else []
-    data, module = config.data.get("init_args") or Namespace(), _import(config.data.class_path)
-    if hasattr(module, "plan_lines") and Path(data.get("data_dir") or "").is_dir():
-        lines += module.plan_lines(data)
-    return lines
+    return lines + (planned.lines if planned else [])
 
 
 def check_export(config: Namespace) -> None:

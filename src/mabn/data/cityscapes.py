@@ -22,7 +22,7 @@ from ..distributed import rank
 from ..run import device_batch
 from .errors import DatasetError, require_pairs
 from .images import IMAGENET_MEAN, imagenet_normalize, read_image
-from .loading import augmentation_seed, make_loader
+from .loading import DataPlan, augmentation_seed, make_loader
 
 __all__ = [
     "CLASS_NAMES",
@@ -311,10 +311,10 @@ class CityscapesDataModule(pl.LightningDataModule):
         )
 
     @staticmethod
-    def train_samples(args: Mapping[str, Any]) -> int:
-        """The size of the training split the data module's ``args`` name, from file names alone (what
-        ``--dry-run`` plans with)."""
-        return len(find_samples(args["data_dir"], args.get("train_split") or "train"))
+    def plan(args: Mapping[str, Any]) -> DataPlan:
+        """``--dry-run``'s plan: the size of the training split the data module's ``args`` name, from file names
+        alone."""
+        return DataPlan(len(find_samples(args["data_dir"], args.get("train_split") or "train")), [])
 
     def _loader(self, dataset: CityscapesDataset | None, batch_size: int, train: bool) -> DataLoader:
         if dataset is None:

@@ -54,6 +54,7 @@ from .cityscapes import (
 from .classes import CLASSES_FILE, COLOR, ClassTable
 from .errors import DatasetError, DatasetErrors, pair_problems
 from .images import image_size, imagenet_normalize, read_image
+from .loading import DataPlan
 
 __all__ = ["FolderDataModule", "FolderDataset", "check_dataset", "find_pairs", "small_images"]
 
@@ -390,14 +391,10 @@ class FolderDataModule(CityscapesDataModule):
         return dataset
 
     @staticmethod
-    def train_samples(args: Mapping[str, Any]) -> int:
-        """The size of the training split, for ``--dry-run``'s plan, once the whole dataset passed
-        ``check_dataset``: run here, before the plan's own count of batches, so that too few training images for
-        the global batch is said with the dataset's other problems and its fix."""
-        return len(check_dataset(args))
-
-    @staticmethod
-    def plan_lines(args: Mapping[str, Any]) -> list[str]:
-        """What ``--dry-run`` says of the training images, once the dataset passed ``check_dataset`` (its mask
-        values from the cache by now): how many are smaller than the crop (``small_images``)."""
-        return [small_images(check_dataset(args), args["crop_size"])[1]]
+    def plan(args: Mapping[str, Any]) -> DataPlan:
+        """``--dry-run``'s plan once the whole dataset passed ``check_dataset``, before the plan's own count of
+        batches, so that too few training images for the global batch is said with the dataset's other problems
+        and its fix: the size of the training split, and how many of its images are smaller than the crop
+        (``small_images``)."""
+        sizes = check_dataset(args)
+        return DataPlan(len(sizes), [small_images(sizes, args["crop_size"])[1]])

@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader, Dataset
 from ..distributed import rank
 from .errors import DatasetError
 from .images import imagenet_normalize, read_image
-from .loading import augmentation_seed, make_loader
+from .loading import DataPlan, augmentation_seed, make_loader
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".webp")
 LAYOUT = "<data_dir>/train/<class>/<image> and <data_dir>/val/<class>/<image>"
@@ -108,11 +108,11 @@ class ImageFolderDataModule(pl.LightningDataModule):
         return len(self.classes)
 
     @staticmethod
-    def train_samples(args: Mapping[str, Any]) -> int:
-        """The size of the training split the data module's ``args`` name, from file names alone (what
-        ``--dry-run`` plans with)."""
+    def plan(args: Mapping[str, Any]) -> DataPlan:
+        """``--dry-run``'s plan: the size of the training split the data module's ``args`` name, from file names
+        alone."""
         split = Path(args["data_dir"]) / "train"
-        return sum(len(image_files(split / name)) for name in class_names(split))
+        return DataPlan(sum(len(image_files(split / name)) for name in class_names(split)), [])
 
     def setup(self, stage: str | None = None) -> None:
         # Seeded from torch so that seed_everything also fixes the augmentations with num_workers=0.

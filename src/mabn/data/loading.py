@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from functools import partial
-from typing import Any
+from typing import Any, NamedTuple
 
 import albumentations as A
 import numpy as np
@@ -12,6 +12,14 @@ from pytorch_lightning.overrides.distributed import UnrepeatedDistributedSampler
 from torch.utils.data import DataLoader, Dataset, Sampler, get_worker_info
 
 from ..distributed import rank, world_size
+
+
+class DataPlan(NamedTuple):
+    """What a data module's ``plan(args)`` says of its data set for ``--dry-run``, from one check of it: the
+    training samples and the lines to print."""
+
+    train_samples: int
+    lines: list[str]
 
 
 def augmentation_seed(rank: int) -> int:

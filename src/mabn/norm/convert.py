@@ -21,6 +21,7 @@ from .mabn import MABN2d
 _BATCH_NORMS = (nn.BatchNorm2d, nn.SyncBatchNorm)
 _LINEAR_NORMS = (nn.BatchNorm2d, nn.SyncBatchNorm, BatchRenorm2d, MABN2d)
 _ALL_NORMS = (*_LINEAR_NORMS, nn.GroupNorm)
+log = logging.getLogger(__name__)
 # LayerNorms over the channels of an NCHW map (smp's UPerNet and timm build them): a 2d norm can take their place,
 # which ``convert_norm`` does only when asked (``layer_norms=True``), since it changes what they normalize over.
 _CHANNEL_LAYER_NORMS = (
@@ -35,7 +36,6 @@ def _loaded(classes: tuple[tuple[str, str], ...]) -> tuple[type, ...]:
     """The classes (module, name) whose module is imported: a model can hold instances of no other, so the
     libraries that define them (smp, timm, seconds of imports) are never imported here."""
     return tuple(getattr(sys.modules[m], name) for m, name in classes if m in sys.modules)
-log = logging.getLogger(__name__)
 
 
 class NormAct(nn.Sequential):
