@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import pytorch_lightning as pl
 from pytorch_lightning.callbacks import TQDMProgressBar
 
@@ -49,6 +50,7 @@ def test_without_a_terminal_lines_replace_the_bar(tmp_path):
     assert "it/s]" not in result.stderr
 
 
+@pytest.mark.slow  # a second fit in a process of its own; the lines themselves are the test above's
 def test_enable_progress_bar_false_silences_the_lines(tmp_path):
     result = _fit(
         tmp_path, "--trainer.enable_progress_bar", "false", "--trainer.max_steps", "50", "--trainer.max_epochs", "-1"
