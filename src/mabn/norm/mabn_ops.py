@@ -58,6 +58,8 @@ def _(norm: Tensor, weight: Tensor, streams: list[Tensor], agreement, policy, gr
     return _forward_allocation(norm, streams, groups, buffer_size)
 
 
+# The sizes' functions uncached (``__wrapped__``): Dynamo traces these helpers in a compiled step, and it ignores a
+# functools cache with a warning.
 def _forward_sizes(norm: Tensor, streams: list[Tensor], groups: int, buffer_size: int) -> tuple[int, ...]:
     return kernels.forward_sizes.__wrapped__(*norm.shape, groups, buffer_size, streams[0].dtype, norm.dtype)
 
