@@ -324,9 +324,10 @@ def test_the_compiled_section_tests_the_compiled_step_before_timing_it(monkeypat
     timed = check.Measured("### PSPNet-101 training step", {"step time": 1.0})
     runs = []
 
-    def run(suite: devicetests.Suite, device: str, deadline: float) -> tuple[bool, str]:
+    def run(suite: devicetests.Suite, device: str, deadline: float) -> devicetests.Outcome:
         runs.append(("tests", suite, deadline - time.monotonic()))
-        return False, f"### {suite.title}\n\n`pytest {case}`: failed (exit 1) in 1 s"
+        line = f"`pytest {case}`: failed (exit 1) in 1 s"
+        return devicetests.Outcome(False, line, f"### {suite.title}\n\n{line}")
 
     def measure_steps(work: check.StepWork, job: check.Job) -> check.Measured:
         runs.append(("steps", work, job.deadline))

@@ -216,10 +216,10 @@ def _describe_chain(options: Options) -> str:
 
 def _device_tests(job: Job, suite: devicetests.Suite, deadline: float) -> Measured:
     """``suite`` run on the device as a subprocess stopped at ``deadline``; a failure fails the check."""
-    passed, markdown = devicetests.run(suite, job.options.device, deadline)
-    job.say(markdown.splitlines()[2])  # the command and its verdict, kept should the section be cut short
-    job.show(markdown)
-    return Measured(markdown, failures=() if passed else (suite.title,))
+    outcome = devicetests.run(suite, job.options.device, deadline)
+    job.say(outcome.line)  # kept should the section be cut short
+    job.show(outcome.markdown)
+    return Measured(outcome.markdown, failures=() if outcome.passed else (suite.title,))
 
 
 def run_kernel_tests(job: Job) -> Measured:

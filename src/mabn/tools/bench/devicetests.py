@@ -16,6 +16,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 ROOT = Path(__file__).resolve().parents[4]  # the checkout: src/mabn/tools/bench/ -> .
 
@@ -54,13 +55,21 @@ def command(suite: Suite) -> list[str]:
     return [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", suite.marks, *suite.tests]
 
 
-def run(suite: Suite, device: str, deadline: float) -> tuple[bool, str]:
-    """(passed, the Markdown): ``suite`` with MABN_TEST_DEVICE=``device``, stopped at ``deadline``
-    (``time.monotonic()``)."""
+class Outcome(NamedTuple):
+    """A suite's run: whether it passed, its one line (the command and its verdict) and its Markdown."""
+
+    passed: bool
+    line: str
+    markdown: str
+
+
+def run(suite: Suite, device: str, deadline: float) -> Outcome:
+    """``suite`` with MABN_TEST_DEVICE=``device``, stopped at ``deadline`` (``time.monotonic()``)."""
     shown = f"`MABN_TEST_DEVICE={device} {shlex.join(['python', *command(suite)[1:]])}`"
     heading = f"### {suite.title}"
     if not all((ROOT / t.split("::")[0]).is_file() for t in suite.tests):
-        return False, f"{heading}\n\n{shown}: no checkout's tests beside the package ({ROOT})"
+        line = f"{shown}: no checkout's tests beside the package ({ROOT})"
+        return Outcome(False, line, f"{heading}\n\n{line}")
     env = {**os.environ, "MABN_TEST_DEVICE": device}
     env.pop("TRITON_INTERPRET", None)
     started = time.monotonic()
@@ -73,4 +82,5 @@ def run(suite: Suite, device: str, deadline: float) -> tuple[bool, str]:
         passed, out = False, (stopped.stdout or b"").decode(errors="replace")
         verdict = "stopped at the section's limit"
     tail = "\n".join(line for line in out.strip().splitlines()[-15:])
-    return passed, f"{heading}\n\n{shown}: {verdict} in {time.monotonic() - started:.0f} s\n\n```text\n{tail}\n```"
+    line = f"{shown}: {verdict} in {time.monotonic() - started:.0f} s"
+    return Outcome(passed, line, f"{heading}\n\n{line}\n\n```text\n{tail}\n```")
