@@ -436,14 +436,24 @@ def forward_stats(
     weight * r / sqrt(var + eps) (N * C, in the statistics' dtype, for ``row_kernels``) in one launch; the
     statistics flat (the (G, C) ones as G * C, ``active`` as 0/1 floats), the verdict in ``layer``'s flags
     (``ok`` None)."""
-    device = norm.device
-    history = layer.buffer_x2  # a module attribute lookup costs host time too: once
-    streams = (history, layer.running_var, layer.iters, layer.count_x2)
-    agreement = (layer.nonfinite_flags(device), layer.tickets(device), layer.policy_flags(device))
-    sizes = forward_sizes(*norm.shape, groups, cfg.buffer_size, history.dtype, norm.dtype)
+    streams, agreement = forward_state(layer, norm.device)
+    sizes = forward_sizes(*norm.shape, groups, cfg.buffer_size, streams[0].dtype, norm.dtype)
     parts = norm.new_empty(sum(sizes)).split(sizes)
     forward_launch(parts, norm, hw, groups, weight, streams, agreement, cfg)
     return forward_record(parts)
+
+
+def forward_state(layer: nn.Module, device: torch.device) -> tuple[tuple[Tensor, ...], tuple[Tensor, Tensor, Tensor]]:
+    """What the forward kernel reads and updates of ``layer``: its chi^2 stream (history, EMA, step and statistic
+    counters) and its (non-finite flags, tickets, policy flags) on ``device``."""
+    streams = (layer.buffer_x2, layer.running_var, layer.iters, layer.count_x2)
+    return streams, (layer.nonfinite_flags(device), layer.tickets(device), layer.policy_flags(device))
+
+
+def backward_state(layer: nn.Module, device: torch.device) -> tuple[tuple[Tensor, ...], tuple[Tensor, Tensor]]:
+    """What the backward kernel reads and updates of ``layer``: its psi stream (history, EMA, counter) and its
+    (non-finite flags, tickets) on ``device``."""
+    return (layer.buffer_gz, layer.running_psi, layer.count_gz), (layer.nonfinite_flags(device), layer.tickets(device))
 
 
 @functools.cache
@@ -515,10 +525,8 @@ def backward_stats(
     """``_backward_stats`` of mabn.py in one launch, from ``row_kernels.row_sums``' per-(sample, channel) sums of
     dL/dout * x (``dout_x``, N * C) and of dL/dout and ``forward_stats``' flat outputs; the same outputs, flat (the
     coefficient of dL/dx per sample, N * C, in the statistics' dtype), the verdict in the flags."""
-    device = var.device
-    history = layer.buffer_gz
-    streams = (history, layer.running_psi, layer.count_gz)
-    agreement = (layer.nonfinite_flags(device), layer.tickets(device))
+    streams, agreement = backward_state(layer, var.device)
+    history = streams[0]
     c = weight.numel()
     # The parameters' gradients share the allocation where they have the statistics' dtype (float32 both, the usual
     # case). It is new at every backward, so a second backward of the graph (retain_graph) never writes into

@@ -12,6 +12,8 @@ The interface is ``mabn_kernels``': ``MABN2d`` calls either module alike.
 """
 
 # No "from __future__ import annotations": torch.library reads the operators' annotations as objects.
+from collections.abc import Sequence
+
 import torch
 from torch import Tensor, nn
 
@@ -60,11 +62,11 @@ def _(norm: Tensor, weight: Tensor, streams: list[Tensor], agreement, policy, gr
 
 # The sizes' functions uncached (``__wrapped__``): Dynamo traces these helpers in a compiled step, and it ignores a
 # functools cache with a warning.
-def _forward_sizes(norm: Tensor, streams: list[Tensor], groups: int, buffer_size: int) -> tuple[int, ...]:
+def _forward_sizes(norm: Tensor, streams: Sequence[Tensor], groups: int, buffer_size: int) -> tuple[int, ...]:
     return kernels.forward_sizes.__wrapped__(*norm.shape, groups, buffer_size, streams[0].dtype, norm.dtype)
 
 
-def _forward_allocation(norm: Tensor, streams: list[Tensor], groups: int, buffer_size: int) -> Tensor:
+def _forward_allocation(norm: Tensor, streams: Sequence[Tensor], groups: int, buffer_size: int) -> Tensor:
     return norm.new_empty(sum(_forward_sizes(norm, streams, groups, buffer_size)))
 
 
@@ -106,7 +108,7 @@ def _(
 
 
 def _backward_allocation(
-    dout_x: Tensor, var: Tensor, weight: Tensor, streams: list[Tensor], groups: int, buffer_size: int
+    dout_x: Tensor, var: Tensor, weight: Tensor, streams: Sequence[Tensor], groups: int, buffer_size: int
 ) -> tuple[Tensor, tuple[Tensor, Tensor]]:
     """The outputs' allocation and the gradients apart: an operator's outputs may not be views of one another."""
     c = weight.numel()
@@ -115,7 +117,7 @@ def _backward_allocation(
 
 
 def _backward_sizes(
-    dout_x: Tensor, weight: Tensor, streams: list[Tensor], groups: int, buffer_size: int, stat: torch.dtype
+    dout_x: Tensor, weight: Tensor, streams: Sequence[Tensor], groups: int, buffer_size: int, stat: torch.dtype
 ) -> tuple[int, ...]:
     c = weight.numel()
     return kernels.backward_sizes.__wrapped__(dout_x.numel() // c, c, groups, buffer_size, streams[0].dtype, stat, True)
@@ -125,14 +127,13 @@ def forward_stats(
     norm: Tensor, hw: int, groups: int, weight: Tensor, layer: nn.Module, cfg: StepConfig
 ) -> tuple[Tensor, ForwardStats]:
     """``mabn_kernels.forward_stats`` through the operator."""
-    device, history = norm.device, layer.buffer_x2
+    streams, (flags, tickets, policy) = kernels.forward_state(layer, norm.device)
     packed = _forward(
-        norm, weight, [history, layer.running_var, layer.iters, layer.count_x2],
-        [layer.nonfinite_flags(device), layer.tickets(device)], layer.policy_flags(device),
+        norm, weight, list(streams), [flags, tickets], policy,
         groups, cfg.buffer_size, hw, cfg.stats, cfg.momentum, cfg.eps, cfg.renorm, cfg.renorm_clip, cfg.ema_start,
         cfg.policy is not None, cfg.warmup_iters, cfg.renorm_warmup_iters,
     )  # fmt: skip
-    return kernels.forward_record(packed.split(_forward_sizes(norm, [history], groups, cfg.buffer_size)))
+    return kernels.forward_record(packed.split(_forward_sizes(norm, streams, groups, cfg.buffer_size)))
 
 
 def backward_stats(
@@ -149,13 +150,12 @@ def backward_stats(
     loss_scale: Tensor | None = None,
 ) -> BackwardStats:
     """``mabn_kernels.backward_stats`` through the operator."""
-    device, history = var.device, layer.buffer_gz
+    streams, agreement = kernels.backward_state(layer, var.device)
     packed, *grads = _backward(
-        dout_x, dout_sum, r, var, active, weight, [history, layer.running_psi, layer.count_gz],
-        [layer.nonfinite_flags(device), layer.tickets(device)], loss_scale,
+        dout_x, dout_sum, r, var, active, weight, list(streams), list(agreement), loss_scale,
         groups, cfg.buffer_size, psi_count, cfg.stats, cfg.momentum, cfg.eps,
     )  # fmt: skip
-    sizes = _backward_sizes(dout_x, weight, [history], groups, cfg.buffer_size, var.dtype)
+    sizes = _backward_sizes(dout_x, weight, streams, groups, cfg.buffer_size, var.dtype)
     return kernels.backward_record(packed.split(sizes), tuple(grads))
 
 
