@@ -1,4 +1,5 @@
-"""DataLoaders shared by the data modules, with per-worker and per-rank augmentation streams."""
+"""What the data modules share: their DataLoaders, with per-worker and per-rank augmentation streams, and the
+plan a dry run prints of a data set."""
 
 from __future__ import annotations
 
