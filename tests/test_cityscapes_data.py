@@ -24,7 +24,7 @@ from mabn.data.cityscapes import (
     train_transform,
 )
 from mabn.data.images import IMAGENET_MEAN, IMAGENET_STD
-from mabn.data.loading import seed_transform_worker
+from mabn.data.loading import start_worker
 from mabn.data.synthetic import cityscapes as demo_cityscapes
 
 # The official labelId -> trainId table over ids 0..33 (cityscapesscripts 2.3.0 `labels`); everything else is 255.
@@ -293,7 +293,7 @@ def test_datamodule_setup_reports_a_missing_layout(tmp_path: Path) -> None:
 
 def _first_two_items(dataset: CityscapesDataset, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     torch.manual_seed(0)  # what seed_everything does on every rank
-    loader = DataLoader(dataset, batch_size=1, num_workers=2, worker_init_fn=partial(seed_transform_worker, rank=rank))
+    loader = DataLoader(dataset, batch_size=1, num_workers=2, worker_init_fn=partial(start_worker, rank=rank))
     (first, _), (second, _) = list(loader)
     return first, second
 

@@ -19,14 +19,13 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import pytorch_lightning as pl
 import torch
 import torch.distributed as dist
-from lightning_fabric.plugins.environments import SLURMEnvironment
 from lightning_fabric.plugins.environments.lightning import find_free_network_port
+from pytorch_lightning.callbacks import ModelCheckpoint
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
@@ -36,7 +35,7 @@ from helpers.trainer import BARE, QUIET
 from mabn.callbacks.streams import STREAMS_KEY
 from mabn.cli.lightning import run_cli
 from mabn.data.loading import make_loader
-from mabn.run import AgreedRequeue, FailFast, RandomStateCallback
+from mabn.run import FailFast, LastCheckpoint, RandomStateCallback
 from mabn.run.failfast import one_line
 from mabn.run.requeue import TERMINATED_EXIT, requeue, slurm_job_id
 from mabn.run.rng import RNG_KEY
@@ -51,7 +50,11 @@ JOB_ID = "4242"
 
 # ------------------------------------------------------------------- the processes the tests start
 def _trainer(root: Path, callbacks: list[pl.Callback], max_steps: int) -> pl.Trainer:
-    return pl.Trainer(accelerator="cpu", devices=WORLD, strategy="ddp", max_steps=max_steps, **BARE,
+    bare = BARE
+    if any(isinstance(c, LastCheckpoint) for c in callbacks):  # a Checkpoint callback: checkpointing on, no top-k
+        bare = {**BARE, "enable_checkpointing": True}
+        callbacks = [ModelCheckpoint(dirpath=root / "checkpoints", save_top_k=0), *callbacks]
+    return pl.Trainer(accelerator="cpu", devices=WORLD, strategy="ddp", max_steps=max_steps, **bare,
                       default_root_dir=root, callbacks=callbacks)  # fmt: skip
 
 
@@ -140,11 +143,11 @@ def _worker(scenario: str, root: Path) -> None:
         log = root / "requeue.log"
         command = [sys.executable, "-c", f"import sys; open({str(log)!r}, 'a').write(sys.argv[1] + '\\n')"]
         probe = SignalProbe(root, at=(3, 1))  # rank 1 first, at batch 1; rank 0 at batch 3
-        callbacks = [AgreedRequeue(every_n_batches=3, requeue_command=command), RandomStateCallback(), probe]
+        callbacks = [LastCheckpoint(requeue_command=command), RandomStateCallback(), probe]
         _trainer(root, callbacks, max_steps=4).fit(Tiny(), _train_loader())
     elif scenario == "sigterm":
         probe = SignalProbe(root, at=(3, 1), signum=signal.SIGTERM)  # rank 1 at batch 1; rank 0 would at batch 3
-        callbacks = [AgreedRequeue(every_n_batches=3, requeue_command=["false"]), RandomStateCallback(), probe]
+        callbacks = [LastCheckpoint(requeue_command=["false"]), RandomStateCallback(), probe]
         _trainer(root, callbacks, max_steps=4).fit(Tiny(), _train_loader())
     elif scenario == "rank0-killed":
         _trainer(root, [FailFast(grace_s=5), KillRank0()], max_steps=8).fit(Tiny(), _train_loader())
@@ -248,24 +251,27 @@ def test_the_cli_guards_every_trainer_once(tmp_path):
     """Every trainer the CLI builds gets the guards; one the user configured is not added twice."""
     (tmp_path / "cfg.yaml").write_text(CLI_CONFIG)
     mine = ["{class_path: mabn.run.FailFast, init_args: {grace_s: 5}}",
-            "{class_path: mabn.run.AgreedRequeue, init_args: {every_n_batches: 20}}"]  # fmt: skip
+            "{class_path: mabn.run.LastCheckpoint, init_args: {every_minutes: 10}}"]  # fmt: skip
     args = ["--config", str(tmp_path / "cfg.yaml")] + [a for m in mine for a in ("--trainer.callbacks+", m)]
     trainer = run_cli(args, run=False).trainer
     kinds = [type(c) for c in trainer.callbacks]
-    assert kinds.count(FailFast) == kinds.count(AgreedRequeue) == kinds.count(RandomStateCallback) == 1
+    assert kinds.count(FailFast) == kinds.count(LastCheckpoint) == kinds.count(RandomStateCallback) == 1
     assert next(c for c in trainer.callbacks if isinstance(c, FailFast)).grace_s == 5
-    assert next(c for c in trainer.callbacks if isinstance(c, AgreedRequeue)).every_n_batches == 20
+    assert next(c for c in trainer.callbacks if isinstance(c, LastCheckpoint)).every_minutes == 10
+    # last.ckpt is LastCheckpoint's alone: ModelCheckpoint's save_last would write last-v1.ckpt beside it
+    assert not next(c for c in trainer.callbacks if isinstance(c, ModelCheckpoint)).save_last
 
 
-def _one_agreed_checkpoint(tmp_path: Path, step: int) -> None:
-    """Both ranks saved at ``step``, never inside a signal handler, into one ``hpc_ckpt_1.ckpt`` that holds every
-    device's random states and norm streams."""
+def _agreed_checkpoints(tmp_path: Path, steps: list[int], last_step: int) -> None:
+    """Both ranks saved at each of ``steps`` during the fit (the probe writes its record as the fit ends, before
+    LastCheckpoint's final save), never inside a signal handler, into ``checkpoints/last.ckpt``, which holds
+    every device's random states and norm streams at ``last_step``."""
     probes = [json.loads((tmp_path / f"probe-rank{r}.json").read_text()) for r in range(WORLD)]
     for r, probe in enumerate(probes):
-        assert probe == {"in_handler": [], "saved_at": [step]}, r
-    assert sorted(p.name for p in tmp_path.glob("*.ckpt")) == ["hpc_ckpt_1.ckpt"]
-    ckpt = torch.load(tmp_path / "hpc_ckpt_1.ckpt", weights_only=True)
-    assert ckpt["global_step"] == step
+        assert probe == {"in_handler": [], "saved_at": steps}, r
+    assert sorted(p.name for p in tmp_path.rglob("*.ckpt")) == ["last.ckpt"]
+    ckpt = torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=True)
+    assert ckpt["global_step"] == last_step
     for key in (RNG_KEY, STREAMS_KEY):
         assert ckpt[key]["world_size"] == WORLD and len(ckpt[key]["ranks"]) == WORLD, key
 
@@ -273,14 +279,14 @@ def _one_agreed_checkpoint(tmp_path: Path, step: int) -> None:
 # --------------------------------------------------------------------------- SLURM's requeue signal
 @pytest.mark.slow  # two processes started as srun would, each importing the CLI: ~15 s
 def test_requeue_signal_saves_one_checkpoint_at_an_agreed_step_without_collectives_in_the_handler(tmp_path):
-    """SIGUSR1 reaches rank 1 at batch 1 and rank 0 at batch 3. The processes agree every 3 batches: both take
-    part in one checkpoint at the end of batch 2 (global step 3), which holds both devices' random states and norm
-    streams; the handlers call no collective; rank 0 requeues the job once, and Lightning's hpc resume finds the
-    file."""
+    """SIGUSR1 reaches rank 1 at batch 1 and rank 0 at batch 3. The processes agree at the end of every batch:
+    both take part in the checkpoint at the end of batch 1 (global step 2), which holds both devices' random
+    states and norm streams; the handlers call no collective; rank 0 requeues the job once; the fit goes on to
+    its end at step 4, saved too."""
     results = _run_ranks("sigusr1", tmp_path, SLURM_LIKE)
     for r, (code, _, output) in enumerate(results):
         assert code == 0, (r, output[-3000:])
-    _one_agreed_checkpoint(tmp_path, 3)
+    _agreed_checkpoints(tmp_path, [2], last_step=4)
     assert (tmp_path / "requeue.log").read_text() == f"{JOB_ID}\n"
 
 
@@ -294,31 +300,7 @@ def test_sigterm_saves_one_checkpoint_at_the_next_batch_without_collectives_in_t
     for r, (code, _, output) in enumerate(results):
         assert code == TERMINATED_EXIT, (r, output[-3000:])
     assert "SIGTERM: checkpoint saved at step 2 in " in results[0][2]
-    _one_agreed_checkpoint(tmp_path, 2)
-
-
-@pytest.mark.parametrize(
-    ("world", "agreed_after"),
-    [(2, [1, 2, 3, 3, 4, 5, 6, 6, 7, 8, 9, 9, 10]), (1, list(range(1, 11)))],
-)
-def test_requeue_agreement_comes_every_n_batches_across_epochs_and_at_every_batch_alone(
-    monkeypatch, world, agreed_after
-):
-    """Several processes agree (a collective, read on the host) on SIGTERM after every batch and on the requeue
-    signal after every 3rd batch of the fit, epochs of 4 batches notwithstanding; one process looks at its own
-    flags after every batch (``any_device`` of one process is its own flag)."""
-    agreed = []  # the batches of the fit (1-based) after which the processes agreed
-    monkeypatch.setattr(requeue_module, "world_size", lambda: world)
-    monkeypatch.setattr(requeue_module, "any_device", lambda flag, device: agreed.append(batches) or flag)
-    slurm = SimpleNamespace(_accelerator_connector=SimpleNamespace(cluster_environment=SLURMEnvironment()))
-    callback, module = AgreedRequeue(every_n_batches=3), SimpleNamespace(device=torch.device("cpu"))
-    callback.setup(slurm, module, "fit")
-    try:
-        for batches in range(1, 11):
-            callback.on_train_batch_end(slurm, module, None, None, (batches - 1) % 4)
-    finally:
-        callback.teardown(slurm, module, "fit")
-    assert agreed == agreed_after
+    _agreed_checkpoints(tmp_path, [2], last_step=2)
 
 
 @pytest.mark.parametrize("job", ["42; echo pwned", "42\n", "42 43", "$(id)", "", "_42"])

@@ -1,7 +1,7 @@
-"""SIGTERM (``scancel``, SLURM's preemption, a plain ``kill``) saves ``hpc_ckpt_<n>.ckpt`` at the end of the
+"""SIGTERM (``scancel``, SLURM's preemption, a plain ``kill``) saves ``checkpoints/last.ckpt`` at the end of the
 training batch it arrived in, with no collective inside the signal handler, and the run exits with status 143;
-``--resume auto`` goes on from that checkpoint (``mabn.run.AgreedRequeue``; docs/reliability.md). Two DDP
-processes: tests/test_ddp_failures.py."""
+``--resume auto`` goes on from that checkpoint (``mabn.run.LastCheckpoint``; docs/reliability.md). Two DDP
+processes: tests/test_ddp_failures.py; the whole process group with loader workers: tests/test_last_checkpoint.py."""
 
 from __future__ import annotations
 
@@ -57,13 +57,14 @@ def test_sigterm_saves_at_the_next_batch_and_resume_auto_goes_on_from_it(tmp_pat
         release.touch()
         first.kill()
     assert first.returncode == TERMINATED_EXIT, err[-3000:]
-    line = f"SIGTERM: checkpoint saved at step 6 in {folder / 'hpc_ckpt_1.ckpt'}; the run stops here, and --resume auto goes on from it"  # noqa: E501
+    last = folder / "checkpoints" / "last.ckpt"
+    line = f"SIGTERM: checkpoint saved at step 6 in {last}; the run stops here, and --resume auto goes on from it"
     assert line in err.splitlines(), err[-3000:]
     print(line)  # what the user reads (docs/reliability.md)
-    assert torch.load(folder / "hpc_ckpt_1.ckpt", weights_only=True)["global_step"] == 6
+    assert torch.load(last, weights_only=True)["global_step"] == 6
 
     second = _process(command, tmp_path)
     out, err = second.communicate(timeout=240)
     assert second.returncode == 0, err[-3000:]
-    assert "hpc_ckpt_1.ckpt (epoch 1, step 6)" in out, out[-3000:]
+    assert f"{last} (epoch 1, step 6)" in out, out[-3000:]
     assert torch.load(folder / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 8

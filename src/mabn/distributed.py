@@ -144,13 +144,13 @@ def gather_to_cpu(tensors: Mapping[str, Tensor]) -> list[dict[str, Tensor]]:
     return per_rank
 
 
-def any_device(flag: bool, device: torch.device) -> bool:
-    """Whether ``flag`` is set on any device (each device passes its own ``flag``)."""
+def agree(flags: list[bool], device: torch.device) -> list[bool]:
+    """Whether each of ``flags`` is set on any device (each device passes its own), by one all-reduce."""
     if world_size() == 1:
-        return flag
-    value = torch.tensor([int(flag)], device=device)
+        return list(flags)
+    value = torch.tensor([int(flag) for flag in flags], device=device)
     dist.all_reduce(value, op=dist.ReduceOp.MAX)
-    return bool(value.item())
+    return [bool(v) for v in value.tolist()]
 
 
 def gather_objects(obj: object) -> list[object]:

@@ -10,6 +10,9 @@ while the run holds its folder. ``SlowCheckpointIO`` stops inside the write of t
 at ``$TINY_SLOW_SAVE_AT_STEP``, after the bytes are in the temporary file and before the rename, and touches
 ``$TINY_SAVING_MARKER`` so a test can kill the process exactly then. ``FullDiskCheckpointIO`` runs out of
 space in the middle of writing the checkpoint of ``$TINY_FULL_AT_STEP`` into its temporary file.
+``WorseningTask`` scores worse at every validation, so ModelCheckpoint saves only at the first one; ``StopAt``
+raises or sends this process SIGTERM at the start of a training batch; ``TinyData(num_workers=2)`` reads through
+the product's loaders (``mabn.data.loading.make_loader``) with worker processes.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from mabn import BatchRenorm2d, MABN2d
 from mabn.callbacks import norm_callbacks
+from mabn.data.loading import make_loader
 from mabn.run.files import AtomicCheckpointIO, write_atomic
 
 
@@ -79,16 +83,43 @@ class TinyTask(pl.LightningModule):
                 time.sleep(0.1)
 
 
+class WorseningTask(TinyTask):
+    def validation_step(self, batch, batch_idx):
+        self.log("val/acc", 1.0 / (1 + self.global_step))
+
+
+class StopAt(pl.Callback):
+    """At the start of the training batch at global step ``step``: ``raise`` a RuntimeError, ``interrupt`` as
+    Ctrl-C does, or send this process ``sigterm`` (recorded by the handler, acted on at the end of that batch)."""
+
+    def __init__(self, step: int, how: str = "raise") -> None:
+        self.step, self.how = step, how
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step != self.step:
+            return
+        if self.how == "raise":
+            raise RuntimeError(f"stopped at step {self.step}")
+        if self.how == "interrupt":
+            raise KeyboardInterrupt
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
 class TinyData(pl.LightningDataModule):
     num_classes = 2
 
-    def __init__(self, data_dir: str = "unused") -> None:
+    def __init__(self, data_dir: str = "unused", num_workers: int = 0) -> None:
         super().__init__()
+        self.num_workers = num_workers
 
     def train_dataloader(self):
+        if self.num_workers:
+            return make_loader(_data(), 8, train=True, num_workers=self.num_workers)
         return DataLoader(_data(), batch_size=8, shuffle=True)
 
     def val_dataloader(self):
+        if self.num_workers:
+            return make_loader(_data(), 8, train=False, num_workers=self.num_workers)
         return DataLoader(_data(), batch_size=8)
 
 

@@ -16,11 +16,12 @@ For ``fit``:
   full disk, a quota or a read-only folder is one line naming the file (``mabn.errors.WriteError``);
 - a dry run (``check``) stops after the checks, before anything is built, with the run's plan;
 - every trainer gets ``RandomStateCallback`` (exact resume needs the generators' states), ``FailFast`` (a
-  failing DDP process stops every process, naming its error), ``AgreedRequeue`` (SLURM's requeue
-  checkpoint at a step every process agrees on) and ``OutOfMemoryReport`` (CUDA out of memory in a training
+  failing DDP process stops every process, naming its error), ``LastCheckpoint`` (``checkpoints/last.ckpt``
+  the latest state at every end of a fit and every 30 minutes; SLURM's requeue signal and SIGTERM saved at a
+  step every process agrees on) and ``OutOfMemoryReport`` (CUDA out of memory in a training
   step is one line naming the per-device batch, the crop or image size, and what to lower), with their default
   settings unless ``trainer.callbacks`` lists one of them with its own, e.g.
-  ``--trainer.callbacks+ "{class_path: mabn.run.AgreedRequeue, init_args: {every_n_batches: 20}}"``.
+  ``--trainer.callbacks+ "{class_path: mabn.run.LastCheckpoint, init_args: {every_minutes: 10}}"``.
 - where stdout or stderr is not a terminal (SLURM, CI, a pipe), Lightning's progress bar gives way to
   ``LineProgress``: one line every 50 steps (``enable_progress_bar: false`` silences it too).
 """
@@ -47,9 +48,9 @@ from ..errors import ConfigError, UserError
 from ..inference.checkpoint import task_hparams
 from ..models import DEFAULT_ARCH
 from ..run import (
-    AgreedRequeue,
     AtomicCheckpointIO,
     FailFast,
+    LastCheckpoint,
     OutOfMemoryReport,
     RandomStateCallback,
     RunShape,
@@ -416,9 +417,18 @@ class MabnCLI(LightningCLI):
             kwargs.setdefault("plugins", [*plugins, AtomicCheckpointIO()])
         trainer = super().instantiate_trainer(**kwargs)
         # Exact resume; CUDA out of memory in a training step as one line (before FailFast, which passes that line
-        # to the other processes); a failing DDP process stops all; SLURM's requeue signal and SIGTERM (scancel,
-        # preemption, kill) save a checkpoint at a step every process agrees on, and SIGTERM then ends the run.
-        for callback in (RandomStateCallback(), OutOfMemoryReport(), FailFast(), AgreedRequeue()):
+        # to the other processes); a failing DDP process stops all; last.ckpt the latest state at every end, SLURM's
+        # requeue signal and SIGTERM (scancel, preemption, kill) included. A trainer without checkpointing
+        # (enable_checkpointing: false) writes no last.ckpt either.
+        guards = [RandomStateCallback(), OutOfMemoryReport(), FailFast()]
+        if trainer.checkpoint_callback is not None:
+            guards.append(LastCheckpoint())
+            # last.ckpt is LastCheckpoint's: ModelCheckpoint's own would be the last improvement only, and
+            # beside ours it would write last-v1.ckpt.
+            for callback in trainer.checkpoint_callbacks:
+                if isinstance(callback, pl.callbacks.ModelCheckpoint):
+                    callback.save_last = False
+        for callback in guards:
             if not any(isinstance(c, type(callback)) for c in trainer.callbacks):
                 trainer.callbacks.append(callback)
         use_line_progress(trainer)  # where the output is a file, one line per 50 steps instead of a redrawn bar

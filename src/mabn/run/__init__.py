@@ -1,7 +1,7 @@
 """A run's plumbing, blind to models and data: files written atomically, the run folder, its lock and resume plan,
 the loggers, how a global batch maps onto devices, and the guards every fit installs (a failing process stops
-them all, SLURM's requeue and SIGTERM save at an agreed step, CUDA out of memory as one line, random states for
-an exact resume, progress lines for logs that are files)."""
+them all, last.ckpt the latest state at every end, SIGTERM and SLURM's requeue saved at an agreed step, CUDA out
+of memory as one line, random states for an exact resume, progress lines for logs that are files)."""
 
 from . import folder, lock
 from .failfast import FailFast
@@ -15,11 +15,11 @@ from .files import (
     write_faults,
     write_text_atomic,
 )
+from .last import LastCheckpoint
 from .loggers import CSVLogger, WandbLogger
 from .oom import OutOfMemoryReport
 from .perdevice import PerDeviceState
 from .progress import LineProgress, use_line_progress
-from .requeue import AgreedRequeue
 from .rng import RandomStateCallback
 from .scaling import (
     RunShape,
@@ -34,10 +34,10 @@ from .scaling import (
 
 __all__ = [
     "TMP_SUFFIX",
-    "AgreedRequeue",
     "AtomicCheckpointIO",
     "CSVLogger",
     "FailFast",
+    "LastCheckpoint",
     "LineProgress",
     "OutOfMemoryReport",
     "PerDeviceState",

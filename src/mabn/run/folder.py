@@ -9,8 +9,9 @@ folder: the same checkpoint folder (so ModelCheckpoint keeps its best across res
 
 ``--ckpt_path`` decides which checkpoint the fit starts from:
 - none: a new run, refused in a folder that already holds one (it would overwrite its checkpoints);
-- ``auto``: the newest readable checkpoint of the folder written by the same task and norm, or a new run
-  when there is none (a killed or requeued job restarts with the very same command);
+- ``auto``: the readable checkpoint of the folder written by the same task and norm with the highest global
+  step (a tie goes to ``last.ckpt``), or a new run when there is none (a killed or requeued job restarts with
+  the very same command). The step, not the file's time: a copied folder (``cp -r``) gives every file a new time;
 - a path: that checkpoint, checked to be readable and of the same task and norm.
 """
 
@@ -29,6 +30,7 @@ from .files import TMP_SUFFIX, load_weights_file, write_atomic
 
 AUTO = "auto"
 CHECKPOINTS = "checkpoints"
+LAST = "last.ckpt"  # in CHECKPOINTS: the run's latest state (mabn.run.last.LastCheckpoint)
 METRICS = "metrics.csv"
 
 
@@ -83,8 +85,9 @@ def checkpoint_files(folder: Path, say: Callable[[str], None] = say_once) -> lis
 
 
 def newest_checkpoint(folder: Path, identity: Identity, say: Callable[[str], None] = say_once) -> Checkpoint | None:
-    """The newest readable checkpoint of ``folder`` that belongs to ``identity``; others are skipped with a
-    message saying why."""
+    """The readable checkpoint of ``folder`` that belongs to ``identity`` with the highest global step; of equal
+    steps ``last.ckpt``, then the newer file. Others are skipped with a message saying why."""
+    found = []
     for path in checkpoint_files(folder, say):
         try:
             ckpt = read_checkpoint(path)
@@ -93,9 +96,11 @@ def newest_checkpoint(folder: Path, identity: Identity, say: Callable[[str], Non
             continue
         reason = identity.differs(ckpt.hparams)
         if reason is None:
-            return ckpt
-        say(f"Skipping {path}: {reason}")
-    return None
+            found.append(ckpt)
+        else:
+            say(f"Skipping {path}: {reason}")
+    # max keeps the first of equal keys: checkpoint_files lists the newer file first.
+    return max(found, key=lambda c: (c.step if c.step is not None else -1, c.path.name == LAST), default=None)
 
 
 def holds_a_run(folder: Path) -> bool:

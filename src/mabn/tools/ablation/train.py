@@ -23,7 +23,7 @@ from torch.utils.data import DataLoader
 
 from ...data.errors import DatasetError
 from ...data.imagenet import ImageFolderDataModule
-from ...data.loading import seed_transform_worker
+from ...data.loading import start_worker
 from ...models.backbone import BN_EPS
 from ...models.warm_start import seed_from_bn
 from ...norm import convert_norm
@@ -125,7 +125,7 @@ def training_batches(
         drop_last=True,  # every batch splits into whole normalization batches
         num_workers=loader_workers,
         generator=torch.Generator().manual_seed(seed),  # also seeds the loader processes' streams
-        worker_init_fn=seed_transform_worker if loader_workers else None,
+        worker_init_fn=start_worker if loader_workers else None,
         persistent_workers=loader_workers > 0,
     )
     while True:
