@@ -132,6 +132,26 @@ def test_a_new_run_never_overwrites_the_run_in_its_folder(tmp_path, request, mon
     assert _snapshot(folder) == before
 
 
+def test_validate_with_a_runs_config_writes_into_a_folder_of_its_own(tmp_path, request, monkeypatch, capsys):
+    """``validate --config runs/x/config.yaml`` leaves every file of the training run byte for byte (its
+    metrics.csv, config.yaml, wandb id); its own metrics and config go to ``runs/x/eval/validate-<time>/``."""
+    folder = tmp_path / "run"
+    monkeypatch.chdir(tmp_path)
+    code, _, err = _run_here(
+        _command(_config(tmp_path, folder), "--trainer.max_epochs", "1"), request, monkeypatch, capsys
+    )
+    assert code == 0, err[-3000:]
+    before = _snapshot(folder)
+    validate = [sys.executable, "-m", "mabn", "validate", "--config", str(folder / "config.yaml")]
+    code, _, err = _run_here(validate, request, monkeypatch, capsys)
+    assert code == 0, err[-3000:]
+    assert {k: v for k, v in _snapshot(folder).items() if not k.startswith("eval/")} == before
+    (evaluation,) = (folder / "eval").iterdir()
+    assert evaluation.name.startswith("validate-")
+    assert [set(row) - {"epoch", "step"} for row in _rows(evaluation / "metrics.csv")] == [{"val/acc"}]
+    assert (evaluation / "wandb-id").read_text() != (folder / "wandb-id").read_text()  # a wandb run of its own
+
+
 @pytest.mark.slow
 def test_a_kill_during_a_checkpoint_write_leaves_the_previous_checkpoint(tmp_path, request, monkeypatch, capsys):
     """The run folder on a tmpfs, $TMPDIR on the disk: a write that went through $TMPDIR and a copy would not be
@@ -181,7 +201,7 @@ def _save(path: Path, step: int, mtime: int, norm: str = "mabn", task: str = TIN
     return path
 
 
-def test_auto_picks_the_newest_readable_checkpoint_of_the_same_task_and_norm(tmp_path):
+def test_auto_picks_the_highest_step_readable_checkpoint_of_the_same_task_and_norm(tmp_path):
     said: list[str] = []
     identity = runs.Identity(TINY, "mabn")
     _save(tmp_path / "checkpoints" / "last.ckpt", 100, 1000)

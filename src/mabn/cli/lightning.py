@@ -22,6 +22,8 @@ For ``fit``:
   step is one line naming the per-device batch, the crop or image size, and what to lower), with their default
   settings unless ``trainer.callbacks`` lists one of them with its own, e.g.
   ``--trainer.callbacks+ "{class_path: mabn.run.LastCheckpoint, init_args: {every_minutes: 10}}"``.
+- ``validate`` (``test``, ``predict``) with a run's config writes into ``<run>/eval/<subcommand>-<time>/``, never
+  into the training run's files (``place_evaluation``);
 - where stdout or stderr is not a terminal (SLURM, CI, a pipe), Lightning's progress bar gives way to
   ``LineProgress``: one line every 50 steps (``enable_progress_bar: false`` silences it too).
 """
@@ -30,8 +32,10 @@ from __future__ import annotations
 
 import difflib
 import importlib
+import itertools
 import re
 import sys
+import time
 import warnings
 from argparse import ArgumentError
 from collections.abc import Callable
@@ -205,6 +209,23 @@ def place_run(config: Namespace, folder: Path) -> None:
     for callback in _entries(config.trainer.get("callbacks")):
         if callback.class_path == CHECKPOINT_CALLBACK and not callback.init_args.get("dirpath"):
             callback.init_args.dirpath = str(folder / runs.CHECKPOINTS)
+
+
+def place_evaluation(config: Namespace, subcommand: str) -> None:
+    """A ``validate``, ``test`` or ``predict`` with a run's config writes into a folder of its own under the run's,
+    ``<run>/eval/<subcommand>-<time>/`` (its metrics, config and wandb run), never into the training run's
+    ``metrics.csv``, ``config.yaml`` or wandb run."""
+    root = config.trainer.get("default_root_dir")
+    if not root:
+        return
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    folder = Path(root) / "eval" / f"{subcommand}-{stamp}"
+    for n in itertools.count(2):
+        if not folder.exists():
+            break
+        folder = folder.with_name(f"{subcommand}-{stamp}-{n}")
+    config.trainer.default_root_dir = str(folder)
+    place_run(config, folder)
 
 
 class AtomicSaveConfig(SaveConfigCallback):
@@ -395,6 +416,7 @@ class MabnCLI(LightningCLI):
         if self.prepare is not None:
             self.prepare()
         if self.subcommand != "fit":
+            place_evaluation(self.config[self.subcommand], self.subcommand)
             return
         place_run(self.config.fit, self.plan.folder)
         if first_process():
