@@ -27,6 +27,15 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
         pytest.skip("needs a GPU: run with MABN_TEST_DEVICE=cuda (make test-gpu)")
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _mask_cache_dir(tmp_path_factory):
+    """The mask check's cache (``mabn.data.folder.cache_dir``) of every run the tests start, in this process or
+    another, in a folder of the session's: never in the user's cache folder."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("MABN_CACHE_DIR", str(tmp_path_factory.mktemp("mabn-cache")))
+        yield
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)

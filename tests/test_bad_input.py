@@ -22,7 +22,6 @@ from PIL import Image
 from helpers.trainer import fit_flags
 from mabn.cli import launch
 from mabn.cli.commands import stage
-from mabn.data.folder import MASK_CACHE
 from mabn.data.synthetic import cityscapes as demo_cityscapes
 from mabn.data.synthetic import imagenet as demo_imagenet
 from mabn.data.synthetic import segment as demo_segment
@@ -64,11 +63,10 @@ def work(tmp_path, sets, monkeypatch) -> Iterator[Path]:
 
 
 def _snapshot(root: Path, skip: Path) -> dict[str, bytes]:
-    # The mask-value scan's cache in a dataset of one's own is the one file a run may write beside the data.
     return {
         str(p.relative_to(root)): p.read_bytes()
         for p in sorted(root.rglob("*"))
-        if p.is_file() and skip not in p.parents and p.name != MASK_CACHE
+        if p.is_file() and skip not in p.parents
     }
 
 

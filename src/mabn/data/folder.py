@@ -19,14 +19,15 @@ one line per kind: ``classes.yaml``; for both splits the folders, that every ima
 reverse, the sizes (from the files' headers, no pixel decoded) and every mask's values (decoded, in worker
 processes for many masks); and that the training images fill one global batch. A fit checks ``classes.yaml`` when
 the data module is made, then each split's pairs and sizes as it is indexed and its mask values before the first
-step (stopping at the first problem). A fit records the masks its scan found clean in ``DIR/MASK_CACHE`` (by size
-and modification time, for one class table; not written where the data folder is read-only), so that later dry
-runs and fits decode only new or changed masks; a dry run reads it and, writing nothing, decodes each other mask
-once.
+step (stopping at the first problem). A fit records the masks its scan found clean in a file of the user's cache
+directory (``MaskCache``: never in the data folder), so that later dry runs and fits decode only new or changed
+masks; a dry run reads it and, writing nothing, decodes each other mask once. A mask read during the fit that
+holds a value of no class ends it with the same line, whatever the cache said.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import multiprocessing
 import os
@@ -35,6 +36,7 @@ import time
 from collections.abc import Iterable, Mapping
 from concurrent.futures import ProcessPoolExecutor
 from contextlib import suppress
+from dataclasses import dataclass
 from functools import cached_property
 from itertools import repeat
 from pathlib import Path
@@ -43,9 +45,9 @@ from typing import Any
 import albumentations as A
 import numpy as np
 
-from ..distributed import say
+from ..distributed import first_process, say
 from ..errors import WriteError
-from ..run import write_text_atomic
+from ..run import TMP_SUFFIX, first_line, write_text_atomic
 from .cityscapes import (
     CityscapesDataModule,
     CityscapesDataset,
@@ -62,13 +64,16 @@ IMAGES, MASKS = "images", "masks"
 IMAGE_TYPES = (".png", ".jpg", ".jpeg", ".bmp", ".tif", ".tiff", ".webp")
 MASK_TYPE = ".png"
 LAYOUT = f"DIR/{IMAGES}/<split>/<name>.<png|jpg|...> with masks DIR/{MASKS}/<split>/<name>.png and DIR/{CLASSES_FILE}"
-MASK_CACHE = ".mabn-mask-check.json"  # in the data folder: the masks whose values were found to be classes'
+CACHE_DIR_ENV = "MABN_CACHE_DIR"  # the variable naming the folder of the mask check's cache (``cache_dir``)
 SCAN_PARALLEL = 64  # masks: fewer are decoded in this process, where a pool's start would cost more than it saves
 SCAN_WORKERS = 4  # decoding processes: a few, since the other cores may be a fit's or another user's
 SCAN_REPORTS = 10  # progress lines on stderr in a parallel scan
-# A file's modification time moves in ticks (up to 2 s on some filesystems): a mask modified within a tick of
-# its decode could keep its size and time, so masks modified this shortly before a scan are not recorded clean.
+# A file's change time moves in ticks (up to 2 s on some filesystems): a mask changed within a tick of its decode
+# could keep its stamp, so masks changed this shortly before a scan are not recorded clean.
 RECENT_NS = 2_000_000_000
+# A cache write lasts milliseconds: its temporary file this old is a killed write's, a younger one may be another
+# process's write in progress.
+STALE_TMP_NS = 60 * 10**9
 
 
 def _files(folder: Path, suffixes: tuple[str, ...]) -> dict[str, Path]:
@@ -185,27 +190,97 @@ def unknown_in(path: Path, classes: ClassTable) -> np.ndarray:
     return classes.classes_of(read_mask(path, classes))[1]
 
 
+def cache_dir() -> Path:
+    """The folder of the mask check's cache: ``$MABN_CACHE_DIR``, else ``$XDG_CACHE_HOME/mabn`` (where that is an
+    absolute path, as the XDG specification asks), else ``~/.cache/mabn``."""
+    if os.environ.get(CACHE_DIR_ENV):
+        return Path(os.environ[CACHE_DIR_ENV]).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME", "")
+    return (Path(xdg) if os.path.isabs(xdg) else Path.home() / ".cache") / "mabn"
+
+
+def _warn(message: str) -> None:
+    """A warning line on stderr, once per launch: every process of a launch reads the same cache file."""
+    if first_process():
+        print(f"warning: {message}", file=sys.stderr, flush=True)
+
+
+@dataclass
+class _Known:
+    """What one process knows of a cache file: the masks found clean, and whether a write is still worth trying
+    (not after one failed, or where something other than a file has the cache's name)."""
+
+    clean: dict[str, list[int]]
+    writable: bool = True
+
+
 class MaskCache:
     """The masks of the dataset under ``root`` found to hold only values (colours) of ``classes``, by path below
-    ``root`` with the file's size and modification time when it was decoded: a later check (a fit's or a dry
-    run's) decodes only masks that are new, changed or not clean. Kept in ``root/MASK_CACHE`` for a class table
-    (another table drops it), and in this process too, so that one process (a dry run, which writes no file; a
-    read-only data folder) decodes each mask once."""
+    ``root`` with the file's size, modification time, inode and change time (ns) when it was decoded: a later
+    check (a fit's or a dry run's) decodes only masks that are new, changed or not clean. A file's change time
+    moves with any write and with any setting of its times (``touch -r`` included), so a replaced mask never
+    keeps its verdict.
 
-    _memory: dict[tuple[Path, str], dict[str, list[int]]] = {}  # by (cache file, class table)
+    Kept in ``cache_dir()``, one file per dataset (its resolved path: every spelling of ``--data`` is one entry)
+    and class table, written by the launch's first process only; and in this process too, so that one process
+    (a dry run, which writes no file) decodes each mask once. A cache file that does not read as this form is
+    ignored with one warning line, and one that cannot be written is one warning line: the cache only saves
+    time, every mask it does not vouch for is decoded."""
+
+    _memory: dict[Path, _Known] = {}  # by cache file
 
     def __init__(self, root: Path, classes: ClassTable) -> None:
-        self.root, self.path = root, root / MASK_CACHE
-        self.table = json.dumps(classes.as_dict(), sort_keys=True)
-        self.clean = dict(self._memory.get((self.path, self.table), {}))
-        with suppress(OSError, ValueError):  # no cache, or one that is unreadable or not this table's: none
-            saved = json.loads(self.path.read_text())
-            if saved.get("classes") == self.table:
-                self.clean.update(saved["clean"])
+        self.root, self.resolved = root, str(root.resolve())
+        # What decides a mask's verdict: the values and colours, not the class names or where the table was read.
+        verdict = {k: v for k, v in classes.as_dict().items() if k not in ("names", "source")}
+        self.table = json.dumps(verdict, sort_keys=True)
+        digest = hashlib.sha256(f"{self.resolved}\0{self.table}".encode()).hexdigest()[:24]
+        self.path = cache_dir() / f"mask-check-{digest}.json"
+        if self.path not in self._memory:
+            self._memory[self.path] = self._read()
+        self.known = self._memory[self.path]
+        self.clean = dict(self.known.clean)
+
+    def _read(self) -> _Known:
+        """The masks the cache file holds clean; none, with a warning line, when it does not read as written."""
+        self._remove_killed_writes()
+        try:
+            if not self.path.is_file():
+                if self.path.exists():
+                    _warn(f"ignoring {self.path}: not a file; remove it to let the mask check keep its cache")
+                    return _Known({}, writable=False)
+                return _Known({})
+            saved = json.loads(self.path.read_bytes())
+        except OSError as err:
+            _warn(f"ignoring {self.path}: cannot read it ({err.strerror or first_line(err)}); decoding every mask")
+            return _Known({})
+        except (ValueError, RecursionError):  # not UTF-8, not JSON, or nested past the parser's depth
+            saved = None
+        clean = saved.get("clean") if isinstance(saved, dict) else None
+        if (
+            not isinstance(clean, dict)
+            or saved.get("root") != self.resolved
+            or saved.get("classes") != self.table
+            or not all(
+                isinstance(stamp, list) and len(stamp) == 4 and all(type(n) is int for n in stamp)
+                for stamp in clean.values()
+            )
+        ):
+            _warn(f"ignoring {self.path}: not the mask check's cache of {self.resolved}; decoding every mask")
+            return _Known({})
+        return _Known(clean)
+
+    def _remove_killed_writes(self) -> None:
+        """Remove the temporary files that killed writes of this cache left (``mabn.run.files.atomic_path``)."""
+        stale = time.time_ns() - STALE_TMP_NS
+        for tmp in self.path.parent.glob(f".{self.path.name}.*{TMP_SUFFIX}"):
+            with suppress(OSError):  # gone already, or not this user's to remove: it is ignored all the same
+                if tmp.lstat().st_mtime_ns < stale:
+                    tmp.unlink()
 
     def _key_stamp(self, path: Path) -> tuple[str, list[int]]:
         stat = path.stat()
-        return path.relative_to(self.root).as_posix(), [stat.st_size, stat.st_mtime_ns]
+        return path.relative_to(self.root).as_posix(), [stat.st_size, stat.st_mtime_ns, stat.st_ino, stat.st_ctime_ns]
 
     def is_clean(self, path: Path) -> bool:
         key, stamp = self._key_stamp(path)
@@ -213,17 +288,23 @@ class MaskCache:
 
     def add(self, paths: Iterable[Path], started_ns: int, save: bool) -> None:
         """Record the masks at ``paths``, decoded from ``started_ns`` (``time.time_ns``) on, as clean, but for
-        those modified less than ``RECENT_NS`` before; with ``save``, write the cache too, where the data folder
-        may be written."""
+        those changed less than ``RECENT_NS`` before; with ``save``, in the launch's first process, write the
+        cache too."""
         before = dict(self.clean)
         stamps = (self._key_stamp(path) for path in paths)
-        self.clean.update((key, stamp) for key, stamp in stamps if stamp[1] < started_ns - RECENT_NS)
-        self._memory[self.path, self.table] = self.clean
-        if not save or self.clean == before or not os.access(self.root, os.W_OK):
-            return
-        text = json.dumps({"classes": self.table, "clean": self.clean}, sort_keys=True)
-        with suppress(WriteError):  # the cache only saves time: a full disk or a locked file fails no check
+        self.clean.update((key, stamp) for key, stamp in stamps if stamp[3] < started_ns - RECENT_NS)
+        self.known.clean = self.clean
+        if save and self.known.writable and first_process() and self.clean != before:
+            self._write()
+
+    def _write(self) -> None:
+        text = json.dumps({"root": self.resolved, "classes": self.table, "clean": self.clean}, sort_keys=True)
+        try:
             write_text_atomic(self.path, text)
+        except (WriteError, OSError) as err:  # a full disk, a read-only home, a network filesystem's error
+            cause = err.cause if isinstance(err, WriteError) else err.strerror or first_line(err)
+            _warn(f"cannot write {self.path} ({cause}): the next check decodes these masks again")
+            self.known.writable = False  # one line per process, not one per split
 
 
 def _decode(paths: list[Path], classes: ClassTable) -> list[np.ndarray]:
@@ -240,27 +321,38 @@ def _decode(paths: list[Path], classes: ClassTable) -> list[np.ndarray]:
     return found
 
 
-def unknown_values(
-    root: Path, split: str, samples: list[CityscapesSample], classes: ClassTable, save: bool = True
-) -> str | None:
-    """The line for the masks of ``samples`` (the ``split`` of the dataset under ``root``) that hold values (colours)
-    of no class: the first such mask (in sorted order), its values, and how many of the split's masks hold some;
-    None when none does. Masks ``MaskCache`` knows clean are not decoded again; ``save``: write the masks found
-    clean into its file."""
+def _unknown_masks(
+    root: Path, samples: list[CityscapesSample], classes: ClassTable, save: bool
+) -> list[tuple[Path, np.ndarray]]:
+    """The masks of ``samples`` (of the dataset under ``root``) that hold values (colours) of no class, in sorted
+    order, with those values. Masks ``MaskCache`` knows clean are not decoded again; ``save``: write the masks
+    found clean into its file."""
     cache = MaskCache(root, classes)
     todo = [sample.label for sample in samples if not cache.is_clean(sample.label)]
     started_ns = time.time_ns()
     found = dict(zip(todo, _decode(todo, classes)))
     cache.add((path for path, values in found.items() if not values.size), started_ns, save)
-    bad = [(path, values) for path, values in found.items() if values.size]
-    if not bad:
-        return None
+    return [(path, values) for path, values in found.items() if values.size]
+
+
+def _unknown_line(root: Path, split: str, classes: ClassTable, bad: list[tuple[Path, np.ndarray]], total: int) -> str:
+    """The line for the masks ``bad`` of the ``total`` of ``split``: the first one named with its values."""
     path, values = bad[0]
     return (
-        f"mask {path} holds {classes.describe_unknown(values)}; {len(bad)} of the {len(samples)} masks in "
+        f"mask {path} holds {classes.describe_unknown(values)}; {len(bad)} of the {total} masks in "
         f"{root / MASKS / split} hold such {classes.mask_unit}: map them to a class (or ignore them) in "
         f"{classes.source}, or correct the masks"
     )
+
+
+def unknown_values(
+    root: Path, split: str, samples: list[CityscapesSample], classes: ClassTable, save: bool = True
+) -> str | None:
+    """The line for the masks of ``samples`` (the ``split`` of the dataset under ``root``) that hold values (colours)
+    of no class: the first such mask (in sorted order), its values, and how many of the split's masks hold some;
+    None when none does. ``save``: write the masks found clean into ``MaskCache``'s file."""
+    bad = _unknown_masks(root, samples, classes, save)
+    return _unknown_line(root, split, classes, bad, len(samples)) if bad else None
 
 
 def check_dataset(args: Mapping[str, Any]) -> list[tuple[int, int]]:
@@ -330,15 +422,17 @@ class FolderDataset(CityscapesDataset):
             )
         classes, unknown = self.classes.classes_of(mask)
         if unknown.size:
-            raise self.unknown_values()
+            raise self.unknown_values(sample.label, unknown)
         return image, classes
 
-    def unknown_values(self) -> DatasetError:
-        """The error for mask values (colours) of no class, from a scan of the whole split (on this error only:
-        ``FolderDataModule`` scans before a fit, so this is met only by files changed since)."""
-        problem = unknown_values(self.root, self.split, self.samples, self.classes)
-        assert problem is not None, "called without a mask holding an unknown value"
-        return DatasetError(problem)
+    def unknown_values(self, path: Path, values: np.ndarray) -> DatasetError:
+        """The error for the values (colours) ``values`` of no class that the mask at ``path`` holds, naming it
+        first, with how many of the split's masks hold such values (a scan of the others, on this error only:
+        ``FolderDataModule`` scans before a fit, so this is met by files changed since, or by a mask its cache
+        vouched for)."""
+        others = [bad for bad in _unknown_masks(self.root, self.samples, self.classes, save=False) if bad[0] != path]
+        bad = [(path, values), *others]
+        return DatasetError(_unknown_line(self.root, self.split, self.classes, bad, len(self.samples)))
 
 
 class FolderDataModule(CityscapesDataModule):
