@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import io
 import logging
+import shutil
 import warnings
 from pathlib import Path
 
@@ -327,4 +328,11 @@ def test_the_segment_stage_reads_both_recipes_and_needs_the_layout(tmp_path, cap
     with pytest.raises(launch.LaunchError, match="no stage-1 backbone pretrain/resnet101-mabn.pt"):
         launch.build_args("segment", tmp_path, "mabn", 0, 1, [])  # the stage-2 rule: a backbone, or none
     args = launch.build_args("segment", tmp_path, "mabn", 0, 1, [], backbone="none")
-    assert args[args.index("--trainer.default_root_dir") + 1] == str(Path("runs/segment/mabn"))
+    assert args[args.index("--trainer.default_root_dir") + 1] == str(Path("runs/segment") / tmp_path.name / "mabn")
+    other = tmp_path / "other"  # a second dataset: a folder of its own
+    other.mkdir()
+    for name in ("images", "masks"):
+        shutil.copytree(tmp_path / name, other / name)
+    shutil.copy(tmp_path / "classes.yaml", other / "classes.yaml")
+    args = launch.build_args("segment", other, "mabn", 0, 1, [], backbone="none")
+    assert args[args.index("--trainer.default_root_dir") + 1] == str(Path("runs/segment/other/mabn"))

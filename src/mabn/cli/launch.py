@@ -7,10 +7,10 @@ naming the missing folder; without ``--data`` it says so, generates a small set 
 and runs the demo profile, which trains for a few minutes on a CPU. The demo writes only under ``runs/demo/``,
 ``pretrain/demo/`` and ``data/``, never where a real run's artefacts live.
 
-Each run's experiment folder is ``runs/<stage>/<norm>`` (``runs/demo/<stage>/<norm>`` for the demo; ``--run-dir``
-picks another), see ``mabn.run.folder``. ``--gpus`` (per node) and ``--nodes`` pick a preset from ``configs/trainer/``
-(cpu, gpu, ddp, multinode) and set the Trainer's devices and num_nodes; on a machine without CUDA, ``--gpus N``
-runs N CPU processes under DDP instead.
+Each run's experiment folder is ``runs/<stage>/<norm>`` (``runs/segment/<dataset>/<norm>`` for a dataset of one's
+own, ``runs/demo/<stage>/<norm>`` for the demo; ``--run-dir`` picks another), see ``mabn.run.folder``. ``--gpus``
+(per node) and ``--nodes`` pick a preset from ``configs/trainer/`` (cpu, gpu, ddp, multinode) and set the Trainer's
+devices and num_nodes; on a machine without CUDA, ``--gpus N`` runs N CPU processes under DDP instead.
 """
 
 from __future__ import annotations
@@ -267,9 +267,17 @@ def check_warm_start(stage: str, name: str, preset: Stage1Preset | None, init: s
     return True
 
 
-def run_dir(stage: str, norm: str, demo: bool, given: Path | None) -> Path:
-    """The experiment folder: ``given``, else runs/<stage>/<norm> (runs/demo/... for the demo profile)."""
-    return given if given is not None else (RUNS / DEMO if demo else RUNS) / stage / norm
+def run_dir(stage: str, norm: str, demo: bool, given: Path | None, data: Path | None = None) -> Path:
+    """The experiment folder: ``given``, else runs/<stage>/<norm> (runs/demo/... for the demo profile); a dataset
+    of one's own (``segment``) adds its folder's name, runs/segment/<dataset>/<norm>, so that two datasets'
+    runs never share a folder."""
+    if given is not None:
+        return given
+    if demo:
+        return RUNS / DEMO / stage / norm
+    if stage == "segment" and data is not None:
+        return RUNS / stage / (data.resolve().name or "root") / norm
+    return RUNS / stage / norm
 
 
 @dataclass(frozen=True)
@@ -366,7 +374,7 @@ def checked_plan(
         resolved = [*profile.base, profile.config], data if data is None or not data.exists() else data / "(layout)"
     configs, data_dir = resolved
     demo = data is None
-    folder = run_dir(stage, label, demo, folder)
+    folder = run_dir(stage, label, demo, folder, data)
     args = ["fit"]
     warm_configs = [WARM_CONFIG, *([f"demo/{WARM_CONFIG}"] if demo else [])] if warm else []
     for name in configs + (preset.configs(demo) if preset else []) + warm_configs:
