@@ -7,6 +7,7 @@ so ModelCheckpoint saves a top-k file at the first validation only."""
 from __future__ import annotations
 
 import csv
+import logging
 import os
 import shutil
 import signal
@@ -77,8 +78,9 @@ def _rows(folder: Path) -> list[tuple[str, str, tuple[str, ...]]]:
         ("SIGTERM in step 7", _stop_at(6, "sigterm"), TERMINATED_EXIT, 7),
     ],
 )
-def test_last_ckpt_is_the_last_step_taken_however_the_fit_ends(tmp_path, capsys, end, extra, code, step):
+def test_last_ckpt_is_the_last_step_taken_however_the_fit_ends(tmp_path, capsys, caplog, end, extra, code, step):
     folder = tmp_path / "run"
+    caplog.set_level(logging.INFO)
     result, out, err = _fit(_config(tmp_path, folder), capsys, "--trainer.max_epochs", "3", *extra)
     assert result == code, err[-3000:]
     assert _step(folder / runs.CHECKPOINTS / runs.LAST) == step, end
@@ -86,7 +88,7 @@ def test_last_ckpt_is_the_last_step_taken_however_the_fit_ends(tmp_path, capsys,
     if end.startswith("SIGTERM"):
         line = f"SIGTERM: checkpoint saved at step 7 in {folder / 'checkpoints' / 'last.ckpt'}; the run stops here"
         assert line in err, err[-3000:]
-    assert "`weights_only` was not set" not in out + err
+    assert "`weights_only` was not set" not in out + err + caplog.text  # Lightning's notice at every save
 
 
 def test_sigterm_on_an_epochs_last_batch_keeps_its_validation_and_resume_auto_takes_the_highest_step(tmp_path, capsys):
