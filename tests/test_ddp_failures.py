@@ -138,6 +138,21 @@ class SignalProbe(pl.Callback):
         self.on_train_end(trainer, pl_module)
 
 
+class HoldAt(pl.Callback):
+    """At the end of step ``step`` each rank touches ``holding-rank<r>`` and waits for the file ``release``."""
+
+    def __init__(self, root: Path, step: int) -> None:
+        self.root, self.step = root, step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step != self.step:
+            return
+        (self.root / f"holding-rank{trainer.global_rank}").touch()
+        deadline = time.monotonic() + 60
+        while not (self.root / "release").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+
 def _worker(scenario: str, root: Path) -> None:
     if scenario == "sigusr1":
         log = root / "requeue.log"
@@ -149,6 +164,10 @@ def _worker(scenario: str, root: Path) -> None:
         probe = SignalProbe(root, at=(3, 1), signum=signal.SIGTERM)  # rank 1 at batch 1; rank 0 would at batch 3
         callbacks = [LastCheckpoint(requeue_command=["false"]), RandomStateCallback(), probe]
         _trainer(root, callbacks, max_steps=4).fit(Tiny(), _train_loader())
+    elif scenario == "sigterm-group":  # loader workers; held after step 2 until the test has signalled the group
+        callbacks = [LastCheckpoint(), RandomStateCallback(), HoldAt(root, 2), SignalProbe(root, at=(-1, -1))]
+        loader = make_loader(tiny_dataset(32), 4, train=True, num_workers=2)
+        _trainer(root, callbacks, max_steps=6).fit(Tiny(), loader)
     elif scenario == "rank0-killed":
         _trainer(root, [FailFast(grace_s=5), KillRank0()], max_steps=8).fit(Tiny(), _train_loader())
     elif scenario == "validate":
@@ -300,6 +319,49 @@ def test_sigterm_saves_one_checkpoint_at_the_next_batch_without_collectives_in_t
     for r, (code, _, output) in enumerate(results):
         assert code == TERMINATED_EXIT, (r, output[-3000:])
     assert "SIGTERM: checkpoint saved at step 2 in " in results[0][2]
+    _agreed_checkpoints(tmp_path, [2], last_step=2)
+
+
+@pytest.mark.slow  # two processes with two loader workers each, as srun starts them: ~20 s
+def test_sigterm_to_the_whole_job_with_loader_workers_saves_at_an_agreed_step_and_exits_143(tmp_path):
+    """As SLURM ends a job: SIGTERM to every process of one process group, both ranks and their four loader
+    workers, while the ranks hold at the end of step 2 (before LastCheckpoint's hook, which runs last). Both
+    agree at the end of that step, save ``last.ckpt`` there with both devices' states, and exit 143 without a
+    traceback; rank 0 says so in one line."""
+    port = str(find_free_network_port())
+    base = {**os.environ, **SLURM_LIKE, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "OMP_NUM_THREADS": "1",
+            "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}  # fmt: skip
+    procs, group = [], 0
+    for r in range(WORLD):
+        env = {**base, **{k: v.format(rank=r) for k, v in SLURM_LIKE.items()}}
+        out = open(tmp_path / f"out-rank{r}.txt", "w")
+        group_args = {"process_group": group}  # rank 0 opens a group (0: its own pid), rank 1 joins it
+        proc = subprocess.Popen([sys.executable, __file__, "sigterm-group", str(tmp_path)], env=env, stdout=out,
+                                stderr=subprocess.STDOUT, **group_args)  # fmt: skip
+        group = group or proc.pid
+        procs.append((proc, out))
+    try:
+        deadline = time.monotonic() + 90
+        while not all((tmp_path / f"holding-rank{r}").exists() for r in range(WORLD)):
+            assert time.monotonic() < deadline and all(p.poll() is None for p, _ in procs), "the ranks did not hold"
+            time.sleep(0.1)
+        os.killpg(group, signal.SIGTERM)  # the ranks and their loader workers
+        time.sleep(0.5)
+        (tmp_path / "release").touch()
+        codes = [proc.wait(timeout=90) for proc, _ in procs]
+    finally:
+        (tmp_path / "release").touch()
+        for proc, out in procs:
+            proc.kill()
+            out.close()
+    outputs = [(tmp_path / f"out-rank{r}.txt").read_text() for r in range(WORLD)]
+    for r in range(WORLD):
+        assert codes[r] == TERMINATED_EXIT, (r, outputs[r][-3000:])
+        assert "Traceback" not in outputs[r], (r, outputs[r][-3000:])
+    last = tmp_path / "checkpoints" / "last.ckpt"
+    assert [line for line in outputs[0].splitlines() if line.startswith("SIGTERM")] == [
+        f"SIGTERM: checkpoint saved at step 2 in {last}; the run stops here, and --resume auto goes on from it"
+    ]
     _agreed_checkpoints(tmp_path, [2], last_step=2)
 
 
