@@ -12,7 +12,7 @@ STAMP  := $(VENV)/.installed
 # network's file (torchvision ResNet-101 weights or a stage-1 bn/bn32 file) that NORM=mabn starts from for a short
 # re-pretraining (configs/pretrain-warm.yaml; runs/pretrain/mabn-warm, pretrain/warm/; docs/backbones.md);
 # RUN_DIR: the experiment folder (default runs/<stage>/<norm>, runs/demo/<stage>/<norm> for the demo);
-# RESUME: auto (the newest checkpoint of the experiment folder, if any) or a checkpoint path; ARGS: further
+# RESUME: auto (the experiment folder's checkpoint with the highest step, if any) or a checkpoint path; ARGS: further
 # LightningCLI arguments, e.g. ARGS="--trainer.max_epochs 10".
 NORM     ?= mabn
 DATA     ?=
@@ -101,7 +101,7 @@ segment: $(STAMP)
 	$(PY) -m mabn segment $(STAGE_ARGS)
 
 # A stage as a SLURM job with one task per GPU (GPUS per node, NODES), checked here before sbatch; requeued on
-# preemption, and the requeued job resumes from the newest checkpoint.
+# preemption, and the requeued job resumes from the latest checkpoint.
 slurm: $(STAMP)
 	GPUS=$(if $(filter 0,$(GPUS)),8,$(GPUS)) NODES=$(NODES) AFTER=$(AFTER) PYTHON=$(PY) \
 		scripts/slurm/submit.sh $(if $(DRY_RUN),--dry-run) $(STAGE) \

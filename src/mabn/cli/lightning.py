@@ -10,8 +10,8 @@ For ``fit``:
 - the run lives in one experiment folder, the Trainer's ``default_root_dir`` (``mabn.run.folder``), which one run at a
   time holds (``mabn.run.lock``: a second run on it stops before anything is built, naming the holder); the loggers'
   ``save_dir`` and ModelCheckpoint's ``dirpath`` (when the config leaves it unset) point into it;
-  ``--ckpt_path auto`` resumes from the newest checkpoint of that folder, or starts a new run when there is
-  none, so a killed or requeued job restarts with the very same command;
+  ``--ckpt_path auto`` resumes from the checkpoint of that folder with the highest step, or starts a new run when
+  there is none, so a killed or requeued job restarts with the very same command;
 - checkpoints and the saved config are written atomically and loaded weights-only (``AtomicCheckpointIO``); a
   full disk, a quota or a read-only folder is one line naming the file (``mabn.errors.WriteError``);
 - a dry run (``check``) stops after the checks, before anything is built, with the run's plan;

@@ -3,7 +3,7 @@
 A fit writes everything into its experiment folder, the Trainer's ``default_root_dir`` (``python -m mabn
 <stage>`` makes it ``runs/<stage>/<norm>``, or ``runs/demo/<stage>/<norm>`` for the demo profile):
 ``checkpoints/`` (best-k and ``last.ckpt``), ``metrics.csv``, ``config.yaml``, ``wandb/`` with the run's id in
-``wandb-id``, and Lightning's SLURM checkpoints ``hpc_ckpt_<n>.ckpt``. A restart continues in the same
+``wandb-id``; a resume also reads Lightning's SLURM checkpoints ``hpc_ckpt_<n>.ckpt``. A restart continues in the same
 folder: the same checkpoint folder (so ModelCheckpoint keeps its best across restarts), the same CSV file
 (cut back to the resumed step) and the same wandb run. One run at a time holds the folder (``mabn.run.lock``).
 
@@ -11,7 +11,7 @@ folder: the same checkpoint folder (so ModelCheckpoint keeps its best across res
 - none: a new run, refused in a folder that already holds one (it would overwrite its checkpoints);
 - ``auto``: the readable checkpoint of the folder written by the same task and norm with the highest global
   step (a tie goes to ``last.ckpt``), or a new run when there is none (a killed or requeued job restarts with
-  the very same command). The step, not the file's time: a copied folder (``cp -r``) gives every file a new time;
+  the very same command). The step, not the file's time, which a copy of the folder (``cp -r``) changes;
 - a path: that checkpoint, checked to be readable and of the same task and norm.
 """
 

@@ -4,7 +4,7 @@ without it (``mabn.cli.launch``).
 The launch decides its plan once (``mabn.cli.launch.plan``: profile, trainer preset, run folder, backbone), then runs
 one LightningCLI (``mabn.cli.lightning``) that checks the whole configuration, takes the run folder's lock, and,
 before it
-builds the data module, generates the demo set. ``--resume auto`` continues from the newest checkpoint of the
+builds the data module, generates the demo set. ``--resume auto`` continues from the latest checkpoint of the
 experiment folder, so a killed or requeued job restarts with the same command; ``--dry-run`` checks everything
 (and the SLURM or torchrun environment), prints the run's plan and its LightningCLI command, and builds, generates
 and writes nothing. A launch that cannot work stops with exit status 2 and an ``error:`` line: a dry run (the check
@@ -48,7 +48,9 @@ def parser(stage: str) -> argparse.ArgumentParser:
         "(torchvision's ResNet state dict, or a stage-1 bn / bn32 file), with configs/pretrain-warm.yaml's "
         "epochs and timeline; runs in runs/pretrain/<norm>-warm, writes pretrain/warm/ (docs/backbones.md)",
     )
-    parser.add_argument("--resume", help="'auto' (the newest checkpoint of the experiment folder, if any) or a path")
+    parser.add_argument(
+        "--resume", help="'auto' (the experiment folder's checkpoint with the highest step, if any) or a path"
+    )
     parser.add_argument("--run-dir", type=Path, help="the experiment folder (default: runs/<stage>/<norm>)")
     parser.add_argument(
         "--dry-run", action="store_true", help="check, print the plan and the LightningCLI command, and exit"
