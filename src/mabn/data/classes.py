@@ -9,6 +9,11 @@ A dataset of the user's own (``mabn.data.folder``) describes its classes in ``cl
                                                      # default: value i is class i
     mask_format: index                 # optional: index (one value per pixel, the default) or color
 
+The file is UTF-8. A class name is printable text (``str.isprintable``: no line break, tab or terminal escape
+code) without ``|``, of at most 64 characters: the names are printed as they are in the validation table (a
+markdown table, whose cells ``|`` would split) and in the logs, where a line break could forge a line of its own
+(``error: ...``) and an escape code could rewrite the terminal.
+
 Several mask values may map to one class; every class needs at least one (``predict`` writes the smallest).
 With ``mask_format: color`` a mask is an RGB image and each pixel's colour is the class of that colour in
 ``colors`` (so the colours must differ); ``ignore_color: [R, G, B]`` (colour masks only, default none) is the
@@ -40,6 +45,7 @@ KEYS = ("classes", "colors", "ignore_index", "mask_values", "mask_format", "igno
 INDEX, COLOR = "index", "color"  # the mask formats: one value per pixel, or one colour per pixel
 MAX_CLASSES = IGNORE_INDEX  # class indices 0..254: 255 is the ignored pixel inside the product
 MAX_MASK_VALUE = 65535  # a 16-bit PNG's largest value
+MAX_NAME_CHARS = 64  # a class name's length: a row of the validation table, a legend entry of a logged mask
 _UNKNOWN = -1  # in the lookup table: a mask value of no class, not ignored
 
 
@@ -64,6 +70,18 @@ def _is_int(value: Any) -> bool:
 
 def _is_color(value: Any) -> bool:
     return isinstance(value, list) and len(value) == 3 and all(_is_int(v) and 0 <= v <= 255 for v in value)
+
+
+def _name_problem(name: str) -> str | None:
+    """Why ``name`` cannot be a class name (see the module's docstring), or None when it can."""
+    unprintable = next((c for c in name if not c.isprintable()), None)
+    if unprintable is not None:
+        return f"holds {unprintable!r}, which is not printable"
+    if "|" in name:
+        return "holds '|', which splits a row of the validation table"
+    if len(name) > MAX_NAME_CHARS:
+        return f"has {len(name)} characters"
+    return None
 
 
 def _yaml_problem(err: yaml.YAMLError) -> str:
@@ -111,9 +129,16 @@ class ClassTable:
         """The table of a ``classes.yaml``; a ``DatasetError`` naming the file when it cannot be read or parsed."""
         path = Path(path)
         try:
-            text = path.read_text()
+            data = path.read_bytes()
         except OSError as err:
             raise DatasetError(f"cannot read classes file {path}: {err.strerror or err}") from err
+        try:
+            text = data.decode("utf-8")  # whatever the locale says: the file is the same on every machine
+        except UnicodeDecodeError as err:
+            raise DatasetError(
+                f"classes file {path} is not UTF-8 text: byte 0x{data[err.start]:02x} at offset {err.start}; "
+                "save it as UTF-8"
+            ) from None
         try:
             raw = yaml.safe_load(text)
         except yaml.YAMLError as err:
@@ -135,6 +160,15 @@ class ClassTable:
         names = raw["classes"]
         if not isinstance(names, list) or not names or not all(isinstance(n, str) and n.strip() for n in names):
             raise bad(f"classes must be a list of class names (text), e.g. [background, road, car]; got {names!r}")
+        for index, name in enumerate(names):
+            problem = _name_problem(name)
+            if problem is not None:
+                # repr, cut: the name itself may be a line break or an escape code, or 20,000 characters long.
+                shown = repr(name[:MAX_NAME_CHARS]) + ("..." if len(name) > MAX_NAME_CHARS else "")
+                raise bad(
+                    f"class {index} {shown} {problem}; a class name is printable text without '|', "
+                    f"at most {MAX_NAME_CHARS} characters"
+                )
         repeated = sorted({n for n in names if names.count(n) > 1})
         if repeated:
             raise bad(f"class {repeated[0]!r} is named twice")

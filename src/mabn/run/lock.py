@@ -18,15 +18,19 @@ lock; with the ``nolock`` mount option a lock is seen on its own machine only). 
 ``-o flock`` (``-o localflock``: its own node only; by default the call fails). Where the call fails (ENOLCK,
 EOPNOTSUPP, ENOSYS) the run goes on, and one line says that the folder is not locked.
 
-The lock file is opened with ``O_NOFOLLOW`` and used only when it is a regular file: a ``.lock`` that is a symbolic
-link (its target would be truncated and overwritten by the holder's record), a folder or a device stops the run
-with ``<folder>/.lock is not a regular file (a symbolic link); remove it`` before anything is written.
+The lock file is opened with ``O_NOFOLLOW`` and used only when it is a regular file of one name, as the open
+descriptor's ``fstat`` says (no race between the check and the use): a ``.lock`` that is a symbolic link or a
+hard link (the holder's record would overwrite the file it points to, or the other name's file, which is the
+same data), a folder, a device, a pipe or a socket stops the run with ``<folder>/.lock is not a regular file
+(a symbolic link); remove it`` before anything is written.
 
 A requeued SLURM job (``SLURM_RESTART_COUNT`` above 0) may start on another node while the server still keeps the
 lock of its dead predecessor: an NFS server drops a vanished client's locks only after its lease (90 s by
-default). A lock held from another host is therefore retried for ``$MABN_LOCK_LEASE_S`` seconds (default 120)
-before the folder counts as in use; a first start, or a holder on this host (whose end the kernel sees at once),
-waits only the moment ``SETTLE_S``. Settings are environment variables, as elsewhere in mabn (``MABN_FUSED``).
+default). A lock held from another host is therefore retried for ``$MABN_LOCK_LEASE_S`` seconds (default 120,
+at most 3600) before the folder counts as in use; a first start, or a holder on this host (whose end the kernel
+sees at once), waits only the moment ``SETTLE_S``. Settings are environment variables, as elsewhere in mabn
+(``MABN_FUSED``); the lease is checked at every start, a first one included, so that a wrong value stops the
+run the user watches rather than a requeue at night.
 
 After locking, the holder writes its host, process id and start time into the lock file; a refused run reads
 them back for its error line. The file itself is never removed: a lock file that nobody holds is free.
@@ -37,6 +41,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import json
+import math
 import os
 import socket
 import stat
@@ -57,6 +62,9 @@ SETTLE_S = 1.0
 # How long a requeued SLURM job retries a lock held from another host (NFS keeps a dead client's locks ~90 s).
 LEASE_ENV = "MABN_LOCK_LEASE_S"
 DEFAULT_LEASE_S = 120.0
+# Linux's NFS server takes lease times of 10 to 3600 s (nfsd's nfsv4leasetime): a longer wait outlives any
+# server's lease, and a value beyond it (1e9, a unit mistaken for ms) would hold a requeued job without end.
+MAX_LEASE_S = 3600.0
 
 _held: dict[Path, int] = {}  # folder (resolved) -> the open descriptor that holds its lock in this process
 _unlockable: set[Path] = set()  # folders whose filesystem has no locks, said once per process
@@ -119,16 +127,17 @@ def _requeued() -> bool:
 
 
 def lease_s() -> float:
-    """``$MABN_LOCK_LEASE_S`` (default 120): how long a requeued job retries a lock held from another host."""
+    """``$MABN_LOCK_LEASE_S`` (default 120): how long a requeued job retries a lock held from another host;
+    a ``ConfigError`` unless it is a number of seconds 0..``MAX_LEASE_S`` (``float`` also reads inf and nan)."""
     value = os.environ.get(LEASE_ENV, "")
     if not value:
         return DEFAULT_LEASE_S
     try:
         seconds = float(value)
     except ValueError:
-        raise ConfigError(f"{LEASE_ENV}={value!r} is not a number of seconds") from None
-    if not seconds >= 0:
-        raise ConfigError(f"{LEASE_ENV}={value!r} is not a number of seconds (0 or more)")
+        seconds = math.nan
+    if not 0 <= seconds <= MAX_LEASE_S:  # also false for nan
+        raise ConfigError(f"{LEASE_ENV}={value!r} is not a number of seconds from 0 to {MAX_LEASE_S:g}")
     return seconds
 
 
@@ -140,17 +149,37 @@ def _foreign(fd: int) -> bool:
         return True
 
 
+# What an open() of the lock file fails with when the name is not a regular file: O_NOFOLLOW met a symbolic link;
+# a folder cannot be opened for writing; a socket (or a device without a driver) cannot be opened at all.
+_OPEN_REFUSALS = {errno.ELOOP: "a symbolic link", errno.EISDIR: "a folder", errno.ENXIO: "a socket or a device"}
+# What an opened lock file is, by its type, when that is not a regular file.
+_KINDS = {stat.S_IFDIR: "a folder", stat.S_IFCHR: "a device", stat.S_IFBLK: "a device", stat.S_IFIFO: "a named pipe"}
+
+
+def _not_a_file(st: os.stat_result) -> str | None:
+    """What an open lock file is when it is not a regular file of one name, for the error line; None when it is."""
+    if not stat.S_ISREG(st.st_mode):
+        return _KINDS.get(stat.S_IFMT(st.st_mode), "a special file")
+    # Another name of the same data: the holder's record would overwrite that file as well.
+    if st.st_nlink > 1:
+        return f"a hard link: {st.st_nlink} names"
+    return None
+
+
 def _open_lock_file(path: Path, flags: int) -> int:
-    """``path`` opened with ``flags`` and ``O_NOFOLLOW``; a ``ConfigError`` unless it is a regular file."""
+    """``path`` opened with ``flags`` and ``O_NOFOLLOW`` (``O_NONBLOCK``: a named pipe would block the open);
+    a ``ConfigError`` unless it is a regular file of one name, judged on the open descriptor so that the file
+    checked is the file used."""
     try:
         fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK, 0o666)
     except OSError as err:
-        if err.errno == errno.ELOOP:  # O_NOFOLLOW met a symbolic link
-            raise ConfigError(f"{path} is not a regular file (a symbolic link); remove it") from None
+        if err.errno in _OPEN_REFUSALS:
+            raise ConfigError(f"{path} is not a regular file ({_OPEN_REFUSALS[err.errno]}); remove it") from None
         raise
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
+    kind = _not_a_file(os.fstat(fd))
+    if kind is not None:
         os.close(fd)
-        raise ConfigError(f"{path} is not a regular file; remove it")
+        raise ConfigError(f"{path} is not a regular file ({kind}); remove it")
     return fd
 
 
@@ -176,6 +205,9 @@ def lock(folder: Path) -> None:
     folder = Path(folder)
     if _holds(folder):
         return
+    lease = lease_s()  # checked at a first start too, where it is not used (see the module's doc)
+    if not _requeued():
+        lease = 0.0
     path = folder / LOCK_FILE
     with write_faults(path):
         folder.mkdir(parents=True, exist_ok=True)
@@ -183,7 +215,6 @@ def lock(folder: Path) -> None:
         fd = _open_lock_file(path, os.O_RDWR | os.O_CREAT)
     try:
         start = time.monotonic()
-        lease = lease_s() if _requeued() else 0.0
         said = False
         while True:
             try:
