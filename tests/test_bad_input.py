@@ -195,8 +195,8 @@ def test_bad_input_is_one_error_line_and_changes_nothing_else(work, capsys, entr
         setup(work)
     stage = entry if entry in launch.PROFILES else None
     norm = argv[argv.index("--norm") + 1] if "--norm" in argv else "mabn"
-    demo = "--data" not in argv
-    run = work / "runs" / ("demo" if demo else "") / (stage or "none") / norm
+    data = Path(argv[argv.index("--data") + 1].format(w=work)) if "--data" in argv else None
+    run = work / launch.run_dir(stage or "none", norm, data is None, None, data)
     before = _snapshot(work, run)
     capsys.readouterr()
     with pytest.raises(SystemExit) as exit_info:

@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -179,3 +180,27 @@ def test_sigterm_to_the_whole_process_group_with_loader_workers_saves_and_resume
     assert "(epoch 0, step 3)" in out, out[-3000:]
     assert _step(cut / runs.CHECKPOINTS / runs.LAST) == 8
     assert _rows(cut) == _rows(whole)
+
+
+def test_the_timer_saves_at_the_first_batch_end_after_every_minutes(monkeypatch, tmp_path):
+    """Besides validations, ``last.ckpt`` is written at the end of the first training batch once ``every_minutes``
+    of training have passed since the last save, and not before."""
+    import mabn.run.last as last_module
+
+    now = [0.0]
+    monkeypatch.setattr(last_module.time, "monotonic", lambda: now[0])
+    saved: list[int] = []
+    trainer = SimpleNamespace(
+        loggers=[], global_step=0, num_training_batches=100, is_global_zero=True,
+        save_checkpoint=lambda path, weights_only: saved.append(trainer.global_step),
+    )  # fmt: skip
+    callback = last_module.LastCheckpoint(every_minutes=30)
+    callback.dirpath = tmp_path
+    callback.on_train_start(trainer, None)
+    module = SimpleNamespace(device=torch.device("cpu"))
+    for step, minutes in [(1, 10), (2, 29.9), (3, 30), (4, 31), (5, 59.9), (6, 60.5)]:
+        now[0], trainer.global_step = 60 * minutes, step
+        callback.on_train_batch_end(trainer, module, None, None, step - 1)
+    assert saved == [3, 6]
+    with pytest.raises(ValueError, match="every_minutes"):
+        last_module.LastCheckpoint(every_minutes=float("inf"))
