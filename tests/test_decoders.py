@@ -196,7 +196,7 @@ def test_cli_fit_with_a_backbone_restores_and_folds(decoder, tiny_cityscapes, ba
     )
 
     # The checkpoint names its decoder; restore rebuilds the same network with the trained weights.
-    last = Path(trainer.checkpoint_callback.last_model_path)
+    last = Path(trainer.checkpoint_callback.dirpath) / "last.ckpt"  # mabn.run.LastCheckpoint's
     ckpt = torch.load(last, map_location="cpu", weights_only=False)
     assert ckpt["hyper_parameters"]["decoder"] == decoder
     restored = load_task(last).task

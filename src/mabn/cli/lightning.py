@@ -415,8 +415,9 @@ class MabnCLI(LightningCLI):
             return
         if self.prepare is not None:
             self.prepare()
-        if self.subcommand != "fit":
+        if self.subcommand in ("validate", "test", "predict"):
             place_evaluation(self.config[self.subcommand], self.subcommand)
+        if self.subcommand != "fit":
             return
         place_run(self.config.fit, self.plan.folder)
         if first_process():

@@ -84,6 +84,7 @@ class LastCheckpoint(Checkpoint):
         self._term = self._requeue = self._requeued = self._stopping = False
         self._epoch_end = self._validated = False  # the batch ended an epoch; its validation awaits the save
         self._saved_step: int | None = None
+        self._start_step: int | None = None
         self._saved_at = time.monotonic()
 
     @property
@@ -167,6 +168,7 @@ class LastCheckpoint(Checkpoint):
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._saved_at = time.monotonic()
+        self._start_step = trainer.global_step  # a fit resumed at step N holds nothing new until it trains
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
@@ -217,17 +219,20 @@ class LastCheckpoint(Checkpoint):
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         self._restore()  # teardown hooks do not run after an exception
-        if isinstance(exception, Terminated) or not self._fitting(trainer) or self._saved_step == trainer.global_step:
+        if isinstance(exception, Terminated) or not self._fitting(trainer):
             return
+        if trainer.global_step in (self._saved_step, self._start_step, None):
+            return  # nothing trained since the last save, or since the fit started (or resumed)
         if world_size() > 1 or isinstance(exception, WriteError):
             return  # see the module's doc: a save is a collective; a refused write would be refused again
         where = f"{type(exception).__name__} at step {trainer.global_step}"
         if not _finite(pl_module):
-            print(f"{where}: the model holds non-finite values, {self.path} is left as it was", file=sys.stderr)
+            print(f"{where}: the model holds non-finite values, {self.path} is left as it was", flush=True)
             return
+        # On stdout: stderr ends with the error itself, one line for a user's mistake.
         try:
             self.save(trainer)
         except Exception as err:  # the fit's own error is the one to report
-            print(f"{where}: could not save {self.path} ({err})", file=sys.stderr, flush=True)
+            print(f"{where}: could not save {self.path} ({err})", flush=True)
         else:
-            print(f"{where}: state saved in {self.path}; --resume auto goes on from it", file=sys.stderr, flush=True)
+            print(f"{where}: state saved in {self.path}; --resume auto goes on from it", flush=True)
