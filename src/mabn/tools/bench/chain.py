@@ -57,12 +57,12 @@ KILL_STEP = FIT_STEPS // FIT_EPOCHS  # the optimizer step of the first epoch's c
 KILLED = "killed.ckpt"  # beside last.ckpt: a copy of it as the killed fit left it
 PHASE_STEPS = (2, 4)  # every group's moving_stats_first_step and renorm_first_step: both switches in the first epoch
 POLICY_GROUPS = ("encoder", "heads")  # configs/cityscapes.yaml's norm_policy groups
-# The fits' checkpoints: the newest at every validation, and last.ckpt with it (the recipe's keeps the best mIoU,
-# and Lightning writes last.ckpt only when it writes another checkpoint).
+# The fits' checkpoints: the newest at every validation (the recipe's keeps the best mIoU); last.ckpt is written
+# at every validation by mabn.run.LastCheckpoint.
 CHECKPOINTS = [
     {
         "class_path": "pytorch_lightning.callbacks.ModelCheckpoint",
-        "init_args": {"save_last": True, "filename": "step{step}", "auto_insert_metric_name": False},
+        "init_args": {"filename": "step{step}", "auto_insert_metric_name": False},
     }
 ]
 RANKS_PRECISION = "bf16-mixed"  # the two-rank fit's Trainer precision
