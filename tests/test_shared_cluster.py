@@ -205,7 +205,11 @@ def test_a_symlinked_lock_file_is_refused_and_its_target_left_untouched(tmp_path
     with pytest.raises(runlock.ConfigError, match="is not a regular file"):
         runlock.lock(folder)
     assert victim.read_text() == "keep me\n"
-    assert runlock.in_use(folder) is None  # the dry run's probe opens nothing through it either
+    with pytest.raises(runlock.ConfigError, match="is not a regular file"):
+        runlock.in_use(folder)  # the dry run's probe refuses it as the run does, and opens nothing through it
+    assert victim.read_text() == "keep me\n"
+    with pytest.raises(runlock.ConfigError, match=r"is not a regular file \(a symbolic link\)"):
+        cli.check(_fit(_config(tmp_path, str(folder))))  # a stage's --dry-run
 
     code, _, err = _here(_fit(_config(tmp_path, str(folder))), request, monkeypatch, capsys)
     assert code == 2

@@ -265,13 +265,16 @@ def lock(folder: Path) -> None:
 
 def in_use(folder: Path) -> str | None:
     """``in_use_message`` when another process holds ``folder``'s lock now, found without taking it (for a dry
-    run); None when nobody does (or this process does, or the filesystem has no locks). Creates nothing."""
+    run); None when nobody does (or this process does, or the filesystem has no locks). Creates nothing. A
+    ``ConfigError``, as the run's own ``lock``, for a lease that is no number of seconds and a lock file that is
+    not a regular file of one name: a dry run refuses what the run would."""
     folder = Path(folder)
+    lease_s()
     if folder.resolve() in _held:
         return None
     try:
         fd = _open_lock_file(folder / LOCK_FILE, os.O_RDONLY)
-    except (OSError, ConfigError):  # never locked, not readable, or not a file: the run itself says so
+    except OSError:  # never locked, or not readable: the run itself says so
         return None
     try:
         try:
