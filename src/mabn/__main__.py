@@ -3,9 +3,13 @@ or ``mabn.tools``, imported only when it runs (``python -m mabn --help`` lists t
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import importlib
+import logging
 import sys
+import warnings
+from collections.abc import Iterator
 
 from .errors import exit_on_user_error
 
@@ -59,9 +63,39 @@ def main(argv: list[str]) -> int:
         return 2
     command = importlib.import_module(f"{__package__}.{module}")
     try:
-        return command.main(argv if module in NAMED else argv[1:])
+        with third_party_quiet():
+            return command.main(argv if module in NAMED else argv[1:])
     except Exception as err:  # the one way a command fails: a user's mistake is one line, anything else a traceback
         exit_on_user_error(err)
+
+
+# Notices of the libraries underneath that a user of this product cannot act on: an internal deprecation inside
+# Lightning (its own pytree helper on torch's), and Lightning's advertisement printed at every Trainer.
+QUIET_WARNINGS = (r"`isinstance\(treespec, LeafSpec\)` is deprecated",)
+QUIET_LOG_PREFIXES = ("💡 Tip:",)
+QUIET_LOGGERS = ("pytorch_lightning.utilities.rank_zero", "lightning_fabric.utilities.rank_zero")
+
+
+class _Quiet(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(QUIET_LOG_PREFIXES)
+
+
+@contextlib.contextmanager
+def third_party_quiet() -> Iterator[None]:
+    """Within a command, ``QUIET_WARNINGS`` and ``QUIET_LOG_PREFIXES`` are not shown; the filters end with it."""
+    quiet = _Quiet()
+    loggers = [logging.getLogger(name) for name in QUIET_LOGGERS]
+    with warnings.catch_warnings():
+        for message in QUIET_WARNINGS:
+            warnings.filterwarnings("ignore", message=message)
+        for logger in loggers:
+            logger.addFilter(quiet)
+        try:
+            yield
+        finally:
+            for logger in loggers:
+                logger.removeFilter(quiet)
 
 
 if __name__ == "__main__":

@@ -43,12 +43,13 @@ from pathlib import Path
 from typing import Any
 
 import pytorch_lightning as pl
+import torch
 from jsonargparse import ArgumentParser, DefaultHelpFormatter, Namespace
 from pytorch_lightning.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
 
 from ..data.loading import DataPlan
 from ..distributed import first_process
-from ..errors import ConfigError, UserError
+from ..errors import ConfigError, UserError, UserErrors
 from ..inference.checkpoint import task_hparams
 from ..models import DEFAULT_ARCH
 from ..run import (
@@ -72,6 +73,10 @@ from ..tasks.classification import backbone_path
 from .help import PROG, PlainTextHelp
 
 CHECKPOINT_CALLBACK = "pytorch_lightning.callbacks.ModelCheckpoint"
+LOGGERS_HINT = (
+    "the product's loggers: mabn.run.loggers.CSVLogger, mabn.run.loggers.WandbLogger, "
+    "mabn.run.loggers.TensorBoardLogger; false for none"
+)
 
 
 def _import(class_path: str) -> type:
@@ -187,6 +192,17 @@ def check_loggers(config: Namespace) -> None:
             check()
 
 
+def accelerator_problem(config: Namespace) -> str | None:
+    """Why the Trainer's ``accelerator`` cannot run on this machine: a GPU asked for where CUDA is not there."""
+    accelerator = str(config.trainer.get("accelerator") or "")
+    if accelerator in ("gpu", "cuda") and not torch.cuda.is_available():
+        return (
+            f"--trainer.accelerator {accelerator}: this machine has no CUDA device (torch.cuda.is_available() is "
+            "False): run on a machine with a GPU, or train on the CPU (--gpus 0, --trainer.accelerator cpu)"
+        )
+    return None
+
+
 def check_fit_config(config: Namespace) -> None:
     """Every check that needs no data and no weights: the task's arguments, the batch layout, the loggers, the
     run's folder and its artefacts."""
@@ -300,10 +316,23 @@ def _innermost(message: str) -> str:
     indent = len(lines[start]) - len(lines[start].lstrip()) if lines else 0
     block = lines[start : start + 1]
     for line in lines[start + 1 :]:
-        if len(line) - len(line.lstrip()) <= indent:
+        if line.strip() and len(line) - len(line.lstrip()) <= indent:  # a blank line ends no block
             break
         block.append(line)
     return "\n".join(block)
+
+
+def _reason(block: str) -> str:
+    """The first of jsonargparse's per-type errors in ``block`` that says more than the type it expected (a
+    class name that matches two classes, a class that does not import), as ``: <reason>``; "" when none does."""
+    lines = block.splitlines()
+    for i, line in enumerate(lines):
+        item = line.strip().removeprefix("- ")
+        if line.strip().startswith("- ") and not re.match(r"(Expected a|Does not validate|Not a valid)", item):
+            if item.endswith(":") and i + 1 < len(lines):  # its cause is the next, deeper line
+                item = f"{item} {lines[i + 1].strip()}"
+            return f": {item}"
+    return ""
 
 
 def argument_mistake(message: str, options: list[str], program: str) -> str:
@@ -328,8 +357,11 @@ def argument_mistake(message: str, options: list[str], program: str) -> str:
     given, expected = re.search(r"(?:Given|Got) value: (.*)", inner), re.search(r"Subtypes: \[(.*)\]", inner)
     expected = expected or re.search(r"Expected a (<class '[^']+'>)", inner)
     if keys and given:
-        wanted = f"expected {_type_names(expected.group(1))}, " if expected else ""
-        return f"{name}: {wanted}got {given.group(1).strip()!r}{help_line}"
+        reason = _reason(inner)  # when there is one, it says what to write better than the types do
+        wanted = f"expected {_type_names(expected.group(1))}, " if expected and not reason else ""
+        if name == "--trainer.logger":
+            reason += f" ({LOGGERS_HINT})"
+        return f"{name}: {wanted}got {given.group(1).strip()!r}{reason}{help_line}"
     return message.splitlines()[0] + help_line
 
 
@@ -337,14 +369,30 @@ class MabnCLI(LightningCLI):
     """LightningCLI with the product's checks, run folder and callbacks (see the module's doc).
 
     ``dry_run``: stop after the checks and the plan (``plan_lines``), before anything is built; a dry run takes
-    no lock, it says whether another run holds the folder. ``prepare``: called after the checks and the lock,
-    before the classes are instantiated (a stage launch generates its demo set there)."""
+    no lock, it says whether another run holds the folder, and it names every problem the run would stop at, all
+    at once (``UserErrors``). ``prepare``: called after the checks and the lock, before the classes are
+    instantiated (a stage launch generates its demo set there). ``gpus_planned``: a dry run of a launch for
+    GPUs, which may be checked on a machine without one (a login node)."""
 
-    def __init__(self, *args: Any, dry_run: bool = False, prepare: Callable[[], object] | None = None, **kwargs: Any):
-        self.dry_run, self.prepare = dry_run, prepare
+    def __init__(
+        self,
+        *args: Any,
+        dry_run: bool = False,
+        prepare: Callable[[], object] | None = None,
+        gpus_planned: bool = False,
+        **kwargs: Any,
+    ):
+        self.dry_run, self.prepare, self.gpus_planned = dry_run, prepare, gpus_planned
         self.plan_lines: list[str] = []
         self.notes: list[str] = []
+        self.problems: list[str] = []  # a dry run's, each a line; a run stops at its first
         super().__init__(*args, **kwargs)
+
+    def problem(self, message: str) -> None:
+        """A run stops at ``message``; a dry run notes it and checks on."""
+        if not self.dry_run:
+            raise ConfigError(message)
+        self.problems.append(message)
 
     def setup_parser(self, add_subcommands: bool, main_kwargs: dict[str, Any], subparser_kwargs: dict[str, Any]):
         super().setup_parser(add_subcommands, main_kwargs, subparser_kwargs)
@@ -377,6 +425,9 @@ class MabnCLI(LightningCLI):
             # Every check that needs no data comes first: a mistake stops before anything, the lock included, is
             # written.
             check_fit_config(config)
+            accelerator = accelerator_problem(config)
+            if accelerator and not (self.dry_run and self.gpus_planned):
+                self.problem(accelerator)
             # Before the plan: while a run holds the folder, what it holds is no plan's to judge. Only the launch's
             # first process locks; the others are the same run.
             if config.trainer.get("default_root_dir") and first_process():
@@ -387,7 +438,11 @@ class MabnCLI(LightningCLI):
                     if busy:
                         self.notes.append(f"{busy}: a run of this command started now would stop with exit code 2")
             report = (lambda _: None) if self.dry_run else runs.say_once  # a dry run's plan is printed whole
-            self.plan = runs.plan(folder, config.get("ckpt_path"), identity, first_process(), report)
+            try:
+                self.plan = runs.plan(folder, config.get("ckpt_path"), identity, first_process(), report)
+            except ConfigError as err:  # a dry run goes on to check the data
+                self.problem(str(err))
+                self.plan = runs.Plan(folder, None)
             config.ckpt_path = None if self.plan.resume is None else str(self.plan.resume.path)
         # Lightning's own merge of the checkpoint's hyperparameters into the config, with the task's settings
         # under the keys the task takes (task_hparams translates those of older checkpoints).
@@ -411,7 +466,12 @@ class MabnCLI(LightningCLI):
     def before_instantiate_classes(self) -> None:
         if self.dry_run:
             if self.subcommand == "fit":
-                self.plan_lines = plan_lines(self.config.fit) + self.notes
+                try:
+                    self.plan_lines = plan_lines(self.config.fit) + self.notes
+                except UserError as err:
+                    self.problems += err.messages if isinstance(err, UserErrors) else [str(err)]
+            if self.problems:
+                raise UserErrors(self.problems)
             return
         if self.prepare is not None:
             self.prepare()
@@ -454,6 +514,8 @@ class MabnCLI(LightningCLI):
         for callback in guards:
             if not any(isinstance(c, type(callback)) for c in trainer.callbacks):
                 trainer.callbacks.append(callback)
+        if not trainer.loggers:  # --trainer.logger false: the recipes' lr monitor has nowhere to log, and refuses
+            trainer.callbacks = [c for c in trainer.callbacks if not isinstance(c, pl.callbacks.LearningRateMonitor)]
         use_line_progress(trainer)  # where the output is a file, one line per 50 steps instead of a redrawn bar
         return trainer
 
@@ -463,6 +525,7 @@ def run_cli(
     run: bool = True,
     dry_run: bool = False,
     prepare: Callable[[], object] | None = None,
+    gpus_planned: bool = False,
 ) -> MabnCLI:
     """The ``MabnCLI`` of ``args`` (default: the command line's); ``run=False`` builds without a subcommand."""
     # python -m mabn <stage> passes its own arguments and keeps sys.argv as it was: Lightning's DDP launcher
@@ -480,6 +543,7 @@ def run_cli(
         run=run,
         dry_run=dry_run,
         prepare=prepare,
+        gpus_planned=gpus_planned,
     )
 
 

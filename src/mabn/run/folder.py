@@ -12,6 +12,7 @@ folder: the same checkpoint folder (so ModelCheckpoint keeps its best across res
 - ``auto``: the readable checkpoint of the folder written by the same task and norm with the highest global
   step (a tie goes to ``last.ckpt``), or a new run when there is none (a killed or requeued job restarts with
   the very same command). The step, not the file's time, which a copy of the folder (``cp -r``) changes;
+- ``last``: the folder's ``checkpoints/last.ckpt`` (Lightning's word for the latest checkpoint);
 - a path: that checkpoint, checked to be readable and of the same task and norm.
 """
 
@@ -29,6 +30,7 @@ from ..errors import ConfigError
 from .files import TMP_SUFFIX, load_weights_file, write_atomic
 
 AUTO = "auto"
+LAST_PATH = "last"  # Lightning's name for the latest checkpoint: here the run's own checkpoints/last.ckpt
 CHECKPOINTS = "checkpoints"
 LAST = "last.ckpt"  # in CHECKPOINTS: the run's latest state (mabn.run.last.LastCheckpoint)
 METRICS = "metrics.csv"
@@ -141,6 +143,14 @@ def plan(
         else:
             say(f"Resuming from {found}.")
         return Plan(folder, found)
+    if ckpt_path == LAST_PATH:
+        ckpt_path = folder / CHECKPOINTS / LAST
+        if not ckpt_path.is_file():
+            raise ConfigError(
+                f"--ckpt_path last: {folder} holds no {CHECKPOINTS}/{LAST}; --ckpt_path auto resumes the latest "
+                "checkpoint there, or starts a new run when there is none"
+            )
+        say(f"Resuming from {ckpt_path} (--ckpt_path last).")
     ckpt = read_checkpoint(Path(ckpt_path))
     reason = identity.differs(ckpt.hparams)
     if reason is not None:

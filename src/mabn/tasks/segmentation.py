@@ -180,6 +180,18 @@ class SegmentationTask(NormTask):
             *shape.lines()[1:],
             shape.lr_line(hp["base_lr"], hp["base_batch_size"], heads),
             f"schedule: linear warm-up over {warmup}, then poly {hp['poly_power']:g}{end}",
+            *cls.warmup_warning(hp, shape),
+        ]
+
+    @staticmethod
+    def warmup_warning(hp: Mapping[str, Any], shape: RunShape) -> list[str]:
+        """A line when the warm-up takes the whole run: the lr never reaches base_lr and no poly decay runs."""
+        steps, total = shape.iterations(hp["warmup_epochs"]), shape.total_iterations
+        if not steps or total is None or steps < total:
+            return []
+        return [
+            f"warning: the warm-up ({steps} iterations) is not shorter than the run ({total} iterations): the lr "
+            "never reaches its base value and the poly decay never starts; lower --model.init_args.warmup_epochs"
         ]
 
     @staticmethod

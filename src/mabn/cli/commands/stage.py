@@ -16,6 +16,9 @@ again in each further process: those take no lock, and wait for process 0's demo
 from __future__ import annotations
 
 import argparse
+import contextlib
+import sys
+import warnings
 from pathlib import Path
 
 from ...distributed import end_process_group_at_exit
@@ -66,36 +69,43 @@ def main(argv: list[str]) -> int:
     ns, unknown = parser(stage).parse_known_args(argv[:cut])
     extra = unknown + argv[cut + 1 :]
     end_process_group_at_exit()  # every run, whatever its norm: a DDP worker must exit cleanly
-    plan, problems = launch.checked_plan(
-        stage,
-        ns.data,
-        ns.norm,
-        ns.gpus,
-        ns.nodes,
-        extra,
-        backbone=ns.backbone,
-        resume=ns.resume,
-        dry_run=ns.dry_run,
-        folder=ns.run_dir,
-        backbone_pending=ns.backbone_pending,
-        init=ns.init,
-    )
+    # The launch says where the encoder starts in every case (its "Backbone:" line), the task's warning repeats it.
+    warnings.filterwarnings("ignore", message="No backbone given")
+    # --print_config: stdout is the YAML alone, which a user saves and passes back with --config; the launch's own
+    # lines go to stderr.
+    printing = any(arg.split("=")[0] == "--print_config" for arg in extra)
+    with contextlib.redirect_stdout(sys.stderr) if printing else contextlib.nullcontext():
+        plan, problems = launch.checked_plan(
+            stage,
+            ns.data,
+            ns.norm,
+            ns.gpus,
+            ns.nodes,
+            extra,
+            backbone=ns.backbone,
+            resume=ns.resume,
+            dry_run=ns.dry_run,
+            folder=ns.run_dir,
+            backbone_pending=ns.backbone_pending,
+            init=ns.init,
+        )
     if problems and not ns.dry_run:  # a run stops at its first problem
         raise launch.LaunchError(problems[0])
+    gpus_planned = ns.dry_run and ns.gpus > 0  # checked for where the job will run, perhaps on a login node
     if problems:  # a dry run names them all; its LightningCLI checks the rest on the plan's stand-ins
-        raise launch.LaunchErrors([*problems, *(m for m in cli_problems(plan) if m not in problems)])
-    checked = cli.run_cli(list(plan.args), dry_run=ns.dry_run, prepare=plan.prepare_data)
+        raise launch.LaunchErrors([*problems, *(m for m in cli_problems(plan, gpus_planned) if m not in problems)])
+    checked = cli.run_cli(list(plan.args), dry_run=ns.dry_run, prepare=plan.prepare_data, gpus_planned=gpus_planned)
     if ns.dry_run:
         print("\n".join([*checked.plan_lines, *([plan.launcher] if plan.launcher else []), plan.command]))
     return 0
 
 
-def cli_problems(plan: launch.LaunchPlan) -> list[str]:
+def cli_problems(plan: launch.LaunchPlan, gpus_planned: bool) -> list[str]:
     """The LightningCLI's check of ``plan``'s arguments as a dry run (it builds, reads and locks nothing): its
-    problem, or none; an error that is no user's mistake stays behind the launch's own problems."""
+    problems, or none; an error that is no user's mistake stays behind the launch's own problems."""
     try:
-        cli.run_cli(list(plan.args), dry_run=True)
+        cli.run_cli(list(plan.args), dry_run=True, gpus_planned=gpus_planned)
     except Exception as err:
         message = user_error(err)
-        return [message] if message else []
+        return message.splitlines() if message else []
     return []
