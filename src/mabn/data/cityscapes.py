@@ -21,7 +21,7 @@ from torchvision.datasets import Cityscapes
 from ..distributed import rank
 from ..run import device_batch
 from .errors import DatasetError, require_pairs
-from .images import IMAGENET_MEAN, imagenet_normalize, read_image
+from .images import IMAGENET_MEAN, imagenet_normalize, read_image, read_values
 from .loading import DataPlan, augmentation_seed, make_loader
 
 __all__ = [
@@ -147,7 +147,7 @@ class CityscapesDataset(Dataset):
         """The raw item: uint8 RGB image HxWx3 and uint8 trainId label HxW, checked to have the same size."""
         sample = self.samples[index]
         image = read_image(sample.image)
-        label = read_image(sample.label, "label", mode=None)
+        label = read_values(sample.label, "label")
         if label.ndim != 2:
             raise DatasetError(
                 f"label file {sample.label} has shape {label.shape}; expected a single-channel labelIds PNG"

@@ -4,7 +4,7 @@
 Layout::
 
     DIR/classes.yaml                    the classes (``mabn.data.classes``)
-    DIR/images/<split>/<name>.<ext>     .png, .jpg, .jpeg, .bmp, .tif, .tiff or .webp, any mode (read as RGB)
+    DIR/images/<split>/<name>.<ext>     .png, .jpg, .jpeg, .bmp, .tif, .tiff or .webp, any mode (read as displayed)
     DIR/masks/<split>/<name>.png        one PNG per image, of the image's size: single-channel mask values, or
                                         the class colours with ``mask_format: color``
 
@@ -55,7 +55,7 @@ from .cityscapes import (
 )
 from .classes import CLASSES_FILE, COLOR, ClassTable
 from .errors import DatasetError, DatasetErrors, pair_problems
-from .images import image_size, imagenet_normalize, read_image
+from .images import TURNED, how_read, image_size, imagenet_normalize, read_header, read_image, read_values
 from .loading import DataPlan
 
 __all__ = ["FolderDataModule", "FolderDataset", "check_dataset", "find_pairs", "small_images"]
@@ -175,8 +175,8 @@ def pair_sizes(samples: list[CityscapesSample], image_dir: Path) -> list[tuple[i
 def read_mask(path: Path, classes: ClassTable) -> np.ndarray:
     """The mask's values (H x W), or its RGB colours (H x W x 3) for colour masks."""
     if classes.mask_format == COLOR:
-        return read_image(path, "mask")
-    mask = read_image(path, "mask", mode=None)
+        return read_values(path, "mask", "RGB")
+    mask = read_values(path, "mask")
     if mask.ndim != 2:
         raise DatasetError(
             f"mask file {path} has shape {mask.shape}; expected a single-channel PNG of mask values "
@@ -392,6 +392,41 @@ def small_images(sizes: list[tuple[int, int]], crop_size: int) -> tuple[int, str
     return count, line + (": padded up to it (images with the mean pixel, masks with ignored pixels)" if count else "")
 
 
+def reading_lines(args: Mapping[str, Any]) -> list[str]:
+    """How the pairs of both splits of the dataset of the data module arguments ``args`` are read, from their
+    headers, for the dry run: a line per image mode other than 8-bit RGB, with how many files and the first, once
+    that file was read as a fit reads it (so that a mode with no way to 8-bit RGB stops here, not in the fit); a
+    line for the images, and one for the masks, that carry an EXIF orientation. ``DatasetErrors`` naming the files
+    of the modes that do not read."""
+    root = Path(args["data_dir"])
+    modes: dict[str, list[Path]] = {}
+    turned = {"image": 0, "mask": 0}
+    for split in dict.fromkeys((args.get("train_split") or "train", args.get("val_split") or "val")):
+        for sample in index_split(root, split)[0]:
+            image = read_header(sample.image)
+            modes.setdefault(image.mode, []).append(sample.image)
+            turned["image"] += image.orientation in TURNED
+            turned["mask"] += read_header(sample.label, "mask").orientation in TURNED
+    lines, problems = [], []
+    for mode, paths in sorted(modes.items()):
+        if mode == "RGB":
+            continue
+        try:
+            read_image(paths[0])
+        except DatasetError as err:
+            problems.append(str(err))
+            continue
+        files = f"{len(paths)} file{'s' if len(paths) > 1 else ''}"
+        lines.append(f"images of mode {mode} ({files}, e.g. {paths[0]}): {how_read(mode)}")
+    if problems:
+        raise DatasetErrors(problems)
+    return lines + [
+        f"{count} {kind}{'s carry' if count > 1 else ' carries'} an EXIF orientation: read as displayed"
+        for kind, count in turned.items()
+        if count
+    ]
+
+
 class FolderDataset(CityscapesDataset):
     """The ``split`` of a dataset in the layout of this module under ``root``, yielding normalized images and class
     maps: items as ``CityscapesDataset``'s (3xHxW float32, HxW int64 class indices with 255 for ignored pixels),
@@ -488,7 +523,8 @@ class FolderDataModule(CityscapesDataModule):
     def plan(args: Mapping[str, Any]) -> DataPlan:
         """``--dry-run``'s plan once the whole dataset passed ``check_dataset``, before the plan's own count of
         batches, so that too few training images for the global batch is said with the dataset's other problems
-        and its fix: the size of the training split, and how many of its images are smaller than the crop
-        (``small_images``)."""
+        and its fix: the size of the training split, how many of its images are smaller than the crop
+        (``small_images``), and how images of other modes than 8-bit RGB or of an EXIF orientation are read
+        (``reading_lines``)."""
         sizes = check_dataset(args)
-        return DataPlan(len(sizes), [small_images(sizes, args["crop_size"])[1]])
+        return DataPlan(len(sizes), [small_images(sizes, args["crop_size"])[1], *reading_lines(args)])

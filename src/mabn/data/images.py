@@ -1,17 +1,22 @@
 """Image files and pixels: the one reader every dataset and prediction uses, and ImageNet's normalization.
 
-Every reader goes through ``read_image``, so an unreadable file is the same one-line ``DatasetError`` naming it,
-whichever stage, split or command meets it.
+Every reader goes through ``read_image`` (pictures) or ``read_values`` (masks and labels), so an unreadable file
+is the same one-line ``DatasetError`` naming it, whichever stage, split or command meets it, and every file is
+read as a viewer shows it: turned by its EXIF orientation, as a phone photo's pixels are stored sideways with the
+orientation that turns them upright (OpenCV's ``imread`` does the same). A picture of more than 8 bits per pixel
+is scaled to 8 bits by its own range (``eight_bits``); a mask keeps its values.
 """
 
 from __future__ import annotations
 
 import warnings
 from pathlib import Path
+from typing import NamedTuple
 
 import albumentations as A
 import numpy as np
-from PIL import Image
+from PIL import ExifTags, Image, ImageOps
+from PIL.PngImagePlugin import PngImageFile
 
 from .errors import DatasetError
 
@@ -34,30 +39,122 @@ Image.MAX_IMAGE_PIXELS = MAX_IMAGE_PIXELS
 # Exception of its own) or, up to twice the limit, DecompressionBombWarning (raised, above).
 _UNREADABLE = (OSError, SyntaxError, ValueError, Image.DecompressionBombError, Image.DecompressionBombWarning)
 
+# The EXIF orientations that turn or mirror the stored pixels (1 is as stored; PIL ignores any other value, and so
+# do the readers), and those among them that turn by a quarter, so that width and height swap.
+TURNED = frozenset(range(2, 9))
+QUARTER_TURNED = frozenset(range(5, 9))
 
-def read_image(path: str | Path, kind: str = "image", mode: str | None = "RGB") -> np.ndarray:
-    """The pixels of the file at ``path`` as an array (converted to ``mode``; ``None`` keeps the file's own, as a
-    label or mask PNG needs), or a ``DatasetError`` naming the ``kind`` of file and its path."""
+
+class Header(NamedTuple):
+    """What a file's header says of its pixels, none decoded: ``size`` (width, height) as displayed, PIL's ``mode``
+    of the pixels (``RGB``, ``L``, ``I;16``, ...) and the EXIF ``orientation`` (1: as stored)."""
+
+    size: tuple[int, int]
+    mode: str
+    orientation: int
+
+
+def _open(path: str | Path) -> Image.Image:
+    """The file at ``path`` opened, its header read (a file over ``MAX_IMAGE_PIXELS`` refused)."""
+    with warnings.catch_warnings():  # readers run in the main thread or a DataLoader worker's
+        warnings.simplefilter("error", Image.DecompressionBombWarning)
+        return Image.open(path)
+
+
+def orientation(img: Image.Image) -> int:
+    """The EXIF orientation of ``img`` (1 where none is given). PIL looks for a PNG's eXIf chunk past the pixels by
+    decoding them all; only one ahead of the pixels (where PIL and other writers put it) counts here, so that a
+    header read decodes no pixel and the sizes it gives are those the readers turn the pixels to."""
+    if isinstance(img, PngImageFile) and "exif" not in img.info:
+        return 1
+    return img.getexif().get(ExifTags.Base.Orientation, 1)
+
+
+def upright(img: Image.Image) -> Image.Image:
+    """``img`` turned as its EXIF orientation says a viewer shows it (``img`` itself where it is as stored)."""
+    return ImageOps.exif_transpose(img) if orientation(img) in TURNED else img
+
+
+def eight_bits(values: np.ndarray) -> np.ndarray:
+    """The single-channel ``values`` (a 16-bit, 32-bit or floating-point picture) scaled linearly from their own
+    minimum..maximum to 0..255, as uint8: the whole 8-bit range for whatever range a sensor or format fills (12
+    bits of a 16-bit file, floats of 0..1 or of metres). A constant picture is 0; a pixel that is no number (NaN,
+    an infinity) is 0 and left out of the range."""
+    values = values.astype(np.float64)  # exact for 16- and 32-bit integers, and no overflow in the subtraction
+    finite = np.isfinite(values)
+    if not finite.any():
+        return np.zeros(values.shape, np.uint8)
+    low, high = values.min(where=finite, initial=np.inf), values.max(where=finite, initial=-np.inf)
+    spread = (values - low) * (255 / (high - low)) if high > low else np.zeros_like(values)
+    return np.rint(np.where(finite, spread, 0)).astype(np.uint8)
+
+
+def scaled(mode: str) -> bool:
+    """Whether pixels of PIL's ``mode`` are scaled by their own range (``eight_bits``): the 16-bit (``I;16``,
+    ``I;16B``, ...), 32-bit integer (``I``) and floating-point (``F``) modes, which PIL's own conversion to RGB clips
+    at 255."""
+    return mode.startswith("I") or mode == "F"
+
+
+def how_read(mode: str) -> str:
+    """How ``to_rgb`` reads pixels of PIL's ``mode`` (other than ``RGB``), as the dry run says it."""
+    if scaled(mode):
+        bits = "floating-point" if mode == "F" else "32-bit" if mode == "I" else "16-bit"
+        return f"{bits}, scaled to 8 bits by each image's own range"
+    if mode in ("1", "L"):
+        return "grey, the grey in each of the three channels"
+    if mode in ("LA", "PA", "RGBA", "RGBa"):
+        return "with an alpha channel, which is dropped"
+    return "converted to 8-bit RGB by PIL"
+
+
+def to_rgb(img: Image.Image) -> np.ndarray:
+    """``img`` as a viewer shows it, as H x W x 3 uint8 RGB: turned by its EXIF orientation (``upright``); a
+    picture of a ``scaled`` mode scaled to 8 bits by its own range (``eight_bits``), grey in each channel; any
+    other mode converted by PIL (grey repeated, a palette's colours, an alpha channel dropped)."""
+    img = upright(img)
+    if scaled(img.mode):
+        return np.repeat(eight_bits(np.asarray(img))[..., None], 3, axis=2)
+    return np.asarray(img.convert("RGB"))
+
+
+def read_image(path: str | Path, kind: str = "image") -> np.ndarray:
+    """The picture in the file at ``path`` as H x W x 3 uint8 RGB, as a viewer shows it (``to_rgb``), or a
+    ``DatasetError`` naming the ``kind`` of file and its path."""
     try:
-        with warnings.catch_warnings():  # readers run in the main thread or a DataLoader worker's
-            warnings.simplefilter("error", Image.DecompressionBombWarning)
-            img = Image.open(path)
-        with img:
-            return np.asarray(img if mode is None else img.convert(mode))
+        with _open(path) as img:
+            return to_rgb(img)
+    except _UNREADABLE as err:
+        raise DatasetError(f"cannot read {kind} file {path}: {err}") from err
+
+
+def read_values(path: str | Path, kind: str, mode: str | None = None) -> np.ndarray:
+    """The values of the mask or label file at ``path``, turned by its EXIF orientation as its picture is: the
+    file's own (a 16-bit PNG's stay 16-bit), or with ``mode`` converted by PIL (a colour mask's RGB), never
+    rescaled; or a ``DatasetError`` naming the ``kind`` of file and its path."""
+    try:
+        with _open(path) as img:
+            values = upright(img)
+            return np.asarray(values if mode is None else values.convert(mode))
+    except _UNREADABLE as err:
+        raise DatasetError(f"cannot read {kind} file {path}: {err}") from err
+
+
+def read_header(path: str | Path, kind: str = "image") -> Header:
+    """The ``Header`` of the file at ``path``, no pixel decoded, or a ``DatasetError`` naming the ``kind`` of file
+    and its path."""
+    try:
+        with _open(path) as img:
+            turn = orientation(img)
+            width, height = img.size
+            return Header((height, width) if turn in QUARTER_TURNED else (width, height), img.mode, turn)
     except _UNREADABLE as err:
         raise DatasetError(f"cannot read {kind} file {path}: {err}") from err
 
 
 def image_size(path: str | Path, kind: str = "image") -> tuple[int, int]:
-    """(width, height) from the file's header, no pixel decoded (a file over ``MAX_IMAGE_PIXELS`` is refused)."""
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("error", Image.DecompressionBombWarning)
-            img = Image.open(path)
-        with img:
-            return img.size
-    except _UNREADABLE as err:
-        raise DatasetError(f"cannot read {kind} file {path}: {err}") from err
+    """(width, height) as displayed (``read_header``), no pixel decoded."""
+    return read_header(path, kind).size
 
 
 def imagenet_normalize() -> A.Normalize:

@@ -23,7 +23,7 @@ from ..data.cityscapes import IMAGE_SUFFIX, TRAIN_ID_COLORS, TRAIN_TO_LABEL_ID
 from ..data.classes import ClassTable
 from ..data.errors import DatasetError
 from ..data.folder import IMAGE_TYPES, MASKS
-from ..data.images import imagenet_normalize, read_image
+from ..data.images import imagenet_normalize, read_image, to_rgb
 from ..errors import ConfigError
 from ..run import atomic_path, write_text_atomic
 from .stage2 import Stage2Checkpoint, configure, load_stage2
@@ -197,11 +197,12 @@ class Segmenter:
     @staticmethod
     def rgb(image: np.ndarray | Image.Image | str | Path) -> np.ndarray:
         """``image`` as H x W x 3 uint8 RGB, converted as the datasets convert their files: a path is read, a PIL
-        image of any mode and a uint8 array H x W (grey), H x W x 1, x 3 (RGB) or x 4 (RGBA) are converted."""
+        image of any mode is turned by its EXIF orientation and converted (``mabn.data.images.to_rgb``), and a uint8
+        array H x W (grey), H x W x 1, x 3 (RGB) or x 4 (RGBA) is converted."""
         if isinstance(image, str | Path):
             return read_image(image)
         if isinstance(image, Image.Image):
-            return np.asarray(image.convert("RGB"))
+            return to_rgb(image)
         array = np.asarray(image)
         if array.dtype != np.uint8:
             raise ValueError(f"expected uint8 pixels (0..255), got dtype {array.dtype}")
