@@ -198,9 +198,11 @@ def test_a_mask_changed_within_a_tick_of_its_scan_is_not_recorded_clean(data, mo
     masks = sorted((data / "masks/train").glob("*.png"))
     time.sleep(0.05)  # past the coarse clock's tick that file times take: the others changed before this one
     os.utime(masks[0], ns=(1, 1))  # its times set far back, its change time now
-    cache = folder.MaskCache(data, folder.ClassTable.read(data / "classes.yaml"))
-    cache.add(masks, masks[0].stat().st_ctime_ns + folder.RECENT_NS, save=False)  # scanned within its tick
-    assert [mask for mask in masks if cache.is_clean(mask)] == masks[1:]
+    classes = folder.ClassTable.read(data / "classes.yaml")
+    cache = folder.MaskCache(data, classes)
+    pixels = {mask: folder.unknown_in(mask, classes).pixels for mask in masks}
+    cache.add(pixels, masks[0].stat().st_ctime_ns + folder.RECENT_NS, save=False)  # scanned within its tick
+    assert [mask for mask in masks if cache.pixels(mask) is not None] == masks[1:]
 
 
 def test_many_masks_are_decoded_in_worker_processes_with_progress(data, capsys, monkeypatch):

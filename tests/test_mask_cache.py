@@ -203,8 +203,9 @@ def test_a_mask_of_no_class_read_in_the_fit_names_the_file_and_value_whatever_th
     read is the error, not a check that ``python -O`` drops."""
     mask = data / MASK
     _fit_scan(data)
+    pixels = _cache(data).pixels(mask)
     _save_mask(mask, 99)
-    _cache(data).add([mask], started_ns=mask.stat().st_ctime_ns + 1, save=True)
+    _cache(data).add({mask: pixels}, started_ns=mask.stat().st_ctime_ns + 1, save=True)
     dataset = folder.FolderDataset(data, "train", folder.ClassTable.read(data / "classes.yaml"))
     folder.MaskCache._memory.clear()
     with pytest.raises(folder.DatasetError) as info:

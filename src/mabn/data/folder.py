@@ -23,6 +23,10 @@ step (stopping at the first problem). A fit records the masks its scan found cle
 directory (``MaskCache``: never in the data folder), so that later dry runs and fits decode only new or changed
 masks; a dry run reads it and, writing nothing, decodes each other mask once. A mask read during the fit that
 holds a value of no class ends it with the same line, whatever the cache said.
+
+The pass over the mask values also counts each mask's pixels per class, kept in the cache with its verdict: the
+dry run prints each class's share of the training pixels, with a warning line for a class of none and for
+ignored pixels of more than half (``ClassPixels``).
 """
 
 from __future__ import annotations
@@ -33,22 +37,24 @@ import multiprocessing
 import os
 import sys
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from concurrent.futures import ProcessPoolExecutor
 from contextlib import suppress
 from dataclasses import dataclass
 from functools import cached_property
 from itertools import repeat
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import albumentations as A
 import numpy as np
+import yaml
 
 from ..distributed import first_process, say
 from ..errors import WriteError
 from ..run import TMP_SUFFIX, first_line, write_text_atomic
 from .cityscapes import (
+    IGNORE_INDEX,
     CityscapesDataModule,
     CityscapesDataset,
     CityscapesSample,
@@ -58,13 +64,14 @@ from .errors import DatasetError, DatasetErrors, pair_problems
 from .images import TURNED, how_read, image_size, imagenet_normalize, read_header, read_image, read_values
 from .loading import DataPlan
 
-__all__ = ["FolderDataModule", "FolderDataset", "check_dataset", "find_pairs", "small_images"]
+__all__ = ["ClassPixels", "FolderDataModule", "FolderDataset", "check_dataset", "find_pairs", "small_images"]
 
 IMAGES, MASKS = "images", "masks"
 IMAGE_TYPES = (".png", ".jpg", ".jpeg", ".bmp", ".tif", ".tiff", ".webp")
 MASK_TYPE = ".png"
 LAYOUT = f"DIR/{IMAGES}/<split>/<name>.<png|jpg|...> with masks DIR/{MASKS}/<split>/<name>.png and DIR/{CLASSES_FILE}"
 CACHE_DIR_ENV = "MABN_CACHE_DIR"  # the variable naming the folder of the mask check's cache (``cache_dir``)
+CACHE_FORM = 2  # the form of the cache's entries (``MaskCache``): the file's stamp, then its pixels per class
 SCAN_PARALLEL = 64  # masks: fewer are decoded in this process, where a pool's start would cost more than it saves
 SCAN_WORKERS = 4  # decoding processes: a few, since the other cores may be a fit's or another user's
 SCAN_REPORTS = 10  # progress lines on stderr in a parallel scan
@@ -185,9 +192,129 @@ def read_mask(path: Path, classes: ClassTable) -> np.ndarray:
     return mask
 
 
-def unknown_in(path: Path, classes: ClassTable) -> np.ndarray:
-    """The values (colours) of the mask at ``path`` that are neither a class's nor ignored (``classes_of``)."""
-    return classes.classes_of(read_mask(path, classes))[1]
+class MaskCheck(NamedTuple):
+    """What the check of one mask finds: its values (colours) that are neither a class's nor ignored
+    (``ClassTable.classes_of``), and its pixels of each class index, those of ``IGNORE_INDEX`` last (the ignored
+    value's or colour's, and any of no class)."""
+
+    unknown: np.ndarray
+    pixels: list[int]
+
+
+def class_pixels(class_map: np.ndarray, count: int) -> list[int]:
+    """The pixels of each class index 0..``count - 1`` of the uint8 ``class_map``, then those of ``IGNORE_INDEX``."""
+    flat = class_map.ravel()
+    # np.bincount widens each element to 64 bits: counting pairs of pixels, as uint16, halves that pass, which is
+    # what counting adds to the decode of a mask. A pair (a, b) is bin a + 256 b on a little-endian machine,
+    # 256 a + b on a big-endian one: either way, summing the 256 x 256 bins over each axis counts both pixels.
+    pairs = np.bincount(flat[: flat.size // 2 * 2].view(np.uint16), minlength=1 << 16).reshape(256, 256)
+    counts = pairs.sum(axis=0) + pairs.sum(axis=1)
+    if flat.size % 2:
+        counts[flat[-1]] += 1
+    return [*counts[:count].tolist(), int(counts[IGNORE_INDEX])]
+
+
+def unknown_in(path: Path, classes: ClassTable) -> MaskCheck:
+    """The values (colours) of the mask at ``path`` that are neither a class's nor ignored, and its pixels per
+    class, counted on the class map the check makes anyway (the dry run's coverage lines, ``ClassPixels``)."""
+    class_map, unknown = classes.classes_of(read_mask(path, classes))
+    return MaskCheck(unknown, class_pixels(class_map, len(classes.names)))
+
+
+def _share(part: int, total: int) -> str:
+    """``part`` of ``total`` in whole percent; a share that would round to 0% or 100% without being it is said
+    ``<1%`` or ``>99%``, so that a class with few pixels never reads as one with none."""
+    if 0 < part and part * 200 < total:
+        return "<1%"
+    if part < total and part * 200 >= total * 199:
+        return ">99%"
+    return f"{100 * part / total:.0f}%"
+
+
+@dataclass(frozen=True)
+class ClassPixels:
+    """The pixels of the ``masks`` masks of a split, counted by the mask check (``unknown_values``): ``pixels[i]``
+    of class ``i`` of ``classes``, and ``ignored`` (the ignored value's or colour's). What the dry run's coverage
+    lines say (``lines``), and what class weights can be computed from."""
+
+    classes: ClassTable
+    pixels: tuple[int, ...]
+    ignored: int
+    masks: int
+
+    @classmethod
+    def total_of(cls, classes: ClassTable, counts: list[list[int]]) -> ClassPixels:
+        """The sum of ``counts``, one per mask (``MaskCheck.pixels``)."""
+        summed = np.asarray(counts, dtype=np.int64).reshape(-1, len(classes.names) + 1).sum(axis=0).tolist()
+        return cls(classes, tuple(summed[:-1]), summed[-1], len(counts))
+
+    @property
+    def total(self) -> int:
+        return sum(self.pixels) + self.ignored
+
+    def _marks(self, index: int) -> str:
+        """What marks class ``index`` in the masks: its mask values, or its colour."""
+        if self.classes.mask_format == COLOR:
+            return f"colour {list(self.classes.colors[index])}"
+        values = [value for value, target in self.classes.mask_values if target == index]
+        return f"mask value{'s' if len(values) > 1 else ''} {', '.join(map(str, values))}"
+
+    def lines(self) -> list[str]:
+        """The dry run's lines on the training split (of at least one mask): the share of each class and of the
+        ignored pixels; a warning naming the classes of no pixel, which the run cannot learn; and one where the
+        ignored pixels are more than half, which train nothing: the mark of a class taken for the ignored one,
+        as in binary masks of 0/255 read with the default ``ignore_index: 255``."""
+        names, total, source = self.classes.names, self.total, self.classes.source
+        plural = "s" if self.masks > 1 else ""
+        shares = [f"{name} {_share(count, total)}" for name, count in zip(names, self.pixels)]
+        shares.append(f"ignored {_share(self.ignored, total)}")
+        lines = [f"training pixels per class ({self.masks} mask{plural}): {', '.join(shares)}"]
+        absent = [index for index, count in enumerate(self.pixels) if not count]
+        if absent:
+            shown = ", ".join(f"{names[index]!r} ({self._marks(index)})" for index in absent[:5])
+            shown += ", ..." if len(absent) > 5 else ""
+            one = len(absent) == 1
+            which, them = (f"class {shown} has", "it") if one else (f"{len(absent)} classes {shown} have", "them")
+            lines.append(
+                f"warning: {which} no pixel in the {self.masks} training mask{plural}: the run never learns {them}; "
+                f"add training images that show {them}, or correct {'its' if one else 'their'} "
+                f"{self.classes.mask_unit} in {source}"
+            )
+        if self.ignored * 2 > total:
+            lines.append(f"warning: {self._ignored_line(absent)}")
+        return lines
+
+    def _ignored_line(self, absent: list[int]) -> str:
+        """The warning on ignored pixels that cover more than half of the training pixels, with the likely cause
+        and its fix in ``classes.yaml``'s terms; ``absent``: the classes of no pixel, the likely owners of the
+        ignored mark."""
+        classes, source = self.classes, self.classes.source
+        share = f"covers {_share(self.ignored, self.total)} of the training pixels"
+        target = repr(classes.names[absent[0]]) if absent else "its class"
+        if classes.mask_format == COLOR:
+            # Colour masks have ignored pixels of ignore_color only: any other colour of no class fails the check.
+            color = list(classes.ignore_color)  # type: ignore[arg-type]
+            return (
+                f"ignore_color {color} {share}: is {color} the colour of a class? give it to {target} in "
+                f"{source}'s colors, and set ignore_color to another colour (or null)"
+            )
+        value = classes.ignore_index
+        fix = f"map {value} to {target} in {source}'s mask_values and set ignore_index: null (or another value)"
+        if not absent:
+            return f"{value} is ignore_index and {share}: does {value} mark a class? {fix}"
+        # Where the classes with pixels have few values, the masks likely hold just those and the ignored one
+        # (0 and 255 in a binary mask): the question names them, and the fix is the whole mask_values to write.
+        kept = [(v, i) for v, i in classes.mask_values if i != absent[0]]
+        seen = [v for v, i in kept if self.pixels[i]]
+        if len(seen) > 3:
+            return f"{value} is ignore_index and {share}: is {value} the value of {target}? {fix}"
+        mapping = {v: classes.names[i] for v, i in sorted([*kept, (value, absent[0])])}
+        written = yaml.safe_dump(mapping, default_flow_style=True, sort_keys=False, width=1 << 20).strip()
+        masks = "/".join(map(str, [*seen, value]))
+        return (
+            f"{value} is ignore_index and {share}: masks of {masks}? map {value} to {target} in {source}: "
+            f"mask_values: {written} and ignore_index: null"
+        )
 
 
 def cache_dir() -> Path:
@@ -207,19 +334,19 @@ def _warn(message: str) -> None:
 
 @dataclass
 class _Known:
-    """What one process knows of a cache file: the masks found clean, and whether a write is still worth trying
-    (not after one failed, or where something other than a file has the cache's name)."""
+    """What one process knows of a cache file: the masks found clean (``MaskCache``'s entries), and whether a write
+    is still worth trying (not after one failed, or where something other than a file has the cache's name)."""
 
-    clean: dict[str, list[int]]
+    clean: dict[str, list[Any]]
     writable: bool = True
 
 
 class MaskCache:
     """The masks of the dataset under ``root`` found to hold only values (colours) of ``classes``, by path below
-    ``root`` with the file's size, modification time, inode and change time (ns) when it was decoded: a later
-    check (a fit's or a dry run's) decodes only masks that are new, changed or not clean. A file's change time
-    moves with any write and with any setting of its times (``touch -r`` included), so a replaced mask never
-    keeps its verdict.
+    ``root``: each entry the file's size, modification time, inode and change time (ns) when it was decoded, then
+    its pixels per class (``MaskCheck.pixels``). A later check (a fit's or a dry run's) decodes only masks that are
+    new, changed or not clean, and takes the others' pixels from here. A file's change time moves with any write
+    and with any setting of its times (``touch -r`` included), so a replaced mask never keeps its verdict.
 
     Kept in ``cache_dir()``, one file per dataset (its resolved path: every spelling of ``--data`` is one entry)
     and class table, written by the launch's first process only; and in this process too, so that one process
@@ -234,7 +361,9 @@ class MaskCache:
         # What decides a mask's verdict: the values and colours, not the class names or where the table was read.
         verdict = {k: v for k, v in classes.as_dict().items() if k not in ("names", "source")}
         self.table = json.dumps(verdict, sort_keys=True)
-        digest = hashlib.sha256(f"{self.resolved}\0{self.table}".encode()).hexdigest()[:24]
+        self.width = len(classes.names) + 1  # an entry's pixel counts: one per class, then the ignored pixels
+        # The form of the entries is part of the name: a file of another form is another file, never read as this.
+        digest = hashlib.sha256(f"{CACHE_FORM}\0{self.resolved}\0{self.table}".encode()).hexdigest()[:24]
         self.path = cache_dir() / f"mask-check-{digest}.json"
         if self.path not in self._memory:
             self._memory[self.path] = self._read()
@@ -261,10 +390,7 @@ class MaskCache:
             not isinstance(clean, dict)
             or saved.get("root") != self.resolved
             or saved.get("classes") != self.table
-            or not all(
-                isinstance(stamp, list) and len(stamp) == 4 and all(type(n) is int for n in stamp)
-                for stamp in clean.values()
-            )
+            or not all(self._is_entry(entry) for entry in clean.values())
         ):
             _warn(f"ignoring {self.path}: not the mask check's cache of {self.resolved}; decoding every mask")
             return _Known({})
@@ -282,17 +408,33 @@ class MaskCache:
         stat = path.stat()
         return path.relative_to(self.root).as_posix(), [stat.st_size, stat.st_mtime_ns, stat.st_ino, stat.st_ctime_ns]
 
-    def is_clean(self, path: Path) -> bool:
-        key, stamp = self._key_stamp(path)
-        return self.clean.get(key) == stamp
+    def _is_entry(self, entry: Any) -> bool:
+        """Whether ``entry`` reads as one this cache writes: 4 integers of the file, then its pixel counts."""
+        return (
+            isinstance(entry, list)
+            and len(entry) == 5
+            and all(type(n) is int for n in entry[:4])
+            and isinstance(entry[4], list)
+            and len(entry[4]) == self.width
+            and all(type(n) is int and n >= 0 for n in entry[4])
+        )
 
-    def add(self, paths: Iterable[Path], started_ns: int, save: bool) -> None:
-        """Record the masks at ``paths``, decoded from ``started_ns`` (``time.time_ns``) on, as clean, but for
-        those changed less than ``RECENT_NS`` before; with ``save``, in the launch's first process, write the
-        cache too."""
+    def pixels(self, path: Path) -> list[int] | None:
+        """The pixels per class (``MaskCheck.pixels``) of the mask at ``path`` where the cache vouches for it
+        (found clean, and the same file since), else None."""
+        key, stamp = self._key_stamp(path)
+        entry = self.clean.get(key)
+        return entry[4] if entry is not None and entry[:4] == stamp else None
+
+    def add(self, checked: Mapping[Path, list[int]], started_ns: int, save: bool) -> None:
+        """Record the masks of ``checked``, decoded from ``started_ns`` (``time.time_ns``) on, as clean with their
+        pixels per class, but for those changed less than ``RECENT_NS`` before; with ``save``, in the launch's
+        first process, write the cache too."""
         before = dict(self.clean)
-        stamps = (self._key_stamp(path) for path in paths)
-        self.clean.update((key, stamp) for key, stamp in stamps if stamp[3] < started_ns - RECENT_NS)
+        for path, pixels in checked.items():
+            key, stamp = self._key_stamp(path)
+            if stamp[3] < started_ns - RECENT_NS:
+                self.clean[key] = [*stamp, pixels]
         self.known.clean = self.clean
         if save and self.known.writable and first_process() and self.clean != before:
             self._write()
@@ -307,7 +449,7 @@ class MaskCache:
             self.known.writable = False  # one line per process, not one per split
 
 
-def _decode(paths: list[Path], classes: ClassTable) -> list[np.ndarray]:
+def _decode(paths: list[Path], classes: ClassTable) -> list[MaskCheck]:
     """``unknown_in`` of each mask: in worker processes, with progress lines on stderr, for many masks (not in a
     daemonic process, such as a DataLoader worker, which may not start processes)."""
     if len(paths) < SCAN_PARALLEL or multiprocessing.current_process().daemon:
@@ -323,16 +465,19 @@ def _decode(paths: list[Path], classes: ClassTable) -> list[np.ndarray]:
 
 def _unknown_masks(
     root: Path, samples: list[CityscapesSample], classes: ClassTable, save: bool
-) -> list[tuple[Path, np.ndarray]]:
-    """The masks of ``samples`` (of the dataset under ``root``) that hold values (colours) of no class, in sorted
-    order, with those values. Masks ``MaskCache`` knows clean are not decoded again; ``save``: write the masks
-    found clean into its file."""
+) -> tuple[list[tuple[Path, np.ndarray]], ClassPixels]:
+    """(the masks of ``samples`` (of the dataset under ``root``) that hold values (colours) of no class, in sorted
+    order, with those values; the pixels per class of all of them). Masks ``MaskCache`` knows clean are not
+    decoded again, their pixels are the cache's; ``save``: write the masks found clean into its file."""
     cache = MaskCache(root, classes)
-    todo = [sample.label for sample in samples if not cache.is_clean(sample.label)]
+    vouched = {sample.label: cache.pixels(sample.label) for sample in samples}
+    todo = [path for path, pixels in vouched.items() if pixels is None]
     started_ns = time.time_ns()
     found = dict(zip(todo, _decode(todo, classes)))
-    cache.add((path for path, values in found.items() if not values.size), started_ns, save)
-    return [(path, values) for path, values in found.items() if values.size]
+    cache.add({path: check.pixels for path, check in found.items() if not check.unknown.size}, started_ns, save)
+    counts = [found[path].pixels if pixels is None else pixels for path, pixels in vouched.items()]
+    bad = [(path, check.unknown) for path, check in found.items() if check.unknown.size]
+    return bad, ClassPixels.total_of(classes, counts)
 
 
 def _unknown_line(root: Path, split: str, classes: ClassTable, bad: list[tuple[Path, np.ndarray]], total: int) -> str:
@@ -347,20 +492,30 @@ def _unknown_line(root: Path, split: str, classes: ClassTable, bad: list[tuple[P
 
 def unknown_values(
     root: Path, split: str, samples: list[CityscapesSample], classes: ClassTable, save: bool = True
-) -> str | None:
-    """The line for the masks of ``samples`` (the ``split`` of the dataset under ``root``) that hold values (colours)
-    of no class: the first such mask (in sorted order), its values, and how many of the split's masks hold some;
-    None when none does. ``save``: write the masks found clean into ``MaskCache``'s file."""
-    bad = _unknown_masks(root, samples, classes, save)
-    return _unknown_line(root, split, classes, bad, len(samples)) if bad else None
+) -> tuple[str | None, ClassPixels]:
+    """(the line for the masks of ``samples`` (the ``split`` of the dataset under ``root``) that hold values
+    (colours) of no class: the first such mask (in sorted order), its values, and how many of the split's masks
+    hold some; None when none does. The pixels per class of the masks, counted in the same pass.) ``save``: write
+    the masks found clean into ``MaskCache``'s file."""
+    bad, pixels = _unknown_masks(root, samples, classes, save)
+    return (_unknown_line(root, split, classes, bad, len(samples)) if bad else None), pixels
 
 
-def check_dataset(args: Mapping[str, Any]) -> list[tuple[int, int]]:
+class DatasetCheck(NamedTuple):
+    """What ``check_dataset`` finds in a dataset that passes: the (width, height) of each training image, and the
+    pixels per class of the training masks."""
+
+    sizes: list[tuple[int, int]]
+    pixels: ClassPixels
+
+
+def check_dataset(args: Mapping[str, Any]) -> DatasetCheck:
     """Check the dataset of the data module arguments ``args`` (``data_dir``, the splits, ``global_batch_size``)
-    as a dry run does, and return the (width, height) of the training images: ``classes.yaml``, then for both
-    splits the layout and the pairs (``index_split``), the sizes from the headers (``_sizes``) and every mask's
-    values (``unknown_values``: read from the cache a fit wrote, not written; the masks whose headers read), and
-    that the training pairs fill one global batch. ``DatasetErrors`` with one line per problem found, all of them."""
+    as a dry run does, and return the training images' sizes and the training masks' pixels per class:
+    ``classes.yaml``, then for both splits the layout and the pairs (``index_split``), the sizes from the headers
+    (``_sizes``) and every mask's values, counting its pixels per class in the same pass (``unknown_values``: read
+    from the cache a fit wrote, not written; the masks whose headers read), and that the training pairs fill one
+    global batch. ``DatasetErrors`` with one line per problem found, all of them."""
     root = Path(args["data_dir"])
     classes = ClassTable.read(root / CLASSES_FILE)
     problems: list[str] = []
@@ -369,10 +524,10 @@ def check_dataset(args: Mapping[str, Any]) -> list[tuple[int, int]]:
     for split in dict.fromkeys((train_split, args.get("val_split") or "val")):  # one split may serve both
         samples, found = index_split(root, split)
         sizes, bad_sizes = _sizes(samples, root / IMAGES / split)
-        values = unknown_values(root, split, list(sizes), classes, save=False)  # a dry run writes nothing
+        values, pixels = unknown_values(root, split, list(sizes), classes, save=False)  # a dry run writes nothing
         problems += [*found, *bad_sizes, *([values] if values else [])]
         if split == train_split:
-            train_sizes = list(sizes.values())
+            train_sizes, train_pixels = list(sizes.values()), pixels
             batch = args.get("global_batch_size")
             if samples and batch and len(samples) < batch:
                 problems.append(
@@ -381,7 +536,7 @@ def check_dataset(args: Mapping[str, Any]) -> list[tuple[int, int]]:
                 )
     if problems:
         raise DatasetErrors(problems)
-    return train_sizes
+    return DatasetCheck(train_sizes, train_pixels)
 
 
 def small_images(sizes: list[tuple[int, int]], crop_size: int) -> tuple[int, str]:
@@ -465,7 +620,8 @@ class FolderDataset(CityscapesDataset):
         first, with how many of the split's masks hold such values (a scan of the others, on this error only:
         ``FolderDataModule`` scans before a fit, so this is met by files changed since, or by a mask its cache
         vouched for)."""
-        others = [bad for bad in _unknown_masks(self.root, self.samples, self.classes, save=False) if bad[0] != path]
+        scanned = _unknown_masks(self.root, self.samples, self.classes, save=False)[0]
+        others = [bad for bad in scanned if bad[0] != path]
         bad = [(path, values), *others]
         return DatasetError(_unknown_line(self.root, self.split, self.classes, bad, len(self.samples)))
 
@@ -509,7 +665,7 @@ class FolderDataModule(CityscapesDataModule):
         dataset = FolderDataset(self.data_dir, split, self.classes)
         # Every mask's values before the first step, not at the mask's first read hours in; the masks found clean
         # go into the cache, so the next fit (a resume, a rerun) and dry run decode only new or changed ones.
-        problem = unknown_values(dataset.root, split, dataset.samples, self.classes)
+        problem = unknown_values(dataset.root, split, dataset.samples, self.classes)[0]
         if problem:
             raise DatasetError(problem)
         if train:
@@ -524,7 +680,9 @@ class FolderDataModule(CityscapesDataModule):
         """``--dry-run``'s plan once the whole dataset passed ``check_dataset``, before the plan's own count of
         batches, so that too few training images for the global batch is said with the dataset's other problems
         and its fix: the size of the training split, how many of its images are smaller than the crop
-        (``small_images``), and how images of other modes than 8-bit RGB or of an EXIF orientation are read
-        (``reading_lines``)."""
-        sizes = check_dataset(args)
-        return DataPlan(len(sizes), [small_images(sizes, args["crop_size"])[1], *reading_lines(args)])
+        (``small_images``), the share of each class in the training pixels with warnings on classes of none and
+        on ignored pixels of more than half (``ClassPixels.lines``), and how images of other modes than 8-bit RGB
+        or of an EXIF orientation are read (``reading_lines``)."""
+        sizes, pixels = check_dataset(args)
+        lines = [small_images(sizes, args["crop_size"])[1], *pixels.lines(), *reading_lines(args)]
+        return DataPlan(len(sizes), lines)
