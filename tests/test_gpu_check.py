@@ -8,6 +8,7 @@ links run on CPU processes in tests/test_chain.py (slow suite)."""
 
 from __future__ import annotations
 
+import os
 import re
 import shlex
 import subprocess
@@ -22,7 +23,7 @@ import torch
 import yaml
 
 from mabn.models import PSPNet
-from mabn.tools.bench import chain, check, profile, step
+from mabn.tools.bench import chain, check, devicetests, profile, step
 from mabn.tools.bench.command import main
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -344,3 +345,36 @@ def test_the_compiled_section_tests_the_compiled_step_before_timing_it(monkeypat
     assert measured.failures == (devicetests.COMPILED.title,) and measured.ratios == timed.ratios
     assert measured.markdown.startswith("### Compiled step against the eager one on the device")
     assert measured.markdown.endswith(timed.markdown) and said == [f"`pytest {case}`: failed (exit 1) in 1 s"]
+
+
+# A lent GPU machine has torch, Triton and pytest, not the libraries the tasks build on.
+BARE = """
+import sys
+
+class Absent:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in {"segmentation_models_pytorch", "albumentations", "jsonargparse", "wandb"}:
+            raise ModuleNotFoundError(f"No module named {name!r}")
+
+sys.meta_path.insert(0, Absent())
+"""
+
+
+def _bare(code: str) -> subprocess.CompletedProcess:
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    return subprocess.run([sys.executable, "-c", BARE + code], capture_output=True, text=True, timeout=300,
+                          cwd=Path(__file__).resolve().parents[1], env={**os.environ, "PYTHONPATH": src})  # fmt: skip
+
+
+def test_the_kernel_section_runs_where_smp_albumentations_and_jsonargparse_are_absent():
+    """The check's plan, and the kernel tests its first section runs, import with torch, Triton and pytest alone:
+    on a bare GPU machine the check proves the kernels before anything needs the wheels."""
+    plan = _bare("from mabn.__main__ import main; sys.exit(main(['bench', 'check', '--dry-run']))")
+    assert plan.returncode == 0, plan.stderr[-3000:]
+    assert plan.stdout.splitlines()[2].startswith("section 1 of 5: kernels, limit 60 s: the kernel tests"), plan.stdout
+    tests = ", ".join(repr(t) for t in devicetests.KERNELS.tests)
+    collected = _bare(
+        f"import pytest; sys.exit(pytest.main(['--collect-only', '-q', '-p', 'no:cacheprovider', {tests}]))"
+    )
+    assert collected.returncode == 0, collected.stdout[-3000:] + collected.stderr[-3000:]
+    assert re.search(r"\d+ tests? collected", collected.stdout), collected.stdout[-2000:]

@@ -20,7 +20,6 @@ import shlex
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -30,10 +29,9 @@ from ..data.once import generate_once
 from ..distributed import launch_rank, say
 from ..errors import ConfigError, UserErrors
 from ..norm import NORM_PRESETS
+from ..recipes import CONFIGS
 from ..tasks.classification import backbone_path
 
-# The recipes, package data (configs/ of the repository, linked into the package): an installed copy carries them
-CONFIGS = Path(str(resources.files("mabn") / "configs")).resolve()
 DEMO_DATA = Path("data")
 RUNS = Path("runs")
 BACKBONES = Path("pretrain")

@@ -46,9 +46,9 @@ from pathlib import Path
 import torch
 import yaml
 
-from ...cli.launch import CONFIGS
+from ...recipes import CONFIGS
 from ...run import device_batch, loader_batches, total_iterations
-from . import chain, devicetests, profile, step
+from . import chain, devicetests, profile, workloads
 
 # The goals each measured ratio MABN / BN is held to (the report says met or not met).
 TIME_TARGETS = {"graphs": 1.05, "eager": 1.15, "compiled": 1.05}
@@ -143,7 +143,7 @@ class StepWork:
     @property
     def name(self) -> str:
         size = f"crop {self.crop}" if self.model == "pspnet101" else f"{self.crop} px"
-        return f"stage {self.stage}, {step.MODELS[self.model].split(' (')[0]} batch {self.batch} {size}"
+        return f"stage {self.stage}, {workloads.MODELS[self.model].split(' (')[0]} batch {self.batch} {size}"
 
     def label(self, path: StepPath, quantity: str) -> str:
         """A measured ratio's name: the key of ``Measured.ratios`` and the label of its ``Target``."""
@@ -164,8 +164,8 @@ class StepWork:
             for p in self.paths
         )
         return (
-            f"{step.MODELS[self.model]} training step, batch {self.batch}, {self.crop}x{self.crop}: MABN in ghost "
-            f"batches of {step.NORM_BATCH_SIZE} against BN over the batch of {self.batch}; {paths}; "
+            f"{workloads.MODELS[self.model]} training step, batch {self.batch}, {self.crop}x{self.crop}: MABN in ghost "
+            f"batches of {workloads.NORM_BATCH_SIZE} against BN over the batch of {self.batch}; {paths}; "
             f"{options.repeats} interleaved repeats, "
             f"medians, peak memory; hours of the recipe's {recipe_iterations(self.stage):,} iterations on "
             f"{RECIPE_GPUS} GPUs"
@@ -182,6 +182,8 @@ def measure_steps(work: StepWork, job: Job) -> Measured:
         mode = options.compile_mode if compiled else None
         norms = ("bn compiled", "mabn compiled") if compiled else ("bn", "mabn")
         shape = {"model": work.model, "compile_mode": mode, "precision": path.precision}
+        from . import step  # here: it builds the models, which the kernel section needs not
+
         rows = step.run(device, options.repeats, work.crop, work.batch, cuda_graph=path.how == "graphs",
                         rows=norms, say=job.say, **shape)  # fmt: skip
         parts.append(step.table(rows, options.repeats, work.crop, work.batch, path.how == "graphs", **shape))
@@ -260,7 +262,7 @@ def run_profile(job: Job) -> Measured:
     device = torch.device(job.options.device)
     model, batch, crop = PROFILED
     results = profile.run(device, model, batch, crop, say=job.say)
-    title = f"{step.MODELS[model].split(' (')[0]} (stage 1) batch {batch}, {crop}x{crop}, eager, float32"
+    title = f"{workloads.MODELS[model].split(' (')[0]} (stage 1) batch {batch}, {crop}x{crop}, eager, float32"
     markdown = profile.table(results, title, device)
     job.show(markdown)
     return Measured(markdown)
@@ -269,8 +271,8 @@ def run_profile(job: Job) -> Measured:
 def _describe_profile(options: Options) -> str:
     model, batch, crop = PROFILED
     return (
-        f"{step.MODELS[model]} training step, batch {batch}, {crop}x{crop}, eager: each kernel's GPU time per step "
-        f"under torch.profiler, {' and '.join(profile.NORMS)} side by side"
+        f"{workloads.MODELS[model]} training step, batch {batch}, {crop}x{crop}, eager: each kernel's GPU time per "
+        f"step under torch.profiler, {' and '.join(profile.NORMS)} side by side"
     )
 
 
@@ -293,7 +295,9 @@ def _steps(key: str, limit_s: int, work: StepWork) -> Section:
     return Section(key, limit_s, partial(measure_steps, work), work.describe, work.targets())
 
 
-STAGE2 = StepWork(2, "pspnet101", 2, 713, tuple(StepPath(h, p) for p in (None, step.BF16) for h in ("graphs", "eager")))
+STAGE2 = StepWork(
+    2, "pspnet101", 2, 713, tuple(StepPath(h, p) for p in (None, workloads.BF16) for h in ("graphs", "eager"))
+)
 STAGE1 = StepWork(1, "resnet101", 32, 224, (StepPath("graphs"), StepPath("eager")))
 COMPILED = StepWork(2, "pspnet101", 2, 713, (StepPath("compiled"),))
 # The order is the value: the kernel tests say whether what follows runs MABN's maths; the chain finds what breaks

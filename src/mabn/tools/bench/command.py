@@ -29,7 +29,7 @@ import torch
 
 from ...cli.help import PROG, HelpFormatter, positive
 from ...run import write_text_atomic
-from . import chain, check, infer, norm, ops, report, step
+from . import chain, check, norm, ops, report, workloads
 
 REPORTS = Path("runs/bench")  # where reports go unless --out names another place
 DEFAULT_REPEATS = {"norm": 15, "step": 5, "infer": 7, "check": 5, "ops": 1000}
@@ -71,10 +71,12 @@ def plan(
     def step_line(crop: int, graphed: bool, compile_mode: str | None, precision: str | None = None) -> str:
         how = ", CUDA graphs" if graphed else f", eager and compiled ({compile_mode})" if compile_mode else ", eager"
         how += f", {precision}" if precision else ""
+        from . import step  # the step and infer benchmarks build the models: imported where they run
+
         what = f"crop {crop}x{crop}" if args.model == "pspnet101" else f"{crop}x{crop} px"
         rows = ", ".join(step.row_names(compile_mode, args.model))
         return (
-            f"training step: {step.MODELS[args.model]}, batch {args.batch}, {what}, BRN and MABN over {groups}"
+            f"training step: {workloads.MODELS[args.model]}, batch {args.batch}, {what}, BRN and MABN over {groups}"
             f"{how}; rows {rows}; {repeats('check' if args.what == 'check' else 'step')} repeats"
         )
 
@@ -91,6 +93,8 @@ def plan(
     if args.what == "ops":
         lines.append(f"host work per norm layer: input {'x'.join(map(str, ops.SHAPE))}; {repeats('ops')} repeats")
     if args.what in ("infer", "all"):
+        from . import infer
+
         models = ", ".join(infer.label(n) for n in infer.MODELS)
         lines.append(f"inference: 1x3x{size[0]}x{size[1]}, {models}; {repeats('infer')} repeats")
     if out is None:
@@ -123,15 +127,15 @@ def main(argv: list[str]) -> int:
     )
     parser.add_argument("--scale", type=float, default=1.0, help="norm: multiply every batch size (quick runs: 0.25)")
     parser.add_argument("--crop", type=positive, default=512, help="step: square training crop (image size)")
-    parser.add_argument("--model", choices=list(step.MODELS), default="pspnet101", help="step: the network")
+    parser.add_argument("--model", choices=list(workloads.MODELS), default="pspnet101", help="step: the network")
     parser.add_argument("--batch", type=positive, default=2, help="step: images per step (a multiple of --norm-batch)")
     parser.add_argument(
         "--norm-batch",
         type=_norm_batch,
-        default=step.NORM_BATCH_SIZE,
+        default=workloads.NORM_BATCH_SIZE,
         metavar="N|whole",
         help=f"step: BRN and MABN normalize ghost batches of N images, or the whole batch (default "
-        f"{step.NORM_BATCH_SIZE})",
+        f"{workloads.NORM_BATCH_SIZE})",
     )
     parser.add_argument(
         "--compile",
@@ -202,6 +206,9 @@ def main(argv: list[str]) -> int:
         return 0
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.what in ("step", "infer", "all"):
+        # They build the models (smp): imported here, so that the GPU check runs on a machine without them.
+        from . import infer, step
     env = report.header(device)
     print(env, flush=True)
     sections: list[str] = []

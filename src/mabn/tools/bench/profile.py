@@ -17,7 +17,6 @@ from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 from .measure import sync
-from .step import training_step
 
 NORMS = ("bn", "mabn")
 SHOWN = 20  # kernels in the table; the rest are summed in its last row but one
@@ -66,9 +65,11 @@ def run(
     device: torch.device, model: str, batch: int, crop: int, steps: int = 3, say: Callable[[str], None] = print
 ) -> list[KernelTimes]:
     """Each of ``NORMS`` profiled on ``model``'s eager training step at ``batch`` x ``crop``."""
+    from . import step  # here: it builds the models, which the check's dry run and kernel section need not
+
     out = []
     for norm in NORMS:
-        times = kernel_times(norm, training_step(norm, device, model, batch, crop), device, steps)
+        times = kernel_times(norm, step.training_step(norm, device, model, batch, crop), device, steps)
         say(f"profile {norm}: {times.total_us / 1000:.2f} ms of {'kernels' if device.type == 'cuda' else 'operators'}"
             " a step")  # fmt: skip
         out.append(times)

@@ -6,13 +6,16 @@ import importlib.metadata
 import os
 import textwrap
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from ...run import write_atomic, write_text_atomic
-from .infer import InferRow
 from .measure import environment
-from .step import StepRow
+
+if TYPE_CHECKING:  # the rows' modules build the models, which a bare GPU machine's check may lack
+    from .infer import InferRow
+    from .step import StepRow
 
 
 def header(device: torch.device) -> str:

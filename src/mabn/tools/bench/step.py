@@ -30,9 +30,8 @@ from ...norm import convert_norm
 from ...norm.cenconv import keep_centred
 from ...tasks.cudagraph import training_call
 from .measure import median_times, peak_memory
+from .workloads import BF16, MODELS, NORM_BATCH_SIZE
 
-MODELS = {"pspnet101": "PSPNet-101", "resnet101": "ResNet-101 (stage 1)", "resnet50": "ResNet-50"}
-BF16 = "bf16-mixed"  # the one mixed precision the step bench runs (Lightning's name for it)
 NORMS = ("bn", "gn", "brn", "mabn")
 LOGGED = "mabn + stats logging"  # MABN with MABNCallback's statistics logging at every step
 ROWS = (*NORMS, LOGGED)
@@ -41,8 +40,6 @@ ROWS = (*NORMS, LOGGED)
 PLAIN = "mabn plain loop"
 PLAIN_FORWARD = "mabn plain loop, no keep_centred"
 COMPILED = ("bn", "mabn")  # the norms of the compiled rows, named "<norm> compiled" (compiling takes minutes)
-# The recipe's per-device batch is one ghost batch of 2: BRN and MABN normalize groups of this size.
-NORM_BATCH_SIZE = 2
 # SegmentationTask's defaults: auxiliary loss weight and SGD settings.
 AUX_WEIGHT = 0.4
 SGD = {"lr": 0.01, "momentum": 0.9, "weight_decay": 1e-4}
