@@ -23,10 +23,11 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import mabn.norm.mabn as mabn_module
 import mabn.tasks.cudagraph as cudagraph
+from helpers.precision import ScalingOnly
 from helpers.trainer import quiet_trainer
 from mabn import BatchRenorm2d, CenConv2d, MABN2d
 from mabn.callbacks import MABNCallback, NormPolicy
-from mabn.errors import ConfigError
+from mabn.errors import ConfigError, exit_on_user_error, user_error
 from mabn.models import resnet
 from mabn.tasks import ClassificationTask
 from mabn.tasks.base import NormTask
@@ -445,3 +446,107 @@ def test_capture_under_ddp_asks_for_thread_local_errors_only_where_torch_has_the
     monkeypatch.setattr(cudagraph, "_HAS_CAPTURE_MODE", has_option)
     cudagraph.graph_training_forward(small_net(), torch.randn(4, 3, 6, 6), warmup_iters=1)
     assert seen == [{"capture_error_mode": "thread_local"} if has_option else {}]
+
+
+# -- across fits, and one set of saved activations ------------------------------------------------------------------
+def _fit_twice(tmp_path: Path, cuda_graph: bool, first: str) -> GraphTask:
+    """Two fits of one task, each on its own Trainer as a user's second ``fit()`` runs: the first in ``first``
+    precision ("scaled": a loss scale of 16 doubling at every step, without autocast; or "32-true"), the second
+    scaled; 4 steps each."""
+    torch.manual_seed(0)
+    task = GraphTask(cuda_graph, POLICY)
+    gen = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(16, 3, 8, 8, generator=gen) + 0.5, torch.randint(0, 3, (16,), generator=gen))
+    for i, precision in enumerate((first, "scaled")):
+        scaler = torch.amp.GradScaler("cpu", init_scale=16.0, growth_interval=1)
+        plugins = [ScalingOnly("16-mixed", "cpu", scaler=scaler)] if precision == "scaled" else []
+        trainer = quiet_trainer(tmp_path / str(i), accelerator="cpu", max_steps=4, plugins=plugins)
+        trainer.fit(task, DataLoader(data, batch_size=4, drop_last=True))
+    return task
+
+
+@pytest.mark.parametrize("first", ["scaled", "32-true"])
+def test_second_fit_captures_its_own_graphs(tmp_path, graph_stand_in, first):
+    """A second ``fit()`` of a graphed task under a loss scaler: its MABNCallback hands the layers a loss scale of
+    its own (the first fit's is freed with its callback, or there was none), which graphs of the first fit would
+    never read. The second fit captures again, and its replays read the live scale (the stand-in refuses a replay
+    that reads another tensor than its capture): the weights and statistics are the eager fits', bit for bit."""
+    eager, graphed = (_fit_twice(tmp_path / str(g), g, first) for g in (False, True))
+    assert graph_stand_in.captured == [(4, 3, 8, 8)] * 2
+    expected = eager.model.state_dict()
+    for key, value in graphed.model.state_dict().items():
+        assert torch.equal(value, expected[key]), key
+
+
+def test_second_graphed_forward_before_the_backward_is_refused(graph_stand_in):
+    """The graphs hold one set of activations: a replay while an earlier one's backward is still to come is refused
+    in one line naming the setting that trains eagerly; a replay whose output was let go, a no-grad forward and a
+    replay after the backward are not."""
+    net = small_net()
+    x = torch.randn(4, 3, 6, 6)
+    cudagraph.graph_training_forward(net, x)
+    net(x)  # let go without a backward: nothing pending
+    out = net(x)
+    with pytest.raises(cudagraph.SecondForwardError) as err:
+        net(torch.randn(4, 3, 6, 6))
+    assert isinstance(err.value, ConfigError) and user_error(err.value) == str(err.value)
+    assert "\n" not in str(err.value) and str(err.value).endswith("--model.init_args.cuda_graph false")
+    with torch.no_grad():
+        net(x)  # eager
+    out.sum().backward()
+    net(x).sum().backward()
+    assert graph_stand_in.replayed == [(4, 3, 6, 6)] * 3
+
+
+class TwoCrops(GraphTask):
+    """A training step over the batch and its mirror image, one loss for both: two forwards before one backward."""
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.cross_entropy(self.training_forward(x), y) + F.cross_entropy(self.training_forward(x.flip(-1)), y)
+
+
+def test_graphed_fit_with_two_forwards_per_step_stops_with_one_line(tmp_path, graph_stand_in, capsys):
+    with pytest.raises(cudagraph.SecondForwardError) as err:
+        _fit(tmp_path, True, "cpu", task=TwoCrops(True, POLICY))
+    with pytest.raises(SystemExit):
+        exit_on_user_error(err.value)
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: a second CUDA-graphed training forward before")
+
+
+def test_capture_under_autocast_turns_its_cache_off(graph_stand_in):
+    """torch refuses a capture under autocast with its weight-cast cache: the capture turns the cache off for the
+    sample's device (the stand-in checks the CPU's, standing for the GPU's)."""
+    net = small_net()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        cudagraph.graph_training_forward(net, torch.randn(4, 3, 6, 6), warmup_iters=1)
+        net(torch.randn(4, 3, 6, 6)).float().sum().backward()
+    assert graph_stand_in.replayed == [(4, 3, 6, 6)]
+
+
+@needs_gpu
+def test_second_16_mixed_fit_on_real_graphs_equals_eager(tmp_path):
+    """Two fits of one task under 16-mixed on real CUDA graphs: the second fit's graphs read its own callback's loss
+    scale, not the first fit's, which is freed with that callback."""
+    fits = {}
+    for graph in (False, True):
+        task = GraphTask(graph, POLICY)
+        for i in range(2):
+            _fit(tmp_path / f"{graph}-{i}", graph, "gpu", precision="16-mixed", task=task)
+        fits[graph] = task
+    expected = fits[False].model.state_dict()
+    for key, value in fits[True].model.state_dict().items():
+        torch.testing.assert_close(value, expected[key], rtol=1e-3, atol=1e-6, msg=key)
+
+
+@needs_gpu
+def test_second_forward_on_real_graphs_is_refused():
+    net = small_net().cuda()
+    x = torch.randn(4, 3, 8, 8, device="cuda")
+    cudagraph.graph_training_forward(net, x)
+    out = net(x)
+    with pytest.raises(cudagraph.SecondForwardError):
+        net(x)
+    out.sum().backward()
+    net(x).sum().backward()

@@ -7,8 +7,6 @@ must be left to the scaler, which skips that optimizer step, instead of stopping
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import pytorch_lightning as pl
 import torch
@@ -18,6 +16,7 @@ from helpers.callback_task import POLICY, Tiny, loader
 from helpers.kernels import paths, take
 from helpers.layer_runs import MABN_CFG, C, H, W, close, random_affine, random_input, set_affine, train_step
 from helpers.marks import default_suite_runs
+from helpers.precision import ScalingOnly
 from helpers.reference import RefMABN
 from helpers.trainer import quiet_trainer
 from mabn.norm import MABN2d
@@ -96,14 +95,6 @@ def test_overflowing_backward_is_left_to_the_scaler(path, device, monkeypatch):
     with pytest.raises(FloatingPointError, match="psi"):
         out.backward(torch.full_like(out, float("nan")))
         layer.raise_if_nonfinite()
-
-
-class ScalingOnly(MixedPrecision):
-    """``precision="16-mixed"`` with its real GradScaler but without autocast: float32 arithmetic, so that a run
-    compares exactly with an unscaled one. Scaling by powers of two is exact in floating point."""
-
-    def forward_context(self):
-        return contextlib.nullcontext()
 
 
 def _fit(tmp_path, scaler=None, model=None, **kwargs):

@@ -83,7 +83,8 @@ class MABNCallback(pl.Callback):
             self._reset(trainer.global_step)
         scaler = getattr(trainer.precision_plugin, "scaler", None)
         self._scaler = scaler if scaler is not None and scaler.is_enabled() else None
-        # One tensor for the whole fit: a captured CUDA graph reads the scale from its address.
+        # One tensor for the whole fit: a captured CUDA graph reads the scale from its address. It dies with this
+        # callback, so graphs captured in one fit must not replay in the next (a NormTask captures at each fit).
         self._loss_scale = None if self._scaler is None else torch.ones((), device=pl_module.device)
         self._set_loss_scale(self._loss_scale)
 

@@ -18,7 +18,7 @@ from ..models import DEFAULT_ARCH
 from ..norm import NORM_PRESETS
 from ..norm.cenconv import SGDCentring, keep_centred
 from ..run import RunShape, iterations_per_epoch
-from .cudagraph import check_capturable, drop_graph_gradients, training_call, why_not_capturable
+from .cudagraph import check_capturable, drop_graph_gradients, release_graphs, training_call, why_not_capturable
 
 
 def require(ok: bool, name: str, value: Any, wanted: str) -> None:
@@ -31,9 +31,9 @@ class NormTask(pl.LightningModule):
     """A LightningModule around ``self.model`` whose norms may be callback-managed (MABN2d, BatchRenorm2d).
 
     With the ``cuda_graph`` hyperparameter true, the model's training forward and backward are captured as
-    CUDA graphs at the first training batch and replayed afterwards (``mabn.tasks.cudagraph``); ``auto`` (the default)
-    does so when the fit runs on a GPU, the model can be captured and ``compile`` is unset, and otherwise trains
-    eagerly and says why in one line at fit start. With ``compile``
+    CUDA graphs at the first training batch of each fit and replayed afterwards (``mabn.tasks.cudagraph``); ``auto``
+    (the default) does so when the fit runs on a GPU, the model can be captured and ``compile`` is unset, and
+    otherwise trains eagerly and says why in one line at fit start. With ``compile``
     (true: torch.compile's default mode; or a mode name such as ``reduce-overhead``, which adds CUDA graphs),
     they run as one ``torch.compile`` graph each, compiled at the first training batch; that batch's time is
     reported. Evaluation stays eager.
@@ -132,6 +132,9 @@ class NormTask(pl.LightningModule):
         return "default" if value is True else value or None
 
     def on_fit_start(self) -> None:
+        # Graphs of an earlier fit read that fit's tensors (MABNCallback's loss scale, freed with it, or none): this
+        # fit captures its own at its first training batch, or trains eagerly.
+        release_graphs(self.model)
         # Here, not in __init__: only now are the device and the process group (which decides whether a
         # synchronized norm communicates) known.
         self._graphed_fit = self._resolve_cuda_graph()

@@ -16,7 +16,13 @@ from the host during its forward or backward, and its training inputs must keep 
   place, and MABNCallback reads their non-finite flags one optimizer step late, from a copy in pinned
   host memory; the logged layers' statistics are the captured tensors, which every replay refreshes;
 - torch warms the callables up by backpropagating uninitialised gradients (``torch.empty_like``): the managed
-  norms' non-finite flags, which such garbage may set, are cleared with the buffers after capture.
+  norms' non-finite flags, which such garbage may set, are cleared with the buffers after capture;
+- the graphs hold one set of saved activations, which every forward replay overwrites: a second graphed forward
+  while an earlier one's backward is still to come (two crops, an extra forward with gradients on) would hand
+  that backward the second forward's activations, so it is refused (``SecondForwardError``);
+- the graphs read every tensor they use at the address it had at capture, whatever the Python attributes name
+  later: a fit hands the layers tensors of its own (MABNCallback's loss scale, or none), so a NormTask captures at
+  each fit (``release_graphs``).
 
 The gradients a graphed backward hands to autograd are detached views of the graphs' static buffers: a parameter
 whose ``.grad`` is None adopts the buffer itself, and the next replay overwrites it (the forward graph's
@@ -29,13 +35,16 @@ held buffers after each optimizer step, which has used them, so the usual step c
 from __future__ import annotations
 
 import contextlib
+import gc
 import inspect
+import weakref
 from collections.abc import Iterator
 
 import torch
 from torch import Tensor, nn
 
 from ..distributed import has_process_group, sync_group
+from ..errors import ConfigError
 from ..norm import BatchRenorm2d, MABN2d
 from ..norm.managed import managed_norms
 
@@ -91,13 +100,18 @@ def check_capturable(model: nn.Module, device: torch.device) -> None:
         )
 
 
+class SecondForwardError(ConfigError):
+    """A graphed training forward while an earlier one's backward is still to come: the graphs hold one set of saved
+    activations, so that backward would read this forward's."""
+
+
 @contextlib.contextmanager
-def _without_autocast_cache() -> Iterator[None]:
-    """Autocast as it is, but without its weight-cast cache, which a capture must not use."""
-    if not torch.is_autocast_enabled("cuda"):
+def _without_autocast_cache(device_type: str) -> Iterator[None]:
+    """Autocast on ``device_type`` as it is, but without its weight-cast cache, which a capture must not use."""
+    if not torch.is_autocast_enabled(device_type):
         yield
         return
-    with torch.autocast("cuda", dtype=torch.get_autocast_dtype("cuda"), cache_enabled=False):
+    with torch.autocast(device_type, dtype=torch.get_autocast_dtype(device_type), cache_enabled=False):
         yield
 
 
@@ -112,6 +126,7 @@ def graph_training_forward(model: nn.Module, sample: Tensor, warmup_iters: int =
     if not model.training:
         raise ValueError("CUDA-graph capture of the training step needs the model in training mode")
     eager = model.forward
+    own_forward = model.__dict__.get("forward")  # an instance's own forward, put back by release_graphs
     # The warm-up iterations run the training forward and backward for real: keep what they change (the
     # buffers, and the random state that dropout draws from, so that the graphs continue the eager stream).
     buffers = {name: buf.clone() for name, buf in model.named_buffers()}
@@ -121,7 +136,7 @@ def graph_training_forward(model: nn.Module, sample: Tensor, warmup_iters: int =
     options = {"capture_error_mode": "thread_local"} if has_process_group() and _HAS_CAPTURE_MODE else {}
     # The graphs' input is a tensor of their own: each replay copies the batch into it. Parameters the
     # training forward does not use get no gradient, as in eager training.
-    with _without_autocast_cache(), torch.random.fork_rng(rng_devices, device_type="cuda"):
+    with _without_autocast_cache(sample.device.type), torch.random.fork_rng(rng_devices, device_type="cuda"):
         torch.cuda.make_graphed_callables(
             model, (sample.clone(),), num_warmup_iters=warmup_iters, allow_unused_input=True, **options
         )
@@ -133,16 +148,59 @@ def graph_training_forward(model: nn.Module, sample: Tensor, warmup_iters: int =
             layer.nonfinite_flags(sample.device).zero_()
     shape, dtype, device = sample.shape, sample.dtype, sample.device
     gradients = _GraphGradients(tuple(model.parameters()))
+    pending = _PendingBackward()
 
     def forward(x: Tensor) -> object:
         if model.training and torch.is_grad_enabled() and x.shape == shape and x.dtype == dtype and x.device == device:
+            pending.check()
             gradients.release()
-            return gradients.watch(graphed(x))
+            out = graphed(x)
+            node = next((t.grad_fn for t in torch.utils._pytree.tree_leaves(out) if t.grad_fn is not None), None)
+            if node is not None:  # no parameter trains: no backward to wait for
+                gradients.watch(node)
+                pending.watch(node)
+            return out
         return eager(x)
 
     forward.graphed_input = (shape, dtype, device)  # marks the model as captured (``is_graphed``)
     forward.gradients = gradients
+    forward.own_forward = own_forward
     model.forward = forward
+
+
+class _Backward:
+    """A replay's backward, as far as the next replay needs to know: ``runs`` is its backward node's pre-hook, and
+    the node, which alone holds it, lets it go when nothing can backpropagate through that replay any more."""
+
+    done = False
+
+    def runs(self, grad_outputs: tuple[Tensor | None, ...]) -> None:
+        self.done = True
+
+
+class _PendingBackward:
+    """Whether the last replay's backward is still to come, so that the next replay would overwrite the activations
+    it reads. A replay whose output is let go without a backward (a skipped step, an exception) blocks nothing."""
+
+    def __init__(self) -> None:
+        self._last: weakref.ref[_Backward] | None = None
+
+    def check(self) -> None:
+        """Before a replay: refuse it while the last one's backward may still run."""
+        last = self._last() if self._last is not None else None
+        if last is not None and not last.done:
+            raise SecondForwardError(
+                "a second CUDA-graphed training forward before the first one's backward: the graphs hold one set of "
+                "activations, which it would overwrite under the pending backward (two crops, an extra forward with "
+                "gradients on); run such a forward under torch.no_grad(), or train eagerly with "
+                "--model.init_args.cuda_graph false"
+            )
+
+    def watch(self, node: torch.autograd.graph.Node) -> None:
+        """After a replay: follow the backward of its node."""
+        backward = _Backward()
+        node.register_prehook(backward.runs)
+        self._last = weakref.ref(backward)
 
 
 class _GraphGradients:
@@ -154,11 +212,10 @@ class _GraphGradients:
         self.params = params
         self.static: list[int | None] | None = None  # per parameter: the data_ptr of its static gradient buffer
 
-    def watch(self, out: object) -> object:
-        """``out``, the replayed forward's output; until the static buffers are known, a hook on its backward
-        node records the gradients that node returns."""
+    def watch(self, node: torch.autograd.graph.Node) -> None:
+        """After a replay: until the static buffers are known, a hook on its backward ``node`` records the gradients
+        that node returns."""
         if self.static is None:
-            node = next(t.grad_fn for t in torch.utils._pytree.tree_leaves(out) if t.grad_fn is not None)
             handle = None
 
             def learn(grad_inputs: tuple[Tensor | None, ...], grad_outputs: tuple[Tensor | None, ...]) -> None:
@@ -168,7 +225,6 @@ class _GraphGradients:
                 handle.remove()
 
             handle = node.register_hook(learn)
-        return out
 
     def _held(self) -> list[tuple[nn.Parameter, Tensor]]:
         if self.static is None:
@@ -202,6 +258,22 @@ def drop_graph_gradients(model: nn.Module) -> None:
 def is_graphed(model: nn.Module) -> bool:
     """Whether ``graph_training_forward`` has captured ``model``."""
     return hasattr(model.forward, "graphed_input")
+
+
+def release_graphs(model: nn.Module) -> None:
+    """Let go of ``model``'s graphs, if captured: it runs eagerly again, and the next ``training_call`` with
+    ``cuda_graph`` captures anew. A fit starts so (NormTask): the graphs read each tensor at its address at capture,
+    and a fit hands the layers tensors of its own (MABNCallback's loss scale, or none without a scaler)."""
+    if not is_graphed(model):
+        return
+    own = model.forward.own_forward
+    if own is None:
+        del model.forward  # the class's forward again
+    else:
+        model.forward = own
+    # The graphs and their memory pool sit in reference cycles (torch's Graphed class): collected now, before the
+    # next capture allocates a pool beside them.
+    gc.collect()
 
 
 def training_call(model: nn.Module, x: Tensor, cuda_graph: bool) -> object:
