@@ -11,7 +11,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .fused import Launcher, aligned, key_of
+from .launcher import Launcher
 
 
 @triton.jit
@@ -56,5 +56,4 @@ _recentre = Launcher(recentre_kernel, _grid, num_warps=4)
 def recentre(table: Tensor, like: Tensor, convs: int, max_filters: int) -> None:
     """Centre the filters of the ``convs`` weights that ``table`` (convs x 3 int64: address, filters, filter size)
     lists, all of ``like``'s dtype and device, in place."""
-    key = key_of(like, like.dtype, aligned(like), convs, max_filters)
-    _recentre(key, (table, like, convs, max_filters), dict(FILTERS=FILTERS, BLOCK=BLOCK))
+    _recentre((table, like, convs, max_filters), dict(FILTERS=FILTERS, BLOCK=BLOCK))

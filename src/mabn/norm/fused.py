@@ -1,8 +1,8 @@
-"""Triton on CUDA: which kernel modules serve a tensor, and a launcher with little host overhead.
+"""Triton on CUDA: which kernel modules serve a tensor, and whether they can serve in this process.
 
 The norms' Triton kernels replace chains of small torch ops whose launches, not their arithmetic, bound a
 GPU training step. They serve CUDA tensors only; the torch-op code they replace stays the path for the CPU,
-without Triton, and with the environment variable MABN_FUSED=0.
+without Triton, with the environment variable MABN_FUSED=0, and in a process where Triton cannot launch them.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 import importlib
 import os
-from collections.abc import Callable
+import warnings
 from types import ModuleType
 
 import torch
@@ -24,66 +24,76 @@ def enabled() -> bool:
 
 @functools.cache
 def load(name: str) -> ModuleType | None:
-    """The kernel module ``mabn.norm.<name>``, or None without Triton or with MABN_FUSED=0."""
+    """The kernel module ``mabn.norm.<name>``, or None: with MABN_FUSED=0, or where the module does not import or
+    Triton's launches fail here (``_launch_failure``; one warning per process names the reason). Any exception
+    counts, not only ImportError: a Triton other than the one these modules are written for fails by an
+    AttributeError or a TypeError as often, and a layer must then train on its torch-op path rather than stop."""
     if not enabled():
         return None
     try:
-        return importlib.import_module(f"{__package__}.{name}")
-    except ImportError:
+        module = importlib.import_module(f"{__package__}.{name}")
+    except Exception as error:
+        _fall_back(error)
         return None
+    failure = _launch_failure()
+    if failure is not None:
+        _fall_back(failure)
+        return None
+    return module
+
+
+@functools.cache
+def _launch_failure() -> Exception | None:
+    """What a probe raised in this process, or None where it matched torch: ``row_kernels``' output kernel on a few
+    elements, launched twice, so that the first launch goes through Triton's own path (compiling the kernel) and the
+    second through ``launcher.Launcher``'s direct one (Triton's private launch API) where that is on. It runs where
+    a launch can run: on the current CUDA device, or on the CPU under Triton's interpreter; elsewhere nothing selects
+    the kernels (they serve CUDA tensors), so nothing is probed. Each layer's launches then use the same toolchain
+    and the same launch path; a kernel that this Triton rejects is an error of its own (tests/test_kernels_compile.py
+    compiles every configuration for the pinned Triton)."""
+    try:
+        import triton
+
+        from . import row_kernels
+
+        if triton.knobs.runtime.interpret:
+            device = torch.device("cpu")
+        elif torch.cuda.is_available():
+            device = torch.device("cuda", torch.cuda.current_device())
+        else:
+            return None
+        # Small integers and halves: every product and sum is exact in float32, with or without a fused multiply-add.
+        x = torch.arange(24, dtype=torch.float32, device=device).view(2, 3, 2, 2)
+        scale = torch.arange(1, 7, dtype=torch.float32, device=device)
+        bias = torch.tensor([0.5, -1.0, 2.0], device=device)
+        expected = x * scale.view(2, 3, 1, 1) + bias.view(1, 3, 1, 1)
+        for launch in ("first", "second"):
+            if not torch.equal(row_kernels.scale_shift(x, scale, bias), expected):
+                raise RuntimeError(f"the probe kernel's {launch} launch gave wrong values")
+    except Exception as error:
+        return error
+    return None
+
+
+_fell_back = False  # whether this process has said why the kernels are off
+
+
+def _fall_back(error: Exception) -> None:
+    """One warning line per process: why the Triton kernels are off, and what serves instead."""
+    global _fell_back
+    if _fell_back:
+        return
+    _fell_back = True
+    lines = str(error).strip().splitlines()
+    reason = f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
+    warnings.warn(
+        f"MABN's Triton kernels are off in this process ({reason}); the norms take their torch-op path "
+        "(MABN_FUSED=0 chooses it without this warning)",
+        RuntimeWarning,
+        stacklevel=2,
+    )
 
 
 def kernels_for(t: Tensor, name: str) -> ModuleType | None:
     """``load(name)`` where ``t`` lives on a CUDA device, else None."""
     return load(name) if t.is_cuda else None
-
-
-class Launcher:
-    """``kernel[grid](*args, **constexprs)``, where ``grid(meta)`` gives the grid from the arguments by name (Triton's
-    convention). Later launches of a configuration seen before go straight to its compiled kernel, at the grid of its
-    first launch: Triton's per-call argument binding and specialization cost tens of microseconds of host time, and a
-    training step launches a few hundred of these kernels.
-
-    ``key`` must determine all that Triton specializes on and the grid: the arguments' dtypes, the integer
-    arguments' values, the pointers' 16-byte alignment, the constexprs (``key_of`` adds the device). The arguments
-    are passed to the compiled kernel in signature order, constexprs last, as Triton's own launch does; every
-    launch runs ``num_warps`` warps per program. MABN_TRITON_DIRECT=0 keeps Triton's path for every launch.
-    """
-
-    def __init__(self, kernel, grid: Callable[[dict], tuple[int, ...]], num_warps: int) -> None:
-        import triton
-
-        self.kernel = kernel
-        self.grid = grid
-        self.num_warps = num_warps
-        self.knobs = triton.knobs.runtime
-        self.compiled: dict[tuple, tuple[object, tuple[int, int, int]]] = {}
-        self.direct = os.environ.get("MABN_TRITON_DIRECT", "1") != "0" and not self.knobs.interpret
-
-    def __call__(self, key: tuple, args: tuple, constexprs: dict) -> None:
-        known = self.compiled.get(key)
-        if known is None:
-            grid = (*self.grid({**dict(zip(self.kernel.arg_names, args)), **constexprs}), 1, 1)[:3]
-            compiled = self.kernel[grid](*args, **constexprs, num_warps=self.num_warps)
-            if self.direct:
-                self.compiled[key] = compiled, grid
-            return
-        compiled, grid = known
-        stream = torch.cuda.current_stream().cuda_stream
-        # Pointers as plain integers: the launcher then skips its per-pointer data_ptr() call and driver query.
-        args = (*(a.data_ptr() if isinstance(a, Tensor) else a for a in args), *constexprs.values())
-        compiled.run(
-            *grid, stream, compiled.function, compiled.packed_metadata,
-            compiled.launch_metadata(grid, stream, *args),
-            self.knobs.launch_enter_hook, self.knobs.launch_exit_hook, *args,
-        )  # fmt: skip
-
-
-def key_of(t: Tensor, *rest: object) -> tuple:
-    """A ``Launcher`` key: the current device (where Triton loads the kernel) and ``rest``."""
-    return (torch.cuda.current_device() if t.is_cuda else -1, *rest)
-
-
-def aligned(t: Tensor) -> bool:
-    """Whether Triton sees ``t``'s pointer as 16-byte aligned (a fresh allocation always is)."""
-    return t.data_ptr() % 16 == 0

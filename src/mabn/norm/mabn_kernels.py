@@ -31,7 +31,7 @@ import triton.language as tl
 from torch import Tensor, nn
 
 from ._mabn_types import BackwardStats, ForwardStats, StepConfig
-from .fused import Launcher, aligned, key_of
+from .launcher import Launcher
 from .phase import phase
 from .row_kernels import grad_input, row_sums, scale_shift
 
@@ -130,6 +130,12 @@ def _stream(
     src = hi + G
     shifted = tl.load(hist_ptr + src[:, None] * C + cols[None, :], mask=hmask & (src < M)[:, None], other=0.0)
     later = tl.load(new_ptr + (src - M)[:, None] * C + cols[None, :], mask=hmask & (src >= M)[:, None], other=0.0)
+    # Row i + G is loaded by the thread that holds element (i, c) of the tile and overwritten by the thread that holds
+    # (i + G, c): the shift passes values between threads through memory, and one thread's program order does not
+    # order another thread's accesses. The barrier completes every thread's loads of the history (above and at the
+    # top) before any thread stores, whatever the warps and the layouts; without it the order would rest on a
+    # program being one warp whose loads all issue first. It costs one bar.sync per program.
+    tl.debug_barrier()
     tl.store(undo_ptr + hi[:, None] * C + cols[None, :], history, mask=hmask)
     # In the statistics' dtype, as the torch-op steps keep it (history ++ new in the statistics' dtype).
     tl.store(
@@ -487,7 +493,6 @@ def forward_launch(
     and its (non-finite flags, tickets, policy flags), with its outputs in ``parts``, the split of one allocation
     by ``forward_sizes``."""
     n, c = norm.shape
-    history = streams[0]
     undo, chi2, var, r, ema, scale, active = parts
     first_steps = cfg.first_steps()
     consts = dict(
@@ -498,9 +503,7 @@ def forward_launch(
         EMA_FIRST=cfg.ema_start == "first",
         BLOCK=_block(c, MAX_BLOCK),
     )
-    key = key_of(norm, weight.dtype, history.dtype, aligned(weight), c, *first_steps, *consts.values())
     _forward(
-        key,
         (
             *(norm, weight, *streams, undo, chi2, var, r, active, ema, scale, *agreement),
             *(c, float(hw), cfg.momentum, cfg.eps, cfg.renorm_clip, *first_steps),
@@ -580,7 +583,6 @@ def backward_launch(
     parameters' gradients in ``grads`` where they are apart."""
     c = weight.numel()
     n = dout_x.numel() // c
-    history = streams[0]
     undo, psi, psi_bar, psi_active, coef, *own = parts
     grad_weight, grad_bias = grads or own
     consts = dict(
@@ -591,18 +593,7 @@ def backward_launch(
     )
     flags = agreement[0]
     scale = flags if loss_scale is None else loss_scale  # any pointer when unscaled
-    key = key_of(
-        var,
-        weight.dtype,
-        history.dtype,
-        scale.dtype,
-        aligned(weight),
-        aligned(scale),
-        c,
-        *consts.values(),
-    )
     _backward(
-        key,
         (
             *(dout_x, dout_sum, r, var, active, weight, *streams, undo),
             *(psi, psi_bar, psi_active, coef, grad_weight, grad_bias, *agreement, scale),

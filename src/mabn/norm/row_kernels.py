@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .fused import Launcher, aligned, key_of
+from .launcher import Launcher
 
 
 @triton.jit
@@ -95,8 +95,7 @@ def _launch_affine(a: Tensor, s: Tensor, b: Tensor | None, t: Tensor) -> Tensor:
     two = b is not None
     b = b.contiguous() if two else a  # unread when not TWO
     ints = (a.numel(), h * w, c)
-    key = key_of(a, a.dtype, s.dtype, b.dtype, t.dtype, aligned(a), aligned(s), aligned(b), aligned(t), *ints, two)
-    _affine(key, (a, s, b, t, out, *ints), dict(TWO=two, BLOCK=AFFINE_BLOCK))
+    _affine((a, s, b, t, out, *ints), dict(TWO=two, BLOCK=AFFINE_BLOCK))
     return out
 
 
@@ -117,7 +116,6 @@ def row_sums(grad_out: Tensor, x: Tensor, dtype: torch.dtype) -> tuple[Tensor, T
     sums = torch.empty(2, n * c, dtype=dtype, device=x.device)
     rows, block = _tile(h * w)
     ints = (n * c, h * w)
-    key = key_of(x, grad_out.dtype, x.dtype, dtype, aligned(grad_out), aligned(x), *ints, rows, block)
     dout_x, dout_sum = sums.unbind()
-    _row_sums(key, (grad_out, x, dout_x, dout_sum, *ints), dict(ROWS=rows, BLOCK=block))
+    _row_sums((grad_out, x, dout_x, dout_sum, *ints), dict(ROWS=rows, BLOCK=block))
     return dout_x, dout_sum

@@ -8,14 +8,14 @@ its arithmetic. These are counted on any machine:
   such as ``promote_types`` included, in ``layer(x)`` and in ``out.backward(grad)`` with the parameters' gradients
   None, as after ``zero_grad()``, so no gradient accumulation is counted. Operators inside a Triton launch are left
   out: Triton's interpreter moves tensors there, and on a GPU a launch issues none.
-- Triton launches: the calls of the norms' kernel launcher (``mabn.norm.fused.Launcher``).
+- Triton launches: the calls of the norms' kernel launcher (``mabn.norm.launcher.Launcher``).
 - Host time: the median of interleaved repeats of one forward and backward of a tiny input, where on the CPU the
   time is all overhead.
 
 MABN2d runs on its Triton path (row ``mabn``), the one a CUDA tensor takes, and on its torch-op path (row ``mabn
 torch ops``: the CPU's, the one for ``sync_stats`` and ``MABN_FUSED=0``, and the definition that torch.compile
 fuses). For CPU tensors the Triton path is selected as for a CUDA tensor, and each launch is replaced by the host
-work of the direct launch short of the launch itself (its arguments packed), so that nothing needs a GPU: the
+work of the direct launch short of the launch itself (its key and arguments packed), so that nothing needs a GPU: the
 counts are the CUDA path's, and the host time leaves out the launch calls.
 """
 
@@ -33,7 +33,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ...norm import MABN2d
 from ...norm import mabn as mabn_module
-from ...norm.fused import Launcher, load
+from ...norm.fused import load
+from ...norm.launcher import Launcher, pack
 from .measure import environment, median_times
 
 SHAPE = (2, 64, 8, 8)  # a layer of PSPNet's batch of 2, small enough that the host time is all overhead
@@ -63,11 +64,6 @@ class _Count(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _pack(args: tuple, constexprs: dict) -> tuple:
-    """The arguments as ``Launcher``'s direct launch packs them for the compiled kernel."""
-    return (*(a.data_ptr() if isinstance(a, Tensor) else a for a in args), *constexprs.values())
-
-
 @contextlib.contextmanager
 def statistic_paths(
     triton_inputs: tuple[Tensor, ...], run_kernels: bool, counter: _Count | None = None
@@ -83,15 +79,15 @@ def statistic_paths(
     def select(x: Tensor):
         return kernels if any(x is t for t in triton_inputs) else None
 
-    def launch(launcher: Launcher, key: tuple, args: tuple, constexprs: dict) -> None:
+    def launch(launcher: Launcher, args: tuple, constexprs: dict) -> None:
         if counter is not None:
             counter.launches += 1
             counter.in_launch = True
         try:
             if run_kernels:
-                launch_kernel(launcher, key, args, constexprs)
+                launch_kernel(launcher, args, constexprs)
             else:
-                _pack(args, constexprs)
+                pack(args, constexprs)  # the key and the arguments, as every launch packs them
         finally:
             if counter is not None:
                 counter.in_launch = False
