@@ -38,6 +38,7 @@ KERNELS = Suite(
         "tests/test_mabn_kernels.py::test_fused_low_precision_input_equals_torch_ops",
         "tests/test_row_kernels.py",
         "tests/test_recentre_kernel.py",
+        "tests/test_history_shift.py",
     ),
     "gpu and not slow",
 )
