@@ -64,7 +64,15 @@ from .errors import DatasetError, DatasetErrors, pair_problems
 from .images import TURNED, how_read, image_size, imagenet_normalize, read_header, read_image, read_values
 from .loading import DataPlan
 
-__all__ = ["ClassPixels", "FolderDataModule", "FolderDataset", "check_dataset", "find_pairs", "small_images"]
+__all__ = [
+    "ClassPixels",
+    "FolderDataModule",
+    "FolderDataset",
+    "check_dataset",
+    "data_crop",
+    "find_pairs",
+    "small_images",
+]
 
 IMAGES, MASKS = "images", "masks"
 IMAGE_TYPES = (".png", ".jpg", ".jpeg", ".bmp", ".tif", ".tiff", ".webp")
@@ -72,6 +80,10 @@ MASK_TYPE = ".png"
 LAYOUT = f"DIR/{IMAGES}/<split>/<name>.<png|jpg|...> with masks DIR/{MASKS}/<split>/<name>.png and DIR/{CLASSES_FILE}"
 CACHE_DIR_ENV = "MABN_CACHE_DIR"  # the variable naming the folder of the mask check's cache (``cache_dir``)
 CACHE_FORM = 2  # the form of the cache's entries (``MaskCache``): the file's stamp, then its pixels per class
+# The crop a dataset of large images keeps: the recipe's (configs/cityscapes.yaml); images whose median is smaller
+# get a crop from the data (``data_crop``), in steps of PSPNet's output stride.
+RECIPE_CROP = 713
+CROP_STEP = 8
 SCAN_PARALLEL = 64  # masks: fewer are decoded in this process, where a pool's start would cost more than it saves
 SCAN_WORKERS = 4  # decoding processes: a few, since the other cores may be a fit's or another user's
 SCAN_REPORTS = 10  # progress lines on stderr in a parallel scan
@@ -547,6 +559,24 @@ def small_images(sizes: list[tuple[int, int]], crop_size: int) -> tuple[int, str
     return count, line + (": padded up to it (images with the mean pixel, masks with ignored pixels)" if count else "")
 
 
+def data_crop(sizes: list[tuple[int, int]], given: int | None) -> tuple[int, str]:
+    """(the training crop of a dataset of training images of ``sizes`` (width, height); the line that says which
+    and why): ``given`` (``crop_size``) where set; else the recipe's ``RECIPE_CROP`` where the median image's
+    shorter side (the lower median) holds it, and where it does not, the largest multiple of ``CROP_STEP`` within
+    that side, so that most images fill the crop and the few smaller ones are padded up to it."""
+    if given is not None:
+        return given, f"crop: {given}x{given}, crop_size as given"
+    side = sorted(min(size) for size in sizes)[(len(sizes) - 1) // 2]
+    median = f"the median training image is {side} px on its shorter side"
+    if side >= RECIPE_CROP:
+        return RECIPE_CROP, f"crop: {RECIPE_CROP}x{RECIPE_CROP}, the recipe's: {median} (crop_size null)"
+    crop = max(CROP_STEP, side // CROP_STEP * CROP_STEP)
+    return crop, (
+        f"crop: {crop}x{crop}, from the data: {median}, under the recipe's {RECIPE_CROP} (crop_size null: the "
+        f"largest multiple of {CROP_STEP} within it; --data.init_args.crop_size sets one)"
+    )
+
+
 def reading_lines(args: Mapping[str, Any]) -> list[str]:
     """How the pairs of both splits of the dataset of the data module arguments ``args`` are read, from their
     headers, for the dry run: a line per image mode other than 8-bit RGB, with how many files and the first, once
@@ -632,18 +662,25 @@ class FolderDataModule(CityscapesDataModule):
     Its arguments, augmentation (``train_transform``), batches over devices and loaders are ``CityscapesDataModule``'s.
 
     The classes come from ``data_dir/classes.yaml``: ``num_classes`` (linked to the model's) and ``class_names``
-    (the validation tables) are read from it when the module is made. The crop is ``crop_size`` whatever the
-    images' sizes: smaller training images are padded up to it, and a fit says how many are (``small_images``,
-    as ``--dry-run`` does). The class table and the crop are kept in the module's hyperparameters (``classes``,
-    ``crop_size``), which Lightning writes into every checkpoint: what ``python -m mabn test`` and ``predict``
-    read. The arguments are ``CityscapesDataModule``'s; the layout makes these differ:
+    (the validation tables) are read from it when the module is made. The crop is ``crop_size``, or where that is
+    null one from the training images' sizes (``data_crop``), decided when the module is set up; smaller training
+    images are padded up to it, and a fit says how many are (``small_images``, as ``--dry-run`` does). The class
+    table and the crop are kept in the module's hyperparameters (``classes``, ``crop_size``), which Lightning writes
+    into every checkpoint: what ``python -m mabn test`` and ``predict`` read. The arguments are
+    ``CityscapesDataModule``'s; the layout makes these differ:
 
     Args:
         data_dir: the dataset's folder, which holds ``classes.yaml``, ``images/<split>/`` and ``masks/<split>/``
             (docs/your-data.md).
+        crop_size: the side in pixels of the square random training crops; null (configs/segment.yaml): from the
+            data, the recipe's 713 where the median training image's shorter side holds it, else the largest
+            multiple of 8 within that side. Smaller images are padded up to it.
         train_split: the split folder trained on, below ``images/`` and ``masks/``.
         val_split: the split folder validated on, below ``images/`` and ``masks/``.
     """
+
+    def __init__(self, data_dir: str, crop_size: int | None = None, **kwargs: Any) -> None:
+        super().__init__(data_dir, crop_size, **kwargs)  # type: ignore[arg-type]  # None: decided in setup
 
     @cached_property
     def classes(self) -> ClassTable:
@@ -659,6 +696,12 @@ class FolderDataModule(CityscapesDataModule):
 
     def setup(self, stage: str | None = None) -> None:
         self.hparams["classes"] = self.classes.as_dict()
+        if self.crop_size is None:  # from the data, and so into the checkpoints, which test and predict read
+            split = self.train_split
+            sizes = pair_sizes(find_pairs(self.data_dir, split), Path(self.data_dir) / IMAGES / split)
+            self.crop_size, line = data_crop(sizes, None)
+            self.hparams["crop_size"] = self.crop_size
+            say(line)
         super().setup(stage)
 
     def make_dataset(self, split: str, train: bool) -> FolderDataset:
@@ -679,10 +722,11 @@ class FolderDataModule(CityscapesDataModule):
     def plan(args: Mapping[str, Any]) -> DataPlan:
         """``--dry-run``'s plan once the whole dataset passed ``check_dataset``, before the plan's own count of
         batches, so that too few training images for the global batch is said with the dataset's other problems
-        and its fix: the size of the training split, how many of its images are smaller than the crop
-        (``small_images``), the share of each class in the training pixels with warnings on classes of none and
-        on ignored pixels of more than half (``ClassPixels.lines``), and how images of other modes than 8-bit RGB
-        or of an EXIF orientation are read (``reading_lines``)."""
+        and its fix: the size of the training split, the crop and why (``data_crop``), how many of its images are
+        smaller than the crop (``small_images``), the share of each class in the training pixels with warnings on
+        classes of none and on ignored pixels of more than half (``ClassPixels.lines``), and how images of other
+        modes than 8-bit RGB or of an EXIF orientation are read (``reading_lines``)."""
         sizes, pixels = check_dataset(args)
-        lines = [small_images(sizes, args["crop_size"])[1], *pixels.lines(), *reading_lines(args)]
-        return DataPlan(len(sizes), lines)
+        crop, crop_line = data_crop(sizes, args.get("crop_size"))
+        lines = [crop_line, small_images(sizes, crop)[1], *pixels.lines(), *reading_lines(args)]
+        return DataPlan(len(sizes), lines, crop)

@@ -18,10 +18,11 @@ from ..distributed import rank, world_size
 
 class DataPlan(NamedTuple):
     """What a data module's ``plan(args)`` says of its data set for ``--dry-run``, from one check of it: the
-    training samples and the lines to print."""
+    training samples, the lines to print, and the training crop where the data decides it (the memory estimate's)."""
 
     train_samples: int
     lines: list[str]
+    crop: int | None = None
 
 
 def augmentation_seed(rank: int) -> int:
