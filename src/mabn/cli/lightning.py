@@ -550,5 +550,6 @@ def run_cli(
 def check(args: list[str]) -> list[str]:
     """Parse and check a ``fit`` command line without building anything or reading more than file names, and
     take no lock; a ``UserError`` on a mistake. Returns the run's plan: its batch, lr and schedule, and whether
-    another run holds the folder."""
-    return run_cli(args, dry_run=True).plan_lines
+    another run holds the folder. A configuration for GPUs is checked as planned for them: it may be checked on a
+    machine without one."""
+    return run_cli(args, dry_run=True, gpus_planned=True).plan_lines
