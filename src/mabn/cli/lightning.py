@@ -70,6 +70,7 @@ from ..run import (
 from ..run import folder as runs
 from ..run import lock as runlock
 from ..tasks.classification import backbone_path
+from ..tasks.memory import MemoryPlan
 from .help import PROG, PlainTextHelp
 
 CHECKPOINT_CALLBACK = "pytorch_lightning.callbacks.ModelCheckpoint"
@@ -130,15 +131,18 @@ def data_plan(config: Namespace) -> DataPlan | None:
     return planner(data) if planner is not None and Path(data.get("data_dir") or "").is_dir() else None
 
 
-def run_shape(config: Namespace, samples: int | None) -> RunShape | None:
+def run_shape(config: Namespace, samples: int | None, memory: MemoryPlan | None = None) -> RunShape | None:
     """The run's batch and length computed from ``config`` and the training ``samples`` (None: unknown) as the
-    Trainer will run them; None without a per-device batch."""
+    Trainer will run them; None without a per-device batch. ``memory``: the task's ``memory_plan``, whose
+    per-device batch the run takes, with its factor on the gradient accumulation."""
     trainer = config.trainer
     per_device = _device_batch(config)
     if not per_device:
         return None
     devices = _devices(trainer) or 1
     accumulate = trainer.get("accumulate_grad_batches") or 1
+    if memory is not None:
+        per_device, accumulate = memory.per_device, accumulate * memory.accumulate
     per_epoch = steps = None
     if samples is not None:
         batches = loader_batches(samples, per_device, devices)
@@ -154,13 +158,24 @@ def run_shape(config: Namespace, samples: int | None) -> RunShape | None:
 
 
 def plan_lines(config: Namespace) -> list[str]:
-    """What the run's task says at the start of fit (batch, lr, schedule), computed from ``config``, then what
-    the data module's ``plan`` says of the data set (checked once for both)."""
+    """What the run's task says at the start of fit (batch, lr, schedule, and where it has a ``memory_plan`` the
+    memory per device), computed from ``config``, then what the data module's ``plan`` says of the data set
+    (checked once for both)."""
     planned = data_plan(config)
-    task, shape = _import(config.model.class_path), run_shape(config, planned and planned.train_samples)
+    task, per_device, trainer = _import(config.model.class_path), _device_batch(config), config.trainer
+    memory = None
+    if per_device and hasattr(task, "memory_plan"):  # on the devices the run asks for, at its crop
+        accelerator = str(trainer.get("accelerator") or "auto")
+        cuda = accelerator in ("gpu", "cuda") or (accelerator == "auto" and torch.cuda.is_available())
+        devices = _devices(trainer) or 1
+        global_batch = per_device * devices * (trainer.get("accumulate_grad_batches") or 1)
+        per_node = max(1, devices // int(trainer.get("num_nodes") or 1))
+        crop = planned.crop if planned and planned.crop else (config.data.get("init_args") or {}).get("crop_size")
+        memory = task.memory_plan(dict(config.model.init_args), per_device, global_batch, cuda, per_node, crop)
+    shape = run_shape(config, planned and planned.train_samples, memory)
     known = shape is not None and hasattr(task, "plan_lines")
     lines = task.plan_lines(dict(config.model.init_args), shape) if known else []
-    return lines + (planned.lines if planned else [])
+    return lines + (memory.lines if memory else []) + (planned.lines if planned else [])
 
 
 def check_export(config: Namespace) -> None:

@@ -101,7 +101,7 @@ class LastCheckpoint(Checkpoint):
         self.dirpath = Path(best.dirpath) if best is not None and best.dirpath else own
         self._term = self._requeue = self._requeued = self._stopping = False
         self._epoch_end = self._validated = False
-        self._saved_step = None
+        self._saved_step = self._start_step = None
         if threading.current_thread() is not threading.main_thread():
             return  # signal handlers can only be set there (Lightning then keeps its own)
         # SIGTERM: Lightning installs its handler (after setup, in Trainer._run) whatever is there, and calls the
@@ -221,8 +221,10 @@ class LastCheckpoint(Checkpoint):
         self._restore()  # teardown hooks do not run after an exception
         if isinstance(exception, Terminated) or not self._fitting(trainer):
             return
-        if trainer.global_step in (self._saved_step, self._start_step, None):
-            return  # nothing trained since the last save, or since the fit started (or resumed)
+        if self._start_step is None or trainer.global_step in (self._saved_step, self._start_step, None):
+            # Nothing trained since the last save, or since the fit started (or resumed), or the fit stopped before
+            # training started (a run refused in a setup hook, such as a batch that does not fit the memory).
+            return
         if world_size() > 1 or isinstance(exception, WriteError):
             return  # see the module's doc: a save is a collective; a refused write would be refused again
         where = f"{type(exception).__name__} at step {trainer.global_step}"

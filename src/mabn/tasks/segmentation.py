@@ -27,7 +27,7 @@ from ..models import (
     load_backbone_into,
 )
 from ..run import RunShape, device_batch, device_batch_reason
-from . import schedules
+from . import memory, schedules
 from .base import NormTask, require
 from .metrics import SegmentationMetric, format_iou_table
 from .sliding import sliding_window_logits
@@ -339,6 +339,16 @@ class SegmentationTask(NormTask):
                 f"\nValidation at step {self.global_step}:\n{table}\n"
                 f"(predicting the majority class everywhere: mIoU {100 * result['majority_miou'].item():.2f})"
             )
+
+    def setup(self, stage: str) -> None:
+        if stage == "fit":  # after the data module's setup, before its loaders: the batch that fits the device
+            memory.fit(self)
+
+    @staticmethod
+    def memory_plan(*args: Any) -> memory.MemoryPlan:
+        """The dry run's estimate of the memory per device and the per-device batch that fits
+        (``mabn.tasks.memory.plan``)."""
+        return memory.plan(*args)
 
     def configure_optimizers(self) -> dict[str, Any]:
         hp = self.hparams

@@ -1,5 +1,6 @@
-"""``python -m mabn bench norm|step|infer|all|check|chain|ops``: cost benchmarks, each ratio measured against BN in
-the same run, and the GPU check of a whole run.
+"""``python -m mabn bench norm|step|infer|all|check|chain|ops|memory``: cost benchmarks, each ratio measured against
+BN in the same run, the GPU check of a whole run, and the training memory against its estimate (``memory``, with
+options of its own: ``python -m mabn bench memory --help``, ``mabn.tools.bench.memory``).
 
 norm: norm layers alone, forward+backward time and peak memory. step: a training step (forward, backward, SGD)
 per norm, time and peak memory, of PSPNet-101, of stage 1's ResNet-101 or of ResNet-50 (--model), eager and with
@@ -112,6 +113,10 @@ def check_options(args: argparse.Namespace, device: torch.device, repeats: Calla
 
 
 def main(argv: list[str]) -> int:
+    if argv[:1] == ["memory"]:  # options of its own (``mabn.tools.bench.memory``)
+        from . import memory
+
+        return memory.main(argv[1:])
     parser = argparse.ArgumentParser(prog=f"{PROG} bench", description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("what", choices=["norm", "step", "infer", "all", "check", "chain", "ops"])
     parser.add_argument(

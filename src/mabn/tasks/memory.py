@@ -1,0 +1,134 @@
+"""Stage 2's training memory per device (``mabn.run.memory``) from the task's hyperparameters: the estimate and the
+per-device batch a dry run plans (the network built on the meta device for its parameter count), and the one a fit
+takes on the device it runs on (``fit``, from ``SegmentationTask.setup``)."""
+
+from __future__ import annotations
+
+import functools
+import json
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..distributed import gather_objects, say
+from ..models import DEFAULT_ARCH, DEFAULT_DECODER, build_segmentation_model
+from ..norm import NORM_PRESETS
+from ..run.memory import Budget, activation_bytes, device_budget, estimate, fit_batch
+
+
+def per_pixel(hp: Mapping[str, Any]) -> int | None:
+    """The activations' bytes per pixel and image of the task's network, from the table (PSPNet's alone)."""
+    if hp.get("decoder", DEFAULT_DECODER) != DEFAULT_DECODER or hp.get("norm") not in NORM_PRESETS:
+        return None
+    return activation_bytes(hp.get("arch") or DEFAULT_ARCH, NORM_PRESETS[hp["norm"]].kind)
+
+
+def network(hp: Mapping[str, Any]) -> str:
+    return f"{hp.get('arch') or DEFAULT_ARCH} with {hp.get('norm')}"
+
+
+def sizes(model: nn.Module) -> tuple[int, int]:
+    """(the trainable parameters, the bytes of the buffers) of ``model``."""
+    params = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return params, sum(b.numel() * b.element_size() for b in model.buffers())
+
+
+def planned_sizes(hp: Mapping[str, Any]) -> tuple[int, int]:
+    """``sizes`` of the task's network, built on the meta device: shapes without memory or initialization."""
+    options = json.dumps(hp.get("norm_options"), sort_keys=True)
+    return _meta_sizes(
+        hp.get("decoder", DEFAULT_DECODER),
+        hp.get("num_classes") or 19,
+        hp["norm"],
+        hp.get("norm_batch_size"),
+        options,
+        hp.get("arch") or DEFAULT_ARCH,
+        hp.get("dropout", 0.1),
+        hp.get("output_stride"),
+    )
+
+
+@functools.lru_cache(maxsize=16)  # a process that plans many runs (the tests, a sweep) builds each network once
+def _meta_sizes(
+    decoder: str,
+    classes: int,
+    norm: str,
+    norm_batch: int | None,
+    options: str,
+    arch: str,
+    dropout: float,
+    stride: int | None,
+) -> tuple[int, int]:
+    # Its warnings are the fit's to give, which builds the network for real.
+    with torch.device("meta"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = build_segmentation_model(decoder, classes, norm, norm_batch, json.loads(options), arch, dropout, stride)
+    return sizes(model)
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """What a dry run plans: the per-device batch, the factor on the gradient accumulation that keeps the global
+    batch, and the line that says so."""
+
+    per_device: int
+    accumulate: int
+    lines: list[str]
+
+
+def plan(
+    hp: Mapping[str, Any], per_device: int, global_batch: int, cuda: bool, processes: int, crop: int | None
+) -> MemoryPlan:
+    """The dry run's plan of the memory of a step of ``per_device`` crops of ``crop`` px (None: the data set does
+    not exist yet) on a GPU (``cuda``) or on the CPU shared by ``processes`` of this node, for a run of
+    ``global_batch``; a ``ConfigError`` where one normalization batch does not fit."""
+    bpp = per_pixel(hp)
+    if bpp is None:
+        decoder = hp.get("decoder", DEFAULT_DECODER)
+        what = network(hp) if decoder == DEFAULT_DECODER else f"decoder {decoder}"
+        line = f"memory: no estimate for {what} (not in mabn.run.memory's table): the per-device batch is the recipe's"
+        return MemoryPlan(per_device, 1, [line])
+    if crop is None:
+        return MemoryPlan(per_device, 1, ["memory: estimated once the data set exists (the crop comes from it)"])
+    params, buffers = planned_sizes(hp)
+    fit = fit_batch(
+        per_device,
+        hp.get("norm_batch_size"),
+        lambda n: estimate(params, buffers, bpp, crop, n),
+        device_budget(cuda, processes),
+        network(hp),
+    )
+    return MemoryPlan(fit.per_device, fit.accumulate, [fit.line(network(hp), global_batch)])
+
+
+def fit(task: Any) -> None:
+    """At the start of a fit (``SegmentationTask.setup``, after the data module's): the estimate on the device the
+    run trains on, said in one line, and where the data module's per-device batch does not fit, the largest that
+    does with the Trainer's gradient accumulation multiplied to keep the global batch. Every process takes the
+    smallest budget of all, so that all take one batch; a ``ConfigError`` where one normalization batch does not
+    fit."""
+    trainer, hp = task.trainer, task.hparams
+    data = trainer.datamodule
+    bpp = per_pixel(hp)
+    if bpp is None or not hasattr(data, "batch_size") or not hasattr(data, "crop_size"):
+        return
+    device = trainer.strategy.root_device
+    local = device_budget(device.type == "cuda", trainer.num_devices, device)
+    least = min(gather_objects(local.bytes), key=lambda n: float("inf") if n is None else n)
+    budget = local if least == local.bytes else Budget(least, f"the least of the processes'; here {local.source}")
+    params, buffers = sizes(task.model)
+    found = fit_batch(
+        data.batch_size,
+        hp.get("norm_batch_size"),
+        lambda n: estimate(params, buffers, bpp, data.crop_size, n),
+        budget,
+        network(hp),
+    )
+    global_batch = data.batch_size * trainer.world_size * trainer.accumulate_grad_batches
+    data.batch_size = found.per_device
+    trainer.accumulate_grad_batches *= found.accumulate
+    say(found.line(network(hp), global_batch))
