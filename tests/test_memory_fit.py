@@ -100,7 +100,7 @@ def test_the_dry_run_prints_the_estimate_at_the_crop_from_the_data(small_images,
     assert "batch: 16 per device x 1 device(s) = global batch 16, normalization batches of 2" in lines
     said = line(lines, "memory:")
     total = _estimate("resnext50_32x4d", 96, 16)
-    assert said.startswith(f"memory: about {total / 1e9:.1f} GB per device (")
+    assert said.startswith(f"memory: about {memory.gb(total)} per device (")
     assert "activations of 16 crops of 96x96, resnext50_32x4d with mabn), within the budget of " in said
     assert re.search(r"\(80% of the [\d.]+ GB of RAM available\)$", said), said
 
@@ -109,17 +109,17 @@ def test_a_budget_below_the_recipes_batch_lowers_the_per_device_batch_and_keeps_
     small_images, tmp_path, capsys, monkeypatch
 ):
     # Between the estimates of 4 and of 8 crops per device: 4 per device, 4 micro-batches per optimizer step.
-    budget = (_estimate("resnet50", 96, 4) + _estimate("resnet50", 96, 8)) / 2
-    monkeypatch.setenv(memory.BUDGET_ENV, f"{budget / 1e9:.4f}")
+    setting = f"{(_estimate('resnet50', 96, 4) + _estimate('resnet50', 96, 8)) / 2e9:.4f}"
+    monkeypatch.setenv(memory.BUDGET_ENV, setting)
     code, lines, err = segment(small_images, tmp_path / "run", capsys, "--model.init_args.arch", "resnet50")
     assert code == 0, err
     assert "batch: 4 per device x 1 device(s) x 4 accumulated = global batch 16, normalization batches of 2" in lines
     assert "lr: 0.01 x 16 / 16 = 0.01 for the encoder, x 10 for the heads (linear in the global batch)" in lines
     said = line(lines, "memory:")
     assert said.endswith(
-        f"above the budget of {budget / 1e9:.1f} GB (MABN_MEMORY_BUDGET_GB={budget / 1e9:.4f}): 4 images per "
-        f"device (about {_estimate('resnet50', 96, 4) / 1e9:.1f} GB) with accumulate_grad_batches 4 keep the global "
-        "batch 16"
+        f"above the budget of {memory.gb(int(float(setting) * 1e9))} (MABN_MEMORY_BUDGET_GB={setting}): 4 images "
+        f"per device (about {memory.gb(_estimate('resnet50', 96, 4))}) with accumulate_grad_batches 4 keep the "
+        "global batch 16"
     ), said
 
 
@@ -170,7 +170,7 @@ def test_resnext50_trains_two_steps_at_the_crop_from_the_data(small_images, tmp_
     assert code == 0, err
     assert line(lines, "crop:").startswith("crop: 96x96, from the data")
     assert "batch: 16 per device x 1 device(s) = global batch 16, normalization batches of 2" in logged
-    assert line(lines, "memory:").startswith(f"memory: about {_estimate('resnext50_32x4d', 96, 16) / 1e9:.1f} GB")
+    assert line(lines, "memory:").startswith(f"memory: about {memory.gb(_estimate('resnext50_32x4d', 96, 16))} ")
     saved = torch.load(run / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
     assert saved["global_step"] == 2 and saved["datamodule_hyper_parameters"]["crop_size"] == 96
 

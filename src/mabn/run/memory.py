@@ -98,7 +98,8 @@ def estimate(params: int, buffer_bytes: int, per_pixel: int, crop: int, images: 
 
 
 def gb(n: int) -> str:
-    return f"{n / GB:.1f} GB"
+    """``n`` bytes in GB, to a tenth, and below 1 GB to a hundredth (a small network's budget and estimate)."""
+    return f"{n / GB:.{1 if n >= GB else 2}f} GB"
 
 
 @dataclass(frozen=True)
