@@ -271,6 +271,22 @@ def graph_stand_in(monkeypatch) -> GraphStandIn:
     return stand_in
 
 
+@pytest.fixture
+def decoded(monkeypatch) -> list[Path]:
+    """The masks whose values a dataset check decodes, in order (``mabn.data.folder.unknown_in`` counted)."""
+    from mabn.data import folder
+
+    paths: list[Path] = []
+    unknown_in = folder.unknown_in
+
+    def counting(path, classes):
+        paths.append(path)
+        return unknown_in(path, classes)
+
+    monkeypatch.setattr(folder, "unknown_in", counting)
+    return paths
+
+
 @pytest.fixture(scope="session")
 def tiny_cityscapes(tmp_path_factory) -> Path:
     """The generated Cityscapes layout of the short stage-2 fits: 4 training and 2 validation scenes of 32x64."""

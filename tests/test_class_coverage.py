@@ -32,20 +32,6 @@ def root(tmp_path, monkeypatch) -> Path:
     return tmp_path / "d"
 
 
-@pytest.fixture
-def decoded(monkeypatch) -> list[Path]:
-    """The masks whose values the checks decode, in order."""
-    paths: list[Path] = []
-    unknown_in = folder.unknown_in
-
-    def counting(path, classes):
-        paths.append(path)
-        return unknown_in(path, classes)
-
-    monkeypatch.setattr(folder, "unknown_in", counting)
-    return paths
-
-
 def _write(root: Path, classes: str, masks: dict[str, list[np.ndarray]]) -> Path:
     """A dataset at ``root``: ``classes`` as its classes.yaml, and per split its ``masks``, each with an image."""
     rng = np.random.default_rng(0)

@@ -43,20 +43,6 @@ def _saved(data: Path) -> dict[str, list[int]]:
     return json.loads(cache.path.read_text())["clean"]
 
 
-@pytest.fixture
-def decoded(monkeypatch) -> list[Path]:
-    """The masks whose values the checks decode, in order."""
-    paths: list[Path] = []
-    unknown_in = folder.unknown_in
-
-    def counting(path, classes):
-        paths.append(path)
-        return unknown_in(path, classes)
-
-    monkeypatch.setattr(folder, "unknown_in", counting)
-    return paths
-
-
 def _check(root: Path, capsys, *extra: str) -> tuple[int, list[str]]:
     """Exit code and ``error:`` lines of the dry run on ``root``."""
     argv = ["segment", "--data", str(root), "--backbone", "none", "--dry-run", "--", *extra]

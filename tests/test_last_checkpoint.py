@@ -11,8 +11,6 @@ import logging
 import os
 import shutil
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -21,7 +19,7 @@ import pytest
 import torch
 
 from helpers.commands import run_mabn
-from helpers.processes import wait_for
+from helpers.processes import mabn_process, signalled_while_held
 from helpers.wandb_reader import wandb_session
 from mabn.run import folder as runs
 from mabn.run.requeue import TERMINATED_EXIT
@@ -135,13 +133,6 @@ def test_resume_auto_takes_the_highest_step_and_last_ckpt_of_equal_steps(tmp_pat
     assert runs.newest_checkpoint(tmp_path, identity, print).path == hpc
 
 
-def _process(argv: list[str], cwd: Path, **extra: str) -> subprocess.Popen:
-    path = os.pathsep.join([str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])
-    env = {**os.environ, "PYTHONPATH": path, "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1", **extra}
-    return subprocess.Popen([sys.executable, "-m", "mabn", *argv], cwd=cwd, env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)  # fmt: skip
-
-
 @pytest.mark.slow  # three runs of the tiny task, each its own interpreter with two loader workers: ~40 s
 def test_sigterm_to_the_whole_process_group_with_loader_workers_saves_and_resumes_without_losing_rows(tmp_path):
     """As SLURM ends a job: SIGTERM to every process of the group, the training process and its two loader
@@ -150,22 +141,14 @@ def test_sigterm_to_the_whole_process_group_with_loader_workers_saves_and_resume
     equals an uninterrupted run's row for row."""
     whole, cut = tmp_path / "whole", tmp_path / "cut"
     workers = ["--data.init_args.num_workers", "2", "--trainer.max_epochs", "2"]
-    uninterrupted = _process(["fit", "--config", str(_config(tmp_path, whole)), *workers], tmp_path)
+    uninterrupted = mabn_process(["fit", "--config", str(_config(tmp_path, whole)), *workers], tmp_path)
     assert uninterrupted.wait(timeout=240) == 0, uninterrupted.communicate()[1][-3000:]
 
     command = ["fit", "--config", str(_config(tmp_path, cut)), *workers, "--ckpt_path", "auto"]
-    holding, release = tmp_path / "holding", tmp_path / "release"
-    markers = {"TINY_HOLD_AT_STEP": "2", "TINY_HOLDING_MARKER": str(holding), "TINY_RELEASE_MARKER": str(release)}
-    first = _process(command, tmp_path, **markers)
-    try:
-        wait_for(holding, first)
-        os.killpg(first.pid, signal.SIGTERM)  # the session's group: the run and its loader workers
-        time.sleep(0.5)
-        release.touch()
-        _, err = first.communicate(timeout=240)
-    finally:
-        release.touch()
-        first.kill()
+    # the session's group: the run and its loader workers
+    first, err = signalled_while_held(
+        command, tmp_path, 2, lambda proc: os.killpg(proc.pid, signal.SIGTERM), group=True
+    )
     assert first.returncode == TERMINATED_EXIT, err[-3000:]
     assert "Traceback" not in err, err[-3000:]
     assert [line for line in err.splitlines() if line.startswith("SIGTERM")] == [
@@ -174,7 +157,7 @@ def test_sigterm_to_the_whole_process_group_with_loader_workers_saves_and_resume
     ]
     assert _step(cut / runs.CHECKPOINTS / runs.LAST) == 3
 
-    second = _process(command, tmp_path)
+    second = mabn_process(command, tmp_path)
     out, err = second.communicate(timeout=240)
     assert second.returncode == 0, err[-3000:]
     assert "(epoch 0, step 3)" in out, out[-3000:]

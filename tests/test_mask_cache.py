@@ -37,20 +37,6 @@ def data(tmp_path, monkeypatch) -> Path:
     return demo_segment.generate(tmp_path / "d", n_train=3, n_val=2, size=(32, 64))
 
 
-@pytest.fixture
-def decoded(monkeypatch) -> list[Path]:
-    """The masks whose values the checks decode, in order."""
-    paths: list[Path] = []
-    unknown_in = folder.unknown_in
-
-    def counting(path, classes):
-        paths.append(path)
-        return unknown_in(path, classes)
-
-    monkeypatch.setattr(folder, "unknown_in", counting)
-    return paths
-
-
 def _dry_run(root: Path | str, capsys) -> tuple[int, list[str], str]:
     """(exit code, ``error:`` lines, stderr) of the dry run on ``root``, in a fresh process's memory."""
     folder.MaskCache._memory.clear()

@@ -5,17 +5,13 @@ processes: tests/test_ddp_failures.py; the whole process group with loader worke
 
 from __future__ import annotations
 
-import os
 import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from helpers.processes import wait_for
+from helpers.processes import mabn_process, signalled_while_held
 from mabn.run.requeue import TERMINATED_EXIT
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -24,13 +20,6 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.fixture(autouse=True)
 def _tests_importable(monkeypatch):
     monkeypatch.syspath_prepend(str(ROOT / "tests"))
-
-
-def _process(argv: list[str], cwd: Path, **extra: str) -> subprocess.Popen:
-    path = os.pathsep.join([str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])
-    env = {**os.environ, "PYTHONPATH": path, "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1", **extra}
-    return subprocess.Popen([sys.executable, "-m", "mabn", *argv], cwd=cwd, env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
 
 
 @pytest.mark.slow  # two runs of the tiny task, each its own interpreter: ~20 s
@@ -44,18 +33,7 @@ def test_sigterm_saves_at_the_next_batch_and_resume_auto_goes_on_from_it(tmp_pat
     cfg = tmp_path / "cfg.yaml"
     cfg.write_text(CONFIG.format(root=str(folder)))
     command = ["fit", "--config", str(cfg), "--ckpt_path", "auto", "--trainer.max_epochs", "2"]
-    holding, release = tmp_path / "holding", tmp_path / "release"
-    markers = {"TINY_HOLD_AT_STEP": "5", "TINY_HOLDING_MARKER": str(holding), "TINY_RELEASE_MARKER": str(release)}
-    first = _process(command, tmp_path, **markers)
-    try:
-        wait_for(holding, first)
-        first.send_signal(signal.SIGTERM)
-        time.sleep(0.5)  # the handler runs in the main thread, in its sleep loop
-        release.touch()
-        _, err = first.communicate(timeout=240)
-    finally:
-        release.touch()
-        first.kill()
+    first, err = signalled_while_held(command, tmp_path, 5, lambda proc: proc.send_signal(signal.SIGTERM))
     assert first.returncode == TERMINATED_EXIT, err[-3000:]
     last = folder / "checkpoints" / "last.ckpt"
     line = f"SIGTERM: checkpoint saved at step 6 in {last}; the run stops here, and --resume auto goes on from it"
@@ -63,7 +41,7 @@ def test_sigterm_saves_at_the_next_batch_and_resume_auto_goes_on_from_it(tmp_pat
     print(line)  # what the user reads (docs/reliability.md)
     assert torch.load(last, weights_only=True)["global_step"] == 6
 
-    second = _process(command, tmp_path)
+    second = mabn_process(command, tmp_path)
     out, err = second.communicate(timeout=240)
     assert second.returncode == 0, err[-3000:]
     assert f"{last} (epoch 1, step 6)" in out, out[-3000:]
