@@ -221,7 +221,7 @@ class LastCheckpoint(Checkpoint):
         self._restore()  # teardown hooks do not run after an exception
         if isinstance(exception, Terminated) or not self._fitting(trainer):
             return
-        if self._start_step is None or trainer.global_step in (self._saved_step, self._start_step, None):
+        if self._start_step is None or trainer.global_step in (self._saved_step, self._start_step):
             # Nothing trained since the last save, or since the fit started (or resumed), or the fit stopped before
             # training started (a run refused in a setup hook, such as a batch that does not fit the memory).
             return
