@@ -14,6 +14,7 @@ import pytest
 import torch
 from PIL import Image
 
+import mabn
 from helpers.commands import run_mabn
 from helpers.trainer import fit_flags
 from mabn.cli import launch
@@ -169,9 +170,11 @@ def test_test_refuses_a_stage_2_checkpoint_whose_weights_do_not_fit_in_one_line(
 
 def test_load_predicts_a_batch_as_each_image_alone_with_probabilities(fitted):
     """``Segmenter.predict`` of a list, or of an N x H x W x 3 array, gives each image's class map and probabilities
-    as a call for that image alone does; the probabilities sum to 1 over the classes and their argmax is the map."""
+    as a call for that image alone does; the probabilities sum to 1 over the classes and their argmax is the map.
+    The segmenter comes from ``mabn.load``, the package's one-line entry point."""
     data, ckpt = fitted
-    segmenter = predict.load(ckpt, device="cpu")
+    segmenter = mabn.load(ckpt, device="cpu")
+    assert isinstance(segmenter, predict.Segmenter) and mabn.load is predict.load and not hasattr(mabn, "lode")
     frames = sorted((data / "leftImg8bit" / "val").rglob("*.png"))[:2]
     images = [np.asarray(Image.open(frame).convert("RGB")) for frame in frames]
     alone = [segmenter.predict(image, probs=True) for image in images]

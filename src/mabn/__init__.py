@@ -1,4 +1,8 @@
-"""MABN: Moving Average Batch Normalization for small-batch training (ICLR 2020), as a Lightning app."""
+"""MABN: Moving Average Batch Normalization for small-batch training (ICLR 2020), as a Lightning app.
+
+``mabn.load(checkpoint)`` is a stage-2 checkpoint's predictor (``mabn.inference.predict.load``): imported on first
+use, so that ``import mabn`` for the norms does not import Lightning, the models and the data pipeline.
+"""
 
 import os as _os
 
@@ -27,5 +31,14 @@ __all__ = [
     "keep_centred",
     "fold_norms",
     "NORM_PRESETS",
+    "load",
 ]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    if name == "load":
+        from .inference.predict import load
+
+        return load
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
