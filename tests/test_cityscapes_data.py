@@ -14,15 +14,10 @@ from torch.utils.data import DataLoader
 from torchvision.datasets import Cityscapes
 
 from mabn.data import once
-from mabn.data.cityscapes import (
-    CLASS_NAMES,
-    IGNORE_INDEX,
-    CityscapesDataModule,
-    CityscapesDataset,
-    DatasetError,
-    label_ids_to_train_ids,
-    train_transform,
-)
+from mabn.data.cityscapes import CLASS_NAMES, CityscapesDataModule, CityscapesDataset, label_ids_to_train_ids
+from mabn.data.classes import IGNORE_INDEX
+from mabn.data.errors import DatasetError
+from mabn.data.folder import train_transform
 from mabn.data.images import IMAGENET_MEAN, IMAGENET_STD
 from mabn.data.loading import start_worker
 from mabn.data.synthetic import cityscapes as demo_cityscapes

@@ -24,7 +24,7 @@ from helpers.trainer import BARE, STAGE2_FIT
 from mabn.callbacks import MABNCallback, PhaseRule
 from mabn.cli import launch
 from mabn.cli import lightning as cli
-from mabn.data.cityscapes import IGNORE_INDEX
+from mabn.data.classes import IGNORE_INDEX
 from mabn.models import BackboneError, PSPNet, resnet101, save_backbone
 from mabn.norm import BatchRenorm2d, CenConv2d, MABN2d
 from mabn.tasks import SegmentationTask

@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from helpers.commands import run_mabn
-from mabn.data.cityscapes import CLASS_NAMES
+from mabn.data.cityscapes import CLASS_NAMES, CLASSES
 from mabn.data.classes import ClassTable
 from mabn.data.synthetic import segment as demo_segment
 
@@ -83,4 +83,4 @@ def test_a_class_name_that_cannot_be_printed_as_it_is_is_one_escaped_line(data, 
 
 
 def test_the_cityscapes_names_are_class_names():
-    assert ClassTable.parse({"classes": list(CLASS_NAMES)}).names == ClassTable.cityscapes().names
+    assert ClassTable.parse({"classes": list(CLASS_NAMES)}).names == CLASSES.names

@@ -10,9 +10,9 @@ import pytest
 import torch
 import yaml
 
-from mabn.data.cityscapes import IGNORE_INDEX, CityscapesDataModule, train_transform
-from mabn.data.classes import ClassTable
-from mabn.data.folder import FolderDataModule, FolderDataset
+from mabn.data.cityscapes import CityscapesDataModule
+from mabn.data.classes import IGNORE_INDEX, ClassTable
+from mabn.data.folder import FolderDataModule, FolderDataset, train_transform
 from mabn.data.synthetic import segment as demo_segment
 from mabn.models import PSPNet
 

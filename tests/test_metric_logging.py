@@ -15,7 +15,8 @@ import torch
 
 from helpers.trainer import BARE
 from helpers.wandb_reader import history, offline_run, wandb_session
-from mabn.data.cityscapes import CLASS_NAMES, IGNORE_INDEX, CityscapesDataModule
+from mabn.data.cityscapes import CLASS_NAMES, CityscapesDataModule
+from mabn.data.classes import IGNORE_INDEX
 from mabn.run.loggers import CSVLogger, WandbLogger
 from mabn.tasks import SegmentationTask
 from mabn.tasks.sliding import sliding_window_logits

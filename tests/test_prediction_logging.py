@@ -10,7 +10,8 @@ from PIL import Image
 
 from helpers.trainer import BARE
 from helpers.wandb_reader import history, offline_run, wandb_session
-from mabn.data.cityscapes import CLASS_NAMES, IGNORE_INDEX, CityscapesDataModule
+from mabn.data.cityscapes import CLASS_NAMES, CityscapesDataModule
+from mabn.data.classes import IGNORE_INDEX
 from mabn.data.images import IMAGENET_MEAN, IMAGENET_STD
 from mabn.run.loggers import WandbLogger
 from mabn.tasks import SegmentationTask

@@ -25,6 +25,7 @@ from helpers.trainer import fit_flags
 from mabn.cli import launch
 from mabn.cli.commands import stage
 from mabn.cli.commands import test as evaluate
+from mabn.data import cityscapes
 from mabn.data.classes import ClassTable, voc_palette
 from mabn.data.errors import DatasetError
 from mabn.data.folder import FolderDataset, find_pairs
@@ -274,7 +275,7 @@ def test_classes_file_defaults_and_names():
     table = ClassTable.parse({"classes": ["a", "b"], "ignore_index": None, "mask_values": {10: "b", 20: 0, "30": 1}})
     assert table.class_values.tolist() == [20, 10] and table.classes_of(np.array([30]))[0].tolist() == [1]
     assert ClassTable.parse({"classes": ["a"], "mask_values": {300: "a"}}).class_values.dtype == np.uint16
-    assert ClassTable.cityscapes().class_values.tolist() == predict.TRAIN_TO_LABEL_ID.tolist()
+    assert cityscapes.CLASSES.class_values.tolist() == predict.TRAIN_TO_LABEL_ID.tolist()
 
 
 @pytest.mark.parametrize(

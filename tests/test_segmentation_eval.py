@@ -15,7 +15,8 @@ import torch.nn.functional as F
 from PIL import Image
 from torch import nn
 
-from mabn.data.cityscapes import CLASS_NAMES, IGNORE_INDEX, label_ids_to_train_ids
+from mabn.data.cityscapes import CLASS_NAMES, label_ids_to_train_ids
+from mabn.data.classes import IGNORE_INDEX
 from mabn.data.synthetic import cityscapes as demo_cityscapes
 from mabn.tasks.metrics import SegmentationMetric, format_iou_table
 from mabn.tasks.sliding import sliding_window_logits, window_starts

@@ -35,11 +35,13 @@ from typing import Any
 import numpy as np
 import yaml
 
-from .cityscapes import CLASS_NAMES, IGNORE_INDEX, TRAIN_ID_COLORS, TRAIN_TO_LABEL_ID
 from .errors import DatasetError
 
-__all__ = ["CLASSES_FILE", "COLOR", "INDEX", "ClassTable", "color_codes", "voc_palette"]
+__all__ = ["CLASSES_FILE", "COLOR", "IGNORE_INDEX", "INDEX", "ClassTable", "color_codes", "voc_palette"]
 
+# The class index of an ignored pixel inside the product, whatever dataset it comes from: the loss, the metrics,
+# the augmentation's padding and the sliding-window evaluation leave it out.
+IGNORE_INDEX = 255
 CLASSES_FILE = "classes.yaml"
 KEYS = ("classes", "colors", "ignore_index", "mask_values", "mask_format", "ignore_color")
 INDEX, COLOR = "index", "color"  # the mask formats: one value per pixel, or one colour per pixel
@@ -284,13 +286,6 @@ class ClassTable:
             "mask_format": self.mask_format,
             "ignore_color": None if self.ignore_color is None else list(self.ignore_color),
         }
-
-    @classmethod
-    def cityscapes(cls) -> ClassTable:
-        """Cityscapes' 19 evaluated classes: trainIds, their colours and labelIds (every other labelId ignored)."""
-        pairs = tuple((int(label_id), index) for index, label_id in enumerate(TRAIN_TO_LABEL_ID.tolist()))
-        colors = tuple(tuple(c) for c in TRAIN_ID_COLORS.tolist())
-        return cls(CLASS_NAMES, colors, None, tuple(sorted(pairs)), "Cityscapes")  # type: ignore[arg-type]
 
     @property
     def palette(self) -> np.ndarray:

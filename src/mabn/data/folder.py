@@ -1,5 +1,7 @@
-"""A segmentation dataset of the user's own, in one folder: what ``python -m mabn segment --data DIR`` trains on
-(docs/your-data.md).
+"""Segmentation datasets: the base of every one (``FolderDataset``, ``FolderDataModule``: reading, the checks, the
+class coverage, the mask cache, the crop, the recipe's augmentation and loaders), in the layout of a dataset of the
+user's own, in one folder: what ``python -m mabn segment --data DIR`` trains on (docs/your-data.md). A dataset of
+another layout is a subclass that names its layout, its ids and its classes (``mabn.data.cityscapes``).
 
 Layout::
 
@@ -9,10 +11,10 @@ Layout::
                                         the class colours with ``mask_format: color``
 
 for the splits ``train`` and ``val``. An image and its mask pair by their path below the split folder without
-the suffix (``images/val/a/x.jpg`` and ``masks/val/a/x.png``). The recipe is stage 2's (``CityscapesDataModule``'s
-augmentation, batches, loaders and crop): a training image smaller than the crop is padded up to it as the
-augmentation pads (the image with the mean pixel, the mask with ignored pixels), and ``small_images`` says how
-many are.
+the suffix (``images/val/a/x.jpg`` and ``masks/val/a/x.png``). The recipe is stage 2's (``train_transform``'s
+augmentation, ``FolderDataModule``'s batches, loaders and crop): a training image smaller than the crop is padded
+up to it as the augmentation pads (the image with the mean pixel, the mask with ignored pixels), and
+``small_images`` says how many are.
 
 What is checked when: ``--dry-run`` checks the whole dataset (``check_dataset``) and names every problem at once,
 one line per kind: ``classes.yaml``; for both splits the folders, that every image has its PNG mask and the
@@ -47,36 +49,47 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import albumentations as A
+import cv2
 import numpy as np
+import pytorch_lightning as pl
+import torch
 import yaml
+from torch.utils.data import DataLoader, Dataset
 
-from ..distributed import first_process, say
+from ..distributed import first_process, rank, say
 from ..errors import WriteError
-from ..run import TMP_SUFFIX, first_line, write_text_atomic
-from .cityscapes import (
-    IGNORE_INDEX,
-    CityscapesDataModule,
-    CityscapesDataset,
-    CityscapesSample,
-)
-from .classes import CLASSES_FILE, COLOR, ClassTable
+from ..run import TMP_SUFFIX, device_batch, first_line, write_text_atomic
+from .classes import CLASSES_FILE, COLOR, IGNORE_INDEX, ClassTable
 from .errors import DatasetError, DatasetErrors, pair_problems
-from .images import TURNED, how_read, image_size, imagenet_normalize, read_header, read_image, read_values
-from .loading import DataPlan
+from .images import (
+    IMAGENET_MEAN,
+    TURNED,
+    how_read,
+    image_size,
+    imagenet_normalize,
+    read_header,
+    read_image,
+    read_values,
+)
+from .loading import DataPlan, augmentation_seed, make_loader
 
 __all__ = [
     "ClassPixels",
     "FolderDataModule",
     "FolderDataset",
+    "Sample",
     "check_dataset",
     "data_crop",
     "find_pairs",
     "small_images",
+    "train_transform",
 ]
 
 IMAGES, MASKS = "images", "masks"
 IMAGE_TYPES = (".png", ".jpg", ".jpeg", ".bmp", ".tif", ".tiff", ".webp")
 MASK_TYPE = ".png"
+MASK_TERM = "mask"  # what the messages call a mask file
+MASK_EXPECTED = "a single-channel PNG of mask values (greyscale or palette), not a colour image"
 LAYOUT = f"DIR/{IMAGES}/<split>/<name>.<png|jpg|...> with masks DIR/{MASKS}/<split>/<name>.png and DIR/{CLASSES_FILE}"
 CACHE_DIR_ENV = "MABN_CACHE_DIR"  # the variable naming the folder of the mask check's cache (``cache_dir``)
 CACHE_FORM = 2  # the form of the cache's entries (``MaskCache``): the file's stamp, then its pixels per class
@@ -93,6 +106,16 @@ RECENT_NS = 2_000_000_000
 # A cache write lasts milliseconds: its temporary file this old is a killed write's, a younger one may be another
 # process's write in progress.
 STALE_TMP_NS = 60 * 10**9
+# Padding the uint8 image with the mean pixel makes padded areas exactly 0 after normalization (as hszhao pads).
+MEAN_PIXEL = tuple(255.0 * m for m in IMAGENET_MEAN)
+
+
+class Sample(NamedTuple):
+    """One image/mask pair; ``name`` is the image's file name without its suffix (Cityscapes: the frame id)."""
+
+    name: str
+    image: Path
+    label: Path
 
 
 def _files(folder: Path, suffixes: tuple[str, ...]) -> dict[str, Path]:
@@ -109,7 +132,7 @@ def _files(folder: Path, suffixes: tuple[str, ...]) -> dict[str, Path]:
     return found
 
 
-def index_split(root: Path, split: str) -> tuple[list[CityscapesSample], list[str]]:
+def index_split(root: Path, split: str) -> tuple[list[Sample], list[str]]:
     """(the image/mask pairs of ``split`` in sorted order, as ``(name, image, mask)``; the problems of its layout,
     one line per kind naming the folder or the first file, with how many: a missing split folder, a split without
     images, masks of another type than PNG, images without their mask and masks without their image)."""
@@ -143,10 +166,10 @@ def index_split(root: Path, split: str) -> tuple[list[CityscapesSample], list[st
         ),
     )
     paired = sorted(images.keys() & masks.keys() - other)
-    return [CityscapesSample(Path(key).name, images[key], masks[key]) for key in paired], problems
+    return [Sample(Path(key).name, images[key], masks[key]) for key in paired], problems
 
 
-def find_pairs(root: str | Path, split: str) -> list[CityscapesSample]:
+def find_pairs(root: str | Path, split: str) -> list[Sample]:
     """The image/mask pairs of ``split`` in sorted order, as ``(name, image, mask)``; ``DatasetError`` for the
     first problem of its layout (``index_split``)."""
     samples, problems = index_split(Path(root), split)
@@ -155,13 +178,11 @@ def find_pairs(root: str | Path, split: str) -> list[CityscapesSample]:
     return samples
 
 
-def _sizes(
-    samples: list[CityscapesSample], image_dir: Path
-) -> tuple[dict[CityscapesSample, tuple[int, int]], list[str]]:
+def _sizes(samples: list[Sample], image_dir: Path) -> tuple[dict[Sample, tuple[int, int]], list[str]]:
     """(the (width, height) of each pair's image, read from the headers, by pair, for the pairs whose headers
     read; the lines for unreadable files and for masks of another size than their image, the first such pair
     named, with how many)."""
-    sizes: dict[CityscapesSample, tuple[int, int]] = {}
+    sizes: dict[Sample, tuple[int, int]] = {}
     mismatched, unreadable = [], []
     for sample in samples:
         try:
@@ -182,7 +203,7 @@ def _sizes(
     return sizes, problems
 
 
-def pair_sizes(samples: list[CityscapesSample], image_dir: Path) -> list[tuple[int, int]]:
+def pair_sizes(samples: list[Sample], image_dir: Path) -> list[tuple[int, int]]:
     """The (width, height) of each pair's image, read from the headers; ``DatasetError`` for the first problem
     of ``_sizes`` (an unreadable file, masks of another size than their image)."""
     sizes, problems = _sizes(samples, image_dir)
@@ -191,16 +212,19 @@ def pair_sizes(samples: list[CityscapesSample], image_dir: Path) -> list[tuple[i
     return list(sizes.values())
 
 
-def read_mask(path: Path, classes: ClassTable) -> np.ndarray:
-    """The mask's values (H x W), or its RGB colours (H x W x 3) for colour masks."""
+def read_mask(
+    path: Path,
+    classes: ClassTable,
+    term: str = MASK_TERM,
+    expected: str = MASK_EXPECTED,
+) -> np.ndarray:
+    """The mask's values (H x W), or its RGB colours (H x W x 3) for colour masks; errors name it a ``term`` file,
+    and say ``expected`` of one that is not single-channel."""
     if classes.mask_format == COLOR:
-        return read_values(path, "mask", "RGB")
-    mask = read_values(path, "mask")
+        return read_values(path, term, "RGB")
+    mask = read_values(path, term)
     if mask.ndim != 2:
-        raise DatasetError(
-            f"mask file {path} has shape {mask.shape}; expected a single-channel PNG of mask values "
-            "(greyscale or palette), not a colour image"
-        )
+        raise DatasetError(f"{term} file {path} has shape {mask.shape}; expected {expected}")
     return mask
 
 
@@ -476,7 +500,7 @@ def _decode(paths: list[Path], classes: ClassTable) -> list[MaskCheck]:
 
 
 def _unknown_masks(
-    root: Path, samples: list[CityscapesSample], classes: ClassTable, save: bool
+    root: Path, samples: list[Sample], classes: ClassTable, save: bool
 ) -> tuple[list[tuple[Path, np.ndarray]], ClassPixels]:
     """(the masks of ``samples`` (of the dataset under ``root``) that hold values (colours) of no class, in sorted
     order, with those values; the pixels per class of all of them). Masks ``MaskCache`` knows clean are not
@@ -503,7 +527,7 @@ def _unknown_line(root: Path, split: str, classes: ClassTable, bad: list[tuple[P
 
 
 def unknown_values(
-    root: Path, split: str, samples: list[CityscapesSample], classes: ClassTable, save: bool = True
+    root: Path, split: str, samples: list[Sample], classes: ClassTable, save: bool = True
 ) -> tuple[str | None, ClassPixels]:
     """(the line for the masks of ``samples`` (the ``split`` of the dataset under ``root``) that hold values
     (colours) of no class: the first such mask (in sorted order), its values, and how many of the split's masks
@@ -612,11 +636,78 @@ def reading_lines(args: Mapping[str, Any]) -> list[str]:
     ]
 
 
-class FolderDataset(CityscapesDataset):
-    """The ``split`` of a dataset in the layout of this module under ``root``, yielding normalized images and class
-    maps: items as ``CityscapesDataset``'s (3xHxW float32, HxW int64 class indices with 255 for ignored pixels),
-    the mask values (or colours) mapped to classes by ``classes`` (``ClassTable.classes_of``). ``sizes[i]`` is
-    item ``i``'s (width, height)."""
+def train_transform(
+    crop_size: int = 713,
+    scale_range: tuple[float, float] = (0.5, 2.0),
+    rotate_limit: float = 10.0,
+    blur_p: float = 0.5,
+    seed: int | None = None,
+) -> A.Compose:
+    """The hszhao/semseg PSPNet training augmentation (before normalization), in its order.
+
+    Random scale in ``scale_range`` (image bilinear, mask nearest) -> rotation within +-``rotate_limit``
+    degrees with p 0.5 (image padded with the mean pixel, mask with 255) -> 5x5 Gaussian blur with p
+    ``blur_p`` -> horizontal flip -> centred pad to ``crop_size`` (mean / 255) -> random ``crop_size`` crop.
+
+    The default crop is the paper's (and hszhao's) 713: PSPNet takes any input size (its encoder at output
+    stride 8 gives 90x90 features for 713, and both heads upsample to the input size).
+    """
+    low, high = scale_range
+    return A.Compose(
+        [
+            # RandomScale samples from 1 + scale_limit.
+            A.RandomScale(
+                scale_limit=(low - 1.0, high - 1.0),
+                interpolation=cv2.INTER_LINEAR,
+                mask_interpolation=cv2.INTER_NEAREST,
+                p=1.0,
+            ),
+            A.Rotate(
+                limit=(-rotate_limit, rotate_limit),
+                interpolation=cv2.INTER_LINEAR,
+                mask_interpolation=cv2.INTER_NEAREST,
+                border_mode=cv2.BORDER_CONSTANT,
+                fill=MEAN_PIXEL,
+                fill_mask=IGNORE_INDEX,
+                p=0.5,
+            ),
+            # hszhao calls cv2.GaussianBlur(img, (5, 5), 0); OpenCV derives sigma 1.1 for a 5-tap kernel.
+            A.GaussianBlur(blur_limit=(5, 5), sigma_limit=(1.1, 1.1), p=blur_p),
+            A.HorizontalFlip(p=0.5),
+            A.PadIfNeeded(
+                min_height=crop_size,
+                min_width=crop_size,
+                position="center",
+                border_mode=cv2.BORDER_CONSTANT,
+                fill=MEAN_PIXEL,
+                fill_mask=IGNORE_INDEX,
+            ),
+            A.RandomCrop(height=crop_size, width=crop_size),
+        ],
+        seed=seed,
+    )
+
+
+class FolderDataset(Dataset):
+    """The ``split`` of a segmentation dataset under ``root``, yielding normalized images and class maps: the base
+    of every segmentation dataset, in the layout of this module. A dataset of another layout names it on top
+    (``mabn.data.cityscapes``): its pairing (``find_pairs``), what its messages call a mask (``mask_term``,
+    ``mask_expected``), whether indexing reads the sizes (``index_sizes``) and how its mask values map to classes
+    (``class_map``).
+
+    Items are ``(image, label)``: a float32 tensor 3xHxW normalized with the ImageNet mean/std and an int64 tensor
+    HxW of class indices with ``IGNORE_INDEX`` (255) for ignored pixels, the mask values (or colours) mapped to
+    classes by ``classes`` (``ClassTable.classes_of``). ``transform`` is an albumentations-style callable applied to
+    ``image=`` (uint8 HxWx3 RGB) and ``mask=`` (uint8 class map) before normalization, e.g. :func:`train_transform`;
+    ``None`` keeps the full image. ``samples[i]`` names the files of item ``i``; ``sizes[i]`` is its (width,
+    height), read from the headers when the split is indexed (None where ``index_sizes`` is off).
+    """
+
+    image_folder = IMAGES  # the folder of the images below the root, which holds the split folders
+    mask_term, mask_expected = MASK_TERM, MASK_EXPECTED
+    # Whether indexing a split reads every pair's size from the headers, so that a mask of another size than its
+    # image is named before the first step (its pair is checked when it is read either way).
+    index_sizes = True
 
     def __init__(
         self,
@@ -626,24 +717,53 @@ class FolderDataset(CityscapesDataset):
         transform: A.BasicTransform | A.Compose | None = None,
     ) -> None:
         self.root, self.split, self.classes, self.transform = Path(root), split, classes, transform
-        self.samples = find_pairs(self.root, split)
-        self.sizes = pair_sizes(self.samples, self.root / IMAGES / split)
+        self.samples = self.find_pairs(self.root, split)
+        self.sizes: list[tuple[int, int]] | None = None
+        if self.index_sizes:
+            self.sizes = self.image_sizes()
         self._normalize = imagenet_normalize()
 
+    @staticmethod
+    def find_pairs(root: Path, split: str) -> list[Sample]:
+        """The image/mask pairs of ``split`` under ``root`` in sorted order; ``DatasetError`` for the first problem
+        of the layout."""
+        return find_pairs(root, split)
+
+    def image_sizes(self) -> list[tuple[int, int]]:
+        """``sizes``, read from the headers now where indexing did not read them; ``DatasetError`` for an unreadable
+        file or a mask of another size than its image (``pair_sizes``)."""
+        if self.sizes is not None:
+            return self.sizes
+        return pair_sizes(self.samples, self.root / self.image_folder / self.split)
+
+    @property
+    def class_names(self) -> tuple[str, ...]:
+        """The classes' names in index order: what a task evaluating this dataset names in its tables."""
+        return self.classes.names
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
     def read_pair(self, index: int) -> tuple[np.ndarray, np.ndarray]:
-        """The raw item: uint8 RGB image HxWx3 and uint8 class map HxW."""
+        """The raw item: uint8 RGB image HxWx3 and uint8 class map HxW, checked to have the same size."""
         sample = self.samples[index]
         image = read_image(sample.image)
-        mask = read_mask(sample.label, self.classes)
-        if image.shape[:2] != mask.shape[:2]:  # the files changed since they were indexed
+        mask = read_mask(sample.label, self.classes, self.mask_term, self.mask_expected)
+        if image.shape[:2] != mask.shape[:2]:  # sizes not indexed, or the files changed since
             (ih, iw), (mh, mw) = image.shape[:2], mask.shape[:2]
             raise DatasetError(
-                f"size mismatch: image {sample.image} is {iw}x{ih} but mask {sample.label} is {mw}x{mh} (WxH)"
+                f"size mismatch: image {sample.image} is {iw}x{ih} but {self.mask_term} {sample.label} is "
+                f"{mw}x{mh} (WxH)"
             )
+        return image, self.class_map(mask, sample.label)
+
+    def class_map(self, mask: np.ndarray, path: Path) -> np.ndarray:
+        """The uint8 class map of the mask read from ``path`` (``ClassTable.classes_of``); a value (colour) of no
+        class is an error naming the file (``unknown_values``)."""
         classes, unknown = self.classes.classes_of(mask)
         if unknown.size:
-            raise self.unknown_values(sample.label, unknown)
-        return image, classes
+            raise self.unknown_values(path, unknown)
+        return classes
 
     def unknown_values(self, path: Path, values: np.ndarray) -> DatasetError:
         """The error for the values (colours) ``values`` of no class that the mask at ``path`` holds, naming it
@@ -655,19 +775,35 @@ class FolderDataset(CityscapesDataset):
         bad = [(path, values), *others]
         return DatasetError(_unknown_line(self.root, self.split, self.classes, bad, len(self.samples)))
 
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        image, label = self.read_pair(index)
+        if self.transform is not None:
+            out = self.transform(image=image, mask=label)
+            image, label = out["image"], out["mask"]
+        image = self._normalize(image=image)["image"]
+        return torch.from_numpy(np.ascontiguousarray(image.transpose(2, 0, 1))), torch.from_numpy(
+            label.astype(np.int64)
+        )
 
-class FolderDataModule(CityscapesDataModule):
-    """Stage 2 on a dataset of one's own, in the layout of this module under ``data_dir``, with the Cityscapes recipe.
 
-    Its arguments, augmentation (``train_transform``), batches over devices and loaders are ``CityscapesDataModule``'s.
+class FolderDataModule(pl.LightningDataModule):
+    """Stage 2's data: the train and val splits of a segmentation dataset under ``data_dir``, with the hszhao/semseg
+    PSPNet recipe; the base of every segmentation data module, in the layout of this module (a dataset of one's
+    own). A dataset of another layout names it on top (``mabn.data.cityscapes``): its dataset (``dataset``), its
+    classes where it fixes them (``fixed_classes``), its default crop and its dry-run plan.
+
+    Training batches are ``batch_size`` (per device) random ``crop_size`` crops (``train_transform``); with
+    ``global_batch_size`` the per-device batch is its share instead, by the rule of ``mabn.run.scaling.device_batch``
+    with the model's normalization batch. The train loader shuffles and drops the last partial batch so every batch
+    splits into whole ghost batches. Validation yields full, untransformed images (``val_batch_size`` 1 by default)
+    for sliding-window evaluation.
 
     The classes come from ``data_dir/classes.yaml``: ``num_classes`` (linked to the model's) and ``class_names``
     (the validation tables) are read from it when the module is made. The crop is ``crop_size``, or where that is
     null one from the training images' sizes (``data_crop``), decided when the module is set up; smaller training
     images are padded up to it, and a fit says how many are (``small_images``, as ``--dry-run`` does). The class
     table and the crop are kept in the module's hyperparameters (``classes``, ``crop_size``), which Lightning writes
-    into every checkpoint: what ``python -m mabn test`` and ``predict`` read. The arguments are
-    ``CityscapesDataModule``'s; the layout makes these differ:
+    into every checkpoint: what ``python -m mabn test`` and ``predict`` read.
 
     Args:
         data_dir: the dataset's folder, which holds ``classes.yaml``, ``images/<split>/`` and ``masks/<split>/``
@@ -675,48 +811,113 @@ class FolderDataModule(CityscapesDataModule):
         crop_size: the side in pixels of the square random training crops; null (configs/segment.yaml): from the
             data, the recipe's 713 where the median training image's shorter side holds it, else the largest
             multiple of 8 within that side. Smaller images are padded up to it.
-        train_split: the split folder trained on, below ``images/`` and ``masks/``.
-        val_split: the split folder validated on, below ``images/`` and ``masks/``.
+        batch_size: training crops per device and step (replaced by the share of ``global_batch_size`` if set).
+        val_batch_size: full images per device and validation step.
+        num_workers: data loading processes per device; 0: load in the training process.
+        scale_range: the lowest and highest factor of the random training rescale, before the crop.
+        rotate_limit: the largest random training rotation, in degrees either way (applied with p 0.5).
+        blur_p: the probability of a 5x5 Gaussian blur of a training image.
+        train_split: the split folder trained on, below the image and mask folders (``images/`` and ``masks/``;
+            Cityscapes: ``leftImg8bit/`` and ``gtFine/``).
+        val_split: the split folder validated on, below the image and mask folders.
+        global_batch_size: the largest training batch over all devices: each device takes its share, in whole
+            normalization batches (never under one); null: ``batch_size`` per device.
     """
 
-    def __init__(self, data_dir: str, crop_size: int | None = None, **kwargs: Any) -> None:
-        super().__init__(data_dir, crop_size, **kwargs)  # type: ignore[arg-type]  # None: decided in setup
+    # The classes a dataset defines itself, whose masks hold only their values or ignored ones (Cityscapes'); None:
+    # those of the data folder's classes.yaml, which the checkpoints record and whose masks are checked for values
+    # of no class before a fit.
+    fixed_classes: ClassTable | None = None
+
+    def __init__(
+        self,
+        data_dir: str,
+        crop_size: int | None = None,
+        batch_size: int = 2,
+        val_batch_size: int = 1,
+        num_workers: int = 4,
+        scale_range: tuple[float, float] = (0.5, 2.0),
+        rotate_limit: float = 10.0,
+        blur_p: float = 0.5,
+        train_split: str = "train",
+        val_split: str = "val",
+        global_batch_size: int | None = None,
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.data_dir = data_dir
+        self.crop_size = crop_size
+        self.batch_size = batch_size
+        self.val_batch_size = val_batch_size
+        self.num_workers = num_workers
+        self.scale_range = scale_range
+        self.rotate_limit = rotate_limit
+        self.blur_p = blur_p
+        self.train_split = train_split
+        self.val_split = val_split
+        self.global_batch_size = global_batch_size
+        self.train_set: FolderDataset | None = None
+        self.val_set: FolderDataset | None = None
 
     @cached_property
     def classes(self) -> ClassTable:
-        return ClassTable.read(Path(self.data_dir) / CLASSES_FILE)
+        return self.fixed_classes or ClassTable.read(Path(self.data_dir) / CLASSES_FILE)
 
     @property
-    def num_classes(self) -> int:  # type: ignore[override]
+    def num_classes(self) -> int:
         return len(self.classes.names)
 
     @property
-    def class_names(self) -> tuple[str, ...]:  # type: ignore[override]
+    def class_names(self) -> tuple[str, ...]:
         return self.classes.names
 
+    def dataset(self, split: str) -> FolderDataset:
+        """The full-image dataset of ``split``."""
+        return FolderDataset(self.data_dir, split, self.classes)
+
     def setup(self, stage: str | None = None) -> None:
-        self.hparams["classes"] = self.classes.as_dict()
+        """Index the splits the stage needs; raises ``DatasetError`` if the layout is missing or broken."""
+        if self.fixed_classes is None:
+            self.hparams["classes"] = self.classes.as_dict()
         if self.crop_size is None:  # from the data, and so into the checkpoints, which test and predict read
-            split = self.train_split
-            sizes = pair_sizes(find_pairs(self.data_dir, split), Path(self.data_dir) / IMAGES / split)
-            self.crop_size, line = data_crop(sizes, None)
+            self.crop_size, line = data_crop(self.dataset(self.train_split).image_sizes(), None)
             self.hparams["crop_size"] = self.crop_size
             say(line)
-        super().setup(stage)
+        if self.global_batch_size:
+            world = self.trainer.world_size if self.trainer is not None else 1
+            module = self.trainer.lightning_module if self.trainer is not None else None
+            norm_batch = module.hparams.get("norm_batch_size") if module is not None else None
+            self.batch_size = device_batch(self.global_batch_size, world, norm_batch)
+        if stage in (None, "fit"):
+            self.train_set = self.make_dataset(self.train_split, train=True)
+        if stage in (None, "fit", "validate"):
+            self.val_set = self.make_dataset(self.val_split, train=False)
 
     def make_dataset(self, split: str, train: bool) -> FolderDataset:
-        dataset = FolderDataset(self.data_dir, split, self.classes)
-        # Every mask's values before the first step, not at the mask's first read hours in; the masks found clean
-        # go into the cache, so the next fit (a resume, a rerun) and dry run decode only new or changed ones.
-        problem = unknown_values(dataset.root, split, dataset.samples, self.classes)[0]
-        if problem:
-            raise DatasetError(problem)
+        """The dataset of ``split``: with the training augmentation (``train_transform`` at ``crop_size``) when
+        ``train``, full images otherwise."""
+        dataset = self.dataset(split)
+        if self.fixed_classes is None:
+            # Every mask's values before the first step, not at the mask's first read hours in; the masks found
+            # clean go into the cache, so the next fit (a resume, a rerun) and dry run decode only new or changed
+            # ones.
+            problem = unknown_values(dataset.root, split, dataset.samples, self.classes)[0]
+            if problem:
+                raise DatasetError(problem)
         if train:
-            count, line = small_images(dataset.sizes, self.crop_size)
-            if count:  # a fit speaks of padding only where there is some; a dry run always says the count
-                say(line)
+            if dataset.sizes is not None:
+                count, line = small_images(dataset.sizes, self.crop_size)
+                if count:  # a fit speaks of padding only where there is some; a dry run always says the count
+                    say(line)
             dataset.transform = self.augmentation()
         return dataset
+
+    def augmentation(self) -> A.Compose:
+        """``train_transform`` with this module's settings, seeded from torch so that seed_everything also fixes
+        the augmentations with num_workers=0."""
+        return train_transform(
+            self.crop_size, self.scale_range, self.rotate_limit, self.blur_p, seed=augmentation_seed(rank())
+        )
 
     @staticmethod
     def plan(args: Mapping[str, Any]) -> DataPlan:
@@ -730,3 +931,14 @@ class FolderDataModule(CityscapesDataModule):
         crop, crop_line = data_crop(sizes, args.get("crop_size"))
         lines = [crop_line, small_images(sizes, crop)[1], *pixels.lines(), *reading_lines(args)]
         return DataPlan(len(sizes), lines, crop)
+
+    def _loader(self, dataset: FolderDataset | None, batch_size: int, train: bool) -> DataLoader:
+        if dataset is None:
+            raise RuntimeError("call setup() before asking for a dataloader")
+        return make_loader(dataset, batch_size, train, self.num_workers)
+
+    def train_dataloader(self) -> DataLoader:
+        return self._loader(self.train_set, self.batch_size, train=True)
+
+    def val_dataloader(self) -> DataLoader:
+        return self._loader(self.val_set, self.val_batch_size, train=False)

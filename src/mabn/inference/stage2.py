@@ -13,7 +13,7 @@ from typing import Any
 
 import pytorch_lightning as pl
 
-from ..data.cityscapes import NUM_CLASSES, CityscapesDataset
+from ..data.cityscapes import CLASSES, NUM_CLASSES, CityscapesDataset
 from ..data.classes import CLASSES_FILE, ClassTable
 from ..data.folder import IMAGES, FolderDataset
 from ..errors import ConfigError
@@ -81,7 +81,7 @@ def recorded_classes(num_classes: int, data: dict[str, Any]) -> ClassTable | Non
     table a dataset of the user's own records, else Cityscapes' 19; None for another count without a table."""
     if "classes" in data:
         return ClassTable.from_dict(data["classes"])
-    return ClassTable.cityscapes() if num_classes == NUM_CLASSES else None
+    return CLASSES if num_classes == NUM_CLASSES else None
 
 
 def load_stage2(path: Path) -> Stage2Checkpoint:
