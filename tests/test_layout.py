@@ -123,3 +123,48 @@ def test_import_mabn_leaves_the_model_libraries_and_lightning_unloaded():
     code = f"import sys, mabn; print(sorted(m for m in {heavy!r} if m in sys.modules))"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert done.stdout.strip() == "[]"
+
+
+# The modules of the datasets: what no task imports, and what the dataset-neutral data modules do not import either.
+DATASET_MODULES = ("mabn.data.cityscapes", "mabn.data.folder", "mabn.data.imagenet", "mabn.data.synthetic")
+NEUTRAL_DATA_MODULES = ("mabn.data.classes", "mabn.data.errors", "mabn.data.images", "mabn.data.loading")
+
+
+def test_tasks_and_the_neutral_data_modules_import_no_dataset():
+    """A task takes its classes from its data module or the dataset it evaluates and the ignored index from
+    ``mabn.data.classes``: neither a task nor a dataset-neutral data module reaches a dataset's module."""
+    graph = _graph()
+    reached = [
+        f"{module} -> {target}"
+        for module in graph
+        if module.startswith("mabn.tasks") or module in NEUTRAL_DATA_MODULES
+        for target in nx.descendants(graph, module)
+        if target.startswith(DATASET_MODULES)
+    ]
+    assert reached == []
+
+
+def _own_names(cls: type) -> set[str]:
+    """What ``cls`` defines itself: its attributes and methods, ``__init__`` the one dunder counted."""
+    return {name for name in vars(cls) if not name.startswith("__") or name == "__init__"}
+
+
+def test_cityscapes_is_the_folder_dataset_naming_its_facts():
+    """The folder dataset is the base of every segmentation dataset; Cityscapes' classes define its layout (image
+    folder, pairing, the words of its messages), its labelId -> trainId mapping, its fixed classes, its crop and its
+    dry-run count, and nothing of the reading, checks, augmentation or loaders."""
+    from mabn.data import cityscapes, folder
+
+    assert issubclass(cityscapes.CityscapesDataset, folder.FolderDataset)
+    assert issubclass(cityscapes.CityscapesDataModule, folder.FolderDataModule)
+    assert "mabn.data.cityscapes" not in nx.descendants(_graph(), "mabn.data.folder")
+    assert _own_names(cityscapes.CityscapesDataset) == {
+        "image_folder",
+        "mask_term",
+        "mask_expected",
+        "index_sizes",
+        "__init__",
+        "find_pairs",
+        "class_map",
+    }
+    assert _own_names(cityscapes.CityscapesDataModule) == {"fixed_classes", "__init__", "dataset", "plan"}

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from pytorch_lightning.loggers import WandbLogger
 from pytorch_lightning.utilities import rank_zero_info, rank_zero_warn
 
-from ..data.cityscapes import CLASS_NAMES, IGNORE_INDEX
+from ..data.classes import IGNORE_INDEX
 from ..data.images import IMAGENET_MEAN, IMAGENET_STD
 from ..errors import ConfigError
 from ..models import (
@@ -224,14 +224,18 @@ class SegmentationTask(NormTask):
         return self.hparams.eval_crop or self.trainer.datamodule.crop_size
 
     def class_names(self) -> tuple[str, ...]:
-        """The classes' names in index order, for the validation tables and the logged masks: the data module's
-        ``class_names`` when it has one per class (a dataset of the user's own: its ``classes.yaml``), else
-        Cityscapes' for 19 classes, else ``class 0``, ``class 1``, ..."""
-        n = self.hparams.num_classes
-        names = getattr(self._trainer.datamodule if self._trainer is not None else None, "class_names", None)
-        if names is not None and len(names) == n:
-            return tuple(names)
-        return CLASS_NAMES if n == len(CLASS_NAMES) else tuple(f"class {i}" for i in range(n))
+        """The classes' names in index order, for the validation tables and the logged masks: the ``class_names``
+        of the data module, else of the dataset evaluated (``python -m mabn test``'s loader of a checkpoint's
+        split), when it has one per class; else ``class 0``, ``class 1``, ..."""
+        n, trainer = self.hparams.num_classes, self._trainer
+        if trainer is not None:
+            loaders = trainer.test_dataloaders if trainer.testing else trainer.val_dataloaders
+            loaders = loaders if isinstance(loaders, (list, tuple)) else [loaders]
+            for source in (trainer.datamodule, *(getattr(loader, "dataset", None) for loader in loaders)):
+                names = getattr(source, "class_names", None)
+                if names is not None and len(names) == n:
+                    return tuple(names)
+        return tuple(f"class {i}" for i in range(n))
 
     def predict_probs(self, images: torch.Tensor) -> torch.Tensor:
         """Class probabilities (N, K, H, W) of full images by the sliding-window protocol (``eval_crop``,
