@@ -76,7 +76,7 @@ def _step_once(point: Point, steps: int) -> dict:
     import yaml
 
     from ...cli.launch import CONFIGS
-    from ...data.cityscapes import IGNORE_INDEX
+    from ...data.classes import IGNORE_INDEX
     from ...models import build_segmentation_model
     from ...norm.cenconv import keep_centred
 

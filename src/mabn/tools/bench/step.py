@@ -24,7 +24,7 @@ import torchvision
 from torch import nn
 
 from ...callbacks import MABNCallback, NormPolicy
-from ...data.cityscapes import IGNORE_INDEX
+from ...data.classes import IGNORE_INDEX
 from ...models import PSPNet, resnet
 from ...norm import convert_norm
 from ...norm.cenconv import keep_centred
