@@ -14,7 +14,7 @@ import networkx as nx
 SRC = Path(__file__).resolve().parents[1] / "src"
 # Bottom to top, as docs/design.md states them; a floor's units may import one another's names without a cycle.
 FLOORS = (
-    ("errors", "distributed", "recipes"),
+    ("errors", "distributed", "recipes", "compat"),
     ("norm",),
     ("run",),
     ("models",),

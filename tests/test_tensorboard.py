@@ -40,7 +40,7 @@ def _fit(tmp_path: Path, request, monkeypatch, capsys, *args: str) -> tuple[int,
 def test_a_stage_launch_places_the_tensorboard_logger_in_its_run_folder(tmp_path, monkeypatch):
     """Appended after the recipe's loggers, it gets the run's folder as they do, and the stage and dataset the
     launch passes stay the WandbLogger's."""
-    monkeypatch.setattr(loggers, "_TENSORBOARD_AVAILABLE", True)  # the dry run's check; nothing is built
+    monkeypatch.setattr(loggers, "TENSORBOARD_INSTALLED", True)  # the dry run's check; nothing is built
     monkeypatch.chdir(tmp_path)
     args = launch.build_args("cityscapes", None, "mabn", 0, 1, ADD_TENSORBOARD, dry_run=True)
     config = run_cli(args, dry_run=True).config.fit
@@ -55,8 +55,7 @@ def test_a_stage_launch_places_the_tensorboard_logger_in_its_run_folder(tmp_path
 
 def test_without_tensorboard_the_fit_stops_with_one_error_line(tmp_path, request, monkeypatch, capsys):
     # As on a machine without the package, whether or not this one has it.
-    monkeypatch.setattr(loggers, "_TENSORBOARD_AVAILABLE", False)
-    monkeypatch.setattr(loggers, "_TENSORBOARDX_AVAILABLE", False)
+    monkeypatch.setattr(loggers, "TENSORBOARD_INSTALLED", False)
     code, folder, err = _fit(tmp_path, request, monkeypatch, capsys, "--trainer.max_epochs", "1", *ADD_TENSORBOARD)
     assert code == 2
     assert err.strip().splitlines()[-1] == (

@@ -173,26 +173,38 @@ def test_a_fit_names_groups_and_tags_its_run(tmp_path, request, monkeypatch, cap
     assert run["tags"] == ["stage:cityscapes", "norm:bn", "data:tiny", "mine"]
 
 
+def _identity(logger) -> dict:
+    """The name, group and tags the logger's run starts with: wandb's record of a run disabled by WANDB_MODE."""
+    run = logger.experiment
+    identity = {"name": run.name, "group": run.group, "tags": list(run.tags) or None}
+    run.finish()  # the next logger starts a run of its own
+    return identity
+
+
 def test_the_wandb_identity_of_a_segmentation_run(tmp_path, request, monkeypatch):
-    """A stage-2 run's name, group and tags, the decoder from the task's hyperparameters; a name given wins."""
+    """A stage-2 run's name, group and tags from the stage launch's configuration as parsed (the norm and decoder
+    from the task's arguments, the dataset from the data's folder); a name or group given wins."""
+    from mabn.cli import launch
+    from mabn.cli.lightning import name_wandb_runs, run_cli
     from mabn.run.loggers import WandbLogger
 
     wandb_session(request, monkeypatch, "disabled")
-    hparams = {"norm": "mabn", "decoder": "pspnet", "data_dir": "/data/cityscapes"}
-    logger = WandbLogger(save_dir=str(tmp_path / "runs" / "cityscapes" / "mabn"), stage="cityscapes")
-    logger._hparams = hparams
-    assert logger.run_identity() == {
+    monkeypatch.chdir(tmp_path)
+    args = launch.build_args("cityscapes", None, "mabn", 0, 1, [], dry_run=True)
+    config = run_cli([*args, "--trainer.logger.init_args.dataset", "null"], dry_run=True).config.fit
+    (folder := tmp_path / "runs" / "cityscapes" / "mabn").mkdir(parents=True)
+    for entry in config.trainer.logger:
+        entry.init_args.save_dir = str(folder)
+    name_wandb_runs(config)
+    wandb_args = [e.init_args for e in config.trainer.logger if e.class_path == "mabn.run.loggers.WandbLogger"]
+    assert [(a.norm, a.decoder, a.dataset) for a in wandb_args] == [("mabn", "pspnet", "demo-cityscapes")]
+    assert _identity(WandbLogger(**dict(wandb_args[0]))) == {
         "name": "cityscapes-mabn-mabn",
-        "group": "cityscapes-mabn-pspnet-cityscapes",
-        "tags": ["stage:cityscapes", "norm:mabn", "decoder:pspnet", "data:cityscapes"],
+        "group": "cityscapes-mabn-pspnet-demo-cityscapes",
+        "tags": ["stage:cityscapes", "norm:mabn", "decoder:pspnet", "data:demo-cityscapes"],
     }
-    named = WandbLogger(save_dir=str(tmp_path / "x"), name="mine", group="g", dataset="demo-cityscapes")
-    named._hparams = hparams
-    assert named.run_identity() == {
-        "name": "mine",
-        "group": "g",
-        "tags": ["norm:mabn", "decoder:pspnet", "data:demo-cityscapes"],
-    }
+    named = WandbLogger(save_dir=str(tmp_path / "x"), name="mine", group="g", norm="mabn", decoder="pspnet")
+    assert _identity(named) == {"name": "mine", "group": "g", "tags": ["norm:mabn", "decoder:pspnet"]}
 
 
 def test_the_stage_launch_passes_stage_and_dataset_to_the_wandb_logger(tmp_path, monkeypatch):

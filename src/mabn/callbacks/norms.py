@@ -32,6 +32,7 @@ import pytorch_lightning as pl
 import torch
 from torch import Tensor, nn
 
+from ..compat import scale_on_device
 from ..models import logged_norms
 from ..norm import MABN2d
 from ..norm.managed import LateNonfiniteCheck, ManagedNorm, managed_norms
@@ -125,7 +126,7 @@ class MABNCallback(pl.Callback):
         if self._scaler is not None:
             # The scale this backward's gradients carry, copied on the device: the scaler's public get_scale()
             # would wait for the GPU at every step.
-            self._loss_scale.copy_(self._scaler._get_scale_async())
+            self._loss_scale.copy_(scale_on_device(self._scaler))
 
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer

@@ -16,6 +16,7 @@ from pytorch_lightning.strategies import DDPStrategy
 from pytorch_lightning.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor
 
+from ..compat import ddp_kwargs, syncs_batchnorm
 from ..distributed import device_mean, end_process_group_at_exit, gather_to_cpu, world_size
 from ..norm.managed import ManagedNorm, managed_norms
 from ..run import PerDeviceState
@@ -117,7 +118,7 @@ def configure_ddp(trainer: pl.Trainer) -> None:
     strategy = trainer.strategy
     if isinstance(strategy, DDPStrategy):
         end_process_group_at_exit()
-        kwargs = strategy._ddp_kwargs  # passed to DistributedDataParallel when the model is wrapped
+        kwargs = ddp_kwargs(strategy)  # passed to DistributedDataParallel when the model is wrapped
         if kwargs.get("broadcast_buffers") is True:
             rank_zero_warn(
                 "PerDeviceStreams: DDPStrategy(broadcast_buffers=True) overwrites every device's MABN/BRN statistics "
@@ -126,7 +127,7 @@ def configure_ddp(trainer: pl.Trainer) -> None:
         elif "broadcast_buffers" not in kwargs:
             kwargs["broadcast_buffers"] = False
             rank_zero_info("MABN/BRN statistics stay per device: DDP runs with broadcast_buffers=False")
-    if getattr(strategy, "_layer_sync", None) is not None:
+    if syncs_batchnorm(strategy):
         rank_zero_warn(
             "Trainer(sync_batchnorm=True) converts only BatchNorm layers; MABN2d and BatchRenorm2d share "
             "statistics across devices with sync_stats=True (norm_options: {mabn: {sync_stats: true}})"

@@ -45,8 +45,9 @@ from typing import Any
 import pytorch_lightning as pl
 import torch
 from jsonargparse import ArgumentParser, DefaultHelpFormatter, Namespace
-from pytorch_lightning.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
+from pytorch_lightning.cli import LightningArgumentParser, SaveConfigCallback
 
+from ..compat import argument_error_text, lightning_cli, option_strings, subcommand_parsers
 from ..data.loading import DataPlan
 from ..distributed import first_process
 from ..errors import ConfigError, UserError, UserErrors
@@ -59,6 +60,7 @@ from ..run import (
     OutOfMemoryReport,
     RandomStateCallback,
     RunShape,
+    WandbLogger,
     device_batch,
     iterations_per_epoch,
     load_weights_file,
@@ -242,6 +244,22 @@ def place_run(config: Namespace, folder: Path) -> None:
             callback.init_args.dirpath = str(folder / runs.CHECKPOINTS)
 
 
+def name_wandb_runs(config: Namespace) -> None:
+    """Give each ``WandbLogger`` of ``config`` what names, groups and tags its run (``mabn.run.loggers``): the
+    task's ``norm`` and ``decoder``, and where no ``dataset`` is given, the name of the data's ``data_dir``; a
+    value the logger's entry sets itself is kept."""
+    model = config.model.get("init_args") or Namespace()
+    data = config.get("data")
+    data_dir = (data.get("init_args") or Namespace()).get("data_dir") if isinstance(data, Namespace) else None
+    facts = {"norm": model.get("norm"), "decoder": model.get("decoder")}
+    facts["dataset"] = Path(str(data_dir)).name if data_dir else None
+    for logger in _entries(config.trainer.get("logger")):
+        if issubclass(_import(logger.class_path), WandbLogger):
+            for key, value in facts.items():
+                if logger.init_args.get(key) is None and isinstance(value, str):
+                    logger.init_args[key] = value
+
+
 def place_evaluation(config: Namespace, subcommand: str) -> None:
     """A ``validate``, ``test`` or ``predict`` with a run's config writes into a folder of its own under the run's,
     ``<run>/eval/<subcommand>-<time>/`` (its metrics, config and wandb run), never into the training run's
@@ -323,64 +341,33 @@ def _close(name: str, known: list[str]) -> str:
     return f" (did you mean {match[0]}?)" if match else ""
 
 
-def _innermost(message: str) -> str:
-    """The block of jsonargparse's ``message`` about the innermost key: a class's init argument is reported
-    inside the block of its class."""
-    lines = message.splitlines()
-    start = max((i for i, line in enumerate(lines) if "Parser key" in line), default=0)
-    indent = len(lines[start]) - len(lines[start].lstrip()) if lines else 0
-    block = lines[start : start + 1]
-    for line in lines[start + 1 :]:
-        if line.strip() and len(line) - len(line.lstrip()) <= indent:  # a blank line ends no block
-            break
-        block.append(line)
-    return "\n".join(block)
-
-
-def _reason(block: str) -> str:
-    """The first of jsonargparse's per-type errors in ``block`` that says more than the type it expected (a
-    class name that matches two classes, a class that does not import), as ``: <reason>``; "" when none does."""
-    lines = block.splitlines()
-    for i, line in enumerate(lines):
-        item = line.strip().removeprefix("- ")
-        if line.strip().startswith("- ") and not re.match(r"(Expected a|Does not validate|Not a valid)", item):
-            if item.endswith(":") and i + 1 < len(lines):  # its cause is the next, deeper line
-                item = f"{item} {lines[i + 1].strip()}"
-            return f": {item}"
-    return ""
-
-
 def argument_mistake(message: str, options: list[str], program: str) -> str:
     """One line for jsonargparse's error ``message``: the argument at fault, the closest of ``options`` (the
     parser's option strings) to an unknown name, and the ``program`` whose ``--help`` lists the arguments."""
     help_line = f"; {program} --help lists the arguments"
-    unknown = re.match(r"unrecognized arguments: (.*)", message)
-    if unknown:
-        names = [w.split("=")[0] for w in unknown.group(1).split() if w.startswith("-")] or unknown.group(1).split()
+    said = argument_error_text(message)
+    if said.unknown is not None:
+        names = [w.split("=")[0] for w in said.unknown.split() if w.startswith("-")] or said.unknown.split()
         what = "unrecognized argument" + ("s " if len(names) > 1 else " ")
         return what + ", ".join(f"{name}{_close(name, options)}" for name in names) + help_line
-    keys = re.findall(r'Parser key "([^"]+)"', message)
-    classes = re.findall(r"class_path '([^']+)'", message)
+    keys, classes, refused = said.keys, said.class_paths, said.refused
     # The model's and the data's own arguments are under init_args; deeper ones (norm_policy's) by their names.
     name = "--" + keys[0] + (".init_args." + ".".join(keys[1:]) if classes and keys[1:] else "") if keys else ""
-    refused = re.search(r"Option '([^']+)' is not accepted", message)
     if keys and classes and refused:
         prefix = name + (".init_args." if len(keys) == 1 else ".")
         known = [prefix + option for option in _init_options(classes[-1])]
-        return f"unrecognized argument {prefix}{refused.group(1)}{_close(prefix + refused.group(1), known)}{help_line}"
-    inner = _innermost(message)
-    given, expected = re.search(r"(?:Given|Got) value: (.*)", inner), re.search(r"Subtypes: \[(.*)\]", inner)
-    expected = expected or re.search(r"Expected a (<class '[^']+'>)", inner)
-    if keys and given:
-        reason = _reason(inner)  # when there is one, it says what to write better than the types do
-        wanted = f"expected {_type_names(expected.group(1))}, " if expected and not reason else ""
+        return f"unrecognized argument {prefix}{refused}{_close(prefix + refused, known)}{help_line}"
+    if keys and said.given is not None:
+        # The first reason, when there is one, says what to write better than the types do.
+        reason = f": {said.reasons[0]}" if said.reasons else ""
+        wanted = f"expected {_type_names(said.expected)}, " if said.expected and not reason else ""
         if name == "--trainer.logger":
             reason += f" ({LOGGERS_HINT})"
-        return f"{name}: {wanted}got {given.group(1).strip()!r}{reason}{help_line}"
+        return f"{name}: {wanted}got {said.given!r}{reason}{help_line}"
     return message.splitlines()[0] + help_line
 
 
-class MabnCLI(LightningCLI):
+class MabnCLI(lightning_cli()):
     """LightningCLI with the product's checks, run folder and callbacks (see the module's doc).
 
     ``dry_run``: stop after the checks and the plan (``plan_lines``), before anything is built; a dry run takes
@@ -413,7 +400,7 @@ class MabnCLI(LightningCLI):
         super().setup_parser(add_subcommands, main_kwargs, subparser_kwargs)
         # jsonargparse names a subcommand's program "<prog> [options] <subcommand>"; its help and errors name the
         # command as it is typed.
-        for name, parser in getattr(self, "_subcommand_parsers", {}).items():
+        for name, parser in subcommand_parsers(self).items():
             parser.prog = f"{self.parser.prog} {name}"
 
     def parse_arguments(self, parser, args) -> None:
@@ -421,16 +408,15 @@ class MabnCLI(LightningCLI):
             super().parse_arguments(parser, args)
         except ArgumentError as err:
             words = sys.argv[1:] if args is None else list(args)
-            command = next((w for w in words if w in getattr(self, "_subcommand_parsers", {})), None)
-            target = self._subcommand_parsers[command] if command else parser
-            options = [o for o in target._option_string_actions if o.startswith("--")]
-            raise ArgumentMistake(argument_mistake(str(err), options, target.prog)) from err
+            command = next((w for w in words if w in subcommand_parsers(self)), None)
+            target = subcommand_parsers(self)[command] if command else parser
+            raise ArgumentMistake(argument_mistake(str(err), option_strings(target), target.prog)) from err
 
     def add_arguments_to_parser(self, parser) -> None:
         # The number of classes is a property of the data, never set twice by hand.
         parser.link_arguments("data.num_classes", "model.init_args.num_classes", apply_on="instantiate")
 
-    def _parse_ckpt_path(self) -> None:
+    def parse_ckpt_path(self) -> None:
         # Lightning reads an explicit --ckpt_path here (and merges its hyperparameters into the config): first
         # make sure it is a readable checkpoint of this experiment, so a wrong file is one line, not a traceback.
         if self.config.get("subcommand") == "fit":
@@ -488,6 +474,8 @@ class MabnCLI(LightningCLI):
             if self.problems:
                 raise UserErrors(self.problems)
             return
+        if self.subcommand is not None:
+            name_wandb_runs(self.config[self.subcommand])
         if self.prepare is not None:
             self.prepare()
         if self.subcommand in ("validate", "test", "predict"):
@@ -504,12 +492,13 @@ class MabnCLI(LightningCLI):
         if not self.dry_run:
             super().instantiate_classes()
 
-    def _run_subcommand(self, subcommand: str) -> None:
+    def run_subcommand(self, subcommand: str) -> None:
         if not self.dry_run:
-            super()._run_subcommand(subcommand)
+            super().run_subcommand(subcommand)
 
     def instantiate_trainer(self, **kwargs: Any) -> pl.Trainer:
-        plugins = self._get(self.config_init, "trainer", default={}).get("plugins") or []
+        config = self.config_init[self.subcommand] if self.subcommand else self.config_init
+        plugins = config.get("trainer", {}).get("plugins") or []
         plugins = plugins if isinstance(plugins, list) else [plugins]
         if not any(isinstance(p, pl.plugins.CheckpointIO) for p in plugins):
             kwargs.setdefault("plugins", [*plugins, AtomicCheckpointIO()])

@@ -89,8 +89,8 @@ def _splice_separable_convs(model: nn.Module) -> None:
         if type(parent).forward is not nn.Sequential.forward:
             raise TypeError(f"{type(parent).__name__} has its own forward: its separable convs cannot be spliced")
         children = [m for child in parent for m in (child if isinstance(child, SeparableConv2d) else [child])]
-        for name in list(parent._modules):
-            del parent._modules[name]
+        for name, _ in list(parent.named_children()):
+            delattr(parent, name)
         for i, child in enumerate(children):
             parent.add_module(str(i), child)
 

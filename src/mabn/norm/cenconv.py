@@ -20,6 +20,7 @@ import torch
 from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
 
+from ..compat import conv_forward, foreach_sub_
 from .fused import kernels_for
 
 
@@ -112,7 +113,7 @@ class CenConv2d(nn.Conv2d):
 
     def forward(self, x: Tensor) -> Tensor:
         if self.centred_in_place:
-            return self._conv_forward(x, self.weight, self.bias)
+            return conv_forward(self, x, self.weight, self.bias)
         # The memory-saving path covers what the networks here use: zero padding given as numbers.
         # Anything else (padding="same", reflect padding, no gradient needed) takes autograd's path.
         if (
@@ -125,7 +126,7 @@ class CenConv2d(nn.Conv2d):
             dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
             conf = (list(self.stride), list(self.padding), list(self.dilation), self.groups)
             return _CentredConv2d.apply(x, self.weight, self.bias, conf, dtype)
-        return self._conv_forward(x, self.centred_weight(), self.bias)
+        return conv_forward(self, x, self.centred_weight(), self.bias)
 
     @classmethod
     def from_conv(cls, conv: nn.Conv2d) -> CenConv2d:
@@ -141,7 +142,7 @@ def recentre_(convs: Iterable[nn.Conv2d]) -> None:
     weights = [conv.weight for conv in convs]
     if weights:
         with torch.no_grad():
-            torch._foreach_sub_(weights, [_filter_mean(w) for w in weights])
+            foreach_sub_(weights, [_filter_mean(w) for w in weights])
 
 
 def _kernels(weight: Tensor) -> ModuleType | None:

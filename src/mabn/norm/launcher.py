@@ -10,6 +10,8 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from ..compat import launch
+
 
 class Launcher:
     """``kernel[grid](*args, **constexprs)``, where ``grid(meta)`` gives the grid from the arguments by name (Triton's
@@ -46,11 +48,7 @@ class Launcher:
             return
         compiled, grid = known
         stream = torch.cuda.current_stream().cuda_stream
-        compiled.run(
-            *grid, stream, compiled.function, compiled.packed_metadata,
-            compiled.launch_metadata(grid, stream, *packed),
-            self.knobs.launch_enter_hook, self.knobs.launch_exit_hook, *packed,
-        )  # fmt: skip
+        launch(compiled, grid, stream, packed, self.knobs)  # Triton's private launch: mabn.compat.launch
 
 
 def pack(args: tuple, constexprs: dict) -> tuple[tuple, list]:

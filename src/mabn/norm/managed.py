@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterable, Mapping
 import torch
 from torch import Tensor, nn
 
+from ..compat import DeviceMoves, mark_static_address
 from ._checks import nonfinite_error
 
 
@@ -33,7 +34,7 @@ def reads_at_once(device: torch.device) -> bool:
 def _static(t: Tensor) -> Tensor:
     """``t``, marked as a tensor whose address stays: ``torch.compile(mode="reduce-overhead")`` replays CUDA
     graphs only when every input they update in place is such a tensor (parameters and buffers are)."""
-    torch._dynamo.mark_static_address(t)
+    mark_static_address(t)
     return t
 
 
@@ -46,7 +47,7 @@ def _holds(t: Tensor, device: torch.device) -> bool:
     return t.device == device
 
 
-class ManagedNorm(nn.Module):
+class ManagedNorm(DeviceMoves):
     """Base of the callback-managed norms. ``NONFINITE`` names the statistic of each checked direction."""
 
     NONFINITE: tuple[str, ...] = ("batch statistics",)
@@ -115,16 +116,14 @@ class ManagedNorm(nn.Module):
             self._tickets = self._new_tickets(device)
         return self._tickets
 
-    def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> ManagedNorm:
+    def moved(self, fn: Callable[[Tensor], Tensor]) -> None:
         """``Module.to``, ``cuda``, ``to_empty``...: on another device, new flags there, as ``policy_flags`` and
         ``nonfinite_flags`` make them (the policy kept, no verdict); on the same device the same flags (a captured
         CUDA graph or a compiled step holds them)."""
-        super()._apply(fn, recurse)
         device = fn(self._flags).device
         if device != self._flags.device:
             self._policy_flags, self._flags = self._new_policy_flags(device), self._new_flags(device)
             self._tickets = self._new_tickets(device)
-        return self
 
     def _new_policy_flags(self, device: torch.device | str) -> Tensor:
         return _static(torch.tensor(self._policy or (0, 0), dtype=torch.int32, device=device))

@@ -26,6 +26,7 @@ import time
 import pytorch_lightning as pl
 import torch.distributed as dist
 
+from ..compat import default_store
 from ..distributed import rank, world_size
 from ..errors import explain, own_message, user_error
 
@@ -65,7 +66,7 @@ class FailFast(pl.Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if world_size() < 2 or self._store is not None:
             return
-        self._store = dist.distributed_c10d._get_default_store()
+        self._store = default_store()
         self._failure = self._deadline = None  # a grace armed as a previous stage ended no longer applies
         self._stop = threading.Event()  # one per watcher: a stopped one may not have woken up yet
         threading.Thread(target=self._watch, args=(self._store, self._stop), name="mabn-failfast", daemon=True).start()

@@ -51,6 +51,7 @@ from lightning_fabric.plugins.environments import SLURMEnvironment
 from pytorch_lightning.callbacks import Checkpoint, ModelCheckpoint
 from pytorch_lightning.trainer.states import TrainerFn
 
+from ..compat import cluster_environment, record_sigterm
 from ..distributed import agree, world_size
 from ..errors import WriteError
 from .folder import CHECKPOINTS, LAST
@@ -107,12 +108,9 @@ class LastCheckpoint(Checkpoint):
         # SIGTERM: Lightning installs its handler (after setup, in Trainer._run) whatever is there, and calls the
         # one that was there from it as well. Its own part (broadcast, forwarding the signal) is replaced by the
         # recording, on this trainer's connector only: the handler it installs then records and nothing else.
-        connector = getattr(trainer, "_signal_connector", None)
-        if connector is not None:
-            connector._sigterm_notifier_fn = self._record
-            connector._sigterm_handler_fn = self._record
+        record_sigterm(trainer, self._record)
         self._previous = {signal.SIGTERM: signal.signal(signal.SIGTERM, self._record)}
-        environment = trainer._accelerator_connector.cluster_environment  # what Lightning's handler consults
+        environment = cluster_environment(trainer)  # what Lightning's handler consults
         if isinstance(environment, SLURMEnvironment) and environment.auto_requeue:
             # Installed before Lightning registers its handlers: Lightning keeps a requeue-signal handler that is
             # already there instead of adding its own.

@@ -5,6 +5,7 @@ writes into the run's folder like the CSV log."""
 from __future__ import annotations
 
 import csv
+import importlib.util
 import netrc
 import os
 import secrets
@@ -12,19 +13,19 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from lightning_fabric.loggers.tensorboard import _TENSORBOARD_AVAILABLE, _TENSORBOARDX_AVAILABLE
-from lightning_fabric.utilities.logger import _convert_params
 from pytorch_lightning.core.saving import save_hparams_to_yaml
 from pytorch_lightning.loggers import CSVLogger as _CSVLogger
 from pytorch_lightning.loggers import TensorBoardLogger as _TensorBoardLogger
 from pytorch_lightning.loggers import WandbLogger as _WandbLogger
-from pytorch_lightning.loggers.csv_logs import ExperimentWriter
-from pytorch_lightning.loggers.logger import DummyExperiment
+from torch import Tensor
 
+from ..compat import csv_writer, set_csv_writer, wandb_init_args
 from ..errors import ConfigError
 from .files import first_line, write_atomic, write_text_atomic
 
 ID_FILE = "wandb-id"
+# What Lightning's TensorBoardLogger needs: the tensorboard package or tensorboardX.
+TENSORBOARD_INSTALLED = any(importlib.util.find_spec(name) is not None for name in ("tensorboard", "tensorboardX"))
 
 
 def wandb_ready() -> bool:
@@ -66,11 +67,11 @@ class WandbLogger(_WandbLogger):
 
     The run is named ``<stage>-<norm>-<run folder name>`` (e.g. ``cityscapes-mabn-mabn``), grouped by
     ``<stage>-<norm>-<decoder>-<dataset>`` and tagged ``stage:<stage>``, ``norm:<norm>``, ``decoder:<decoder>``
-    and ``data:<dataset>``, from ``stage`` and ``dataset`` (``python -m mabn <stage>`` sets both), the task's
-    hyperparameters (``norm``, ``decoder``) and ``save_dir``; a part that is unknown is left out (a plain
-    ``python -m mabn fit`` has no stage; the dataset is then the name of the data's ``data_dir``). A ``name`` or
-    ``group`` given wins, and ``tags`` given are added to these. In a fit the run starts when Lightning logs the
-    hyperparameters, after the setup hooks."""
+    and ``data:<dataset>`` (``run_identity``), from ``stage``, ``dataset``, ``norm``, ``decoder`` and ``save_dir``;
+    a part that is unknown is left out. ``python -m mabn`` gives them from the parsed configuration: a stage
+    launch sets ``stage`` and ``dataset``, and every run the task's ``norm`` and ``decoder`` and, where no
+    ``dataset`` is given (a plain ``python -m mabn fit`` has no stage), the name of the data's ``data_dir``. A
+    ``name`` or ``group`` given wins, and ``tags`` given are added to these."""
 
     def __init__(
         self,
@@ -81,6 +82,8 @@ class WandbLogger(_WandbLogger):
         online_timeout: float = 45.0,
         stage: str | None = None,
         dataset: str | None = None,
+        norm: str | None = None,
+        decoder: str | None = None,
         **kwargs: Any,
     ):
         if offline is None:
@@ -90,44 +93,18 @@ class WandbLogger(_WandbLogger):
         # wandb's own bound on wandb.init (default 90 s); settings given as a dict may still set it themselves
         if isinstance(kwargs.get("settings", {}), dict):
             kwargs["settings"] = {"init_timeout": online_timeout, **kwargs.get("settings", {})}
+        facts = {"stage": stage, "norm": norm, "decoder": decoder, "data": dataset}
+        kwargs.update(run_identity(save_dir, facts, kwargs.get("name"), kwargs.get("group"), kwargs.get("tags")))
         super().__init__(project=project, save_dir=save_dir, offline=offline, id=id, resume="allow", **kwargs)
         # Lightning passes anonymous=None to wandb.init, which wandb answers with a deprecation warning line in
         # front of a failing run's one-line error; unset, wandb says nothing.
-        if self._wandb_init.get("anonymous") is None:
-            self._wandb_init.pop("anonymous", None)
-        self._stage, self._dataset = stage, dataset
-        self._hparams: dict[str, Any] = {}
-
-    def run_identity(self) -> dict[str, Any]:
-        """The run's ``name``, ``group`` and ``tags`` for ``wandb.init`` (see the class's doc)."""
-        hp, init = self._hparams, self._wandb_init
-        dataset = self._dataset or (Path(str(hp["data_dir"])).name if hp.get("data_dir") else None)
-        norm, decoder = hp.get("norm"), hp.get("decoder")
-        folder = Path(str(self._save_dir)).resolve().name if self._save_dir else None
-        facts = {"stage": self._stage, "norm": norm, "decoder": decoder, "data": dataset}
-        tags = [f"{key}:{value}"[:64] for key, value in facts.items() if value]  # wandb's limit: 64 characters
-        return {
-            "name": init.get("name") or "-".join(str(p) for p in (self._stage, norm, folder) if p) or None,
-            "group": init.get("group") or "-".join(str(p) for p in (self._stage, norm, decoder, dataset) if p) or None,
-            "tags": list(dict.fromkeys([*tags, *(init.get("tags") or [])])) or None,
-        }
-
-    def log_hyperparams(self, params: Any) -> None:
-        # Lightning logs the task's (and the data's) hyperparameters first thing in a fit: they name the run.
-        self._hparams = dict(_convert_params(params) or {})
-        super().log_hyperparams(params)
+        if wandb_init_args(self).get("anonymous") is None:
+            wandb_init_args(self).pop("anonymous", None)
 
     @property
     def experiment(self):
         import wandb
 
-        if self._experiment is None and not self._hparams and sys._getframe(1).f_code.co_name == "_call_setup_hook":
-            # Lightning starts the loggers' experiments before the setup hooks, for their metadata (this logger's
-            # version is its id, known already); the run starts at log_hyperparams instead, named after them.
-            return DummyExperiment()
-        if self._experiment is None:
-            self._wandb_init.update(self.run_identity())
-            self._name = self._wandb_init["name"]
         try:
             run = super().experiment
         except (wandb.Error, TimeoutError) as err:  # CommError, AuthenticationError, UsageError; or wandb's own wait
@@ -146,7 +123,7 @@ class WandbLogger(_WandbLogger):
         # wandb's service keeps the failed start's run for a few seconds ("run ID ... is in use" to a second
         # wandb.init): ending the service ends it, and the next wandb.init starts a new one (0-4 s in all).
         wandb.teardown()
-        self._wandb_init["mode"] = "offline"
+        wandb_init_args(self)["mode"] = "offline"
         run = super().experiment  # Lightning's path again: wandb.init, then its step metric definitions
         folder = Path(run.settings.sync_dir)
         if folder.is_relative_to(Path.cwd()):
@@ -160,16 +137,51 @@ class WandbLogger(_WandbLogger):
         return run
 
 
-class _AppendingWriter(ExperimentWriter):
-    """Lightning's CSV writer, but a resumed run keeps the rows already in ``metrics.csv`` (Lightning's deletes
-    the file of a non-empty log folder), and every save rewrites the file whole through a temporary file, so
-    a kill never leaves a cut-off row or header."""
+def run_identity(
+    save_dir: str | None, facts: dict[str, str | None], name: str | None, group: str | None, tags: list[str] | None
+) -> dict[str, Any]:
+    """A wandb run's ``name``, ``group`` and ``tags`` (see ``WandbLogger``) from the run's ``save_dir`` and its
+    ``facts`` (``stage``, ``norm``, ``decoder``, ``data``: each a name or None), the ``name`` and ``group`` given
+    winning and the ``tags`` given added."""
+    stage, norm, decoder, dataset = (facts.get(key) for key in ("stage", "norm", "decoder", "data"))
+    folder = Path(str(save_dir)).resolve().name if save_dir else None
+    made = [f"{key}:{value}"[:64] for key, value in facts.items() if value]  # wandb's limit: 64 characters
+    return {
+        "name": name or "-".join(str(p) for p in (stage, norm, folder) if p) or None,
+        "group": group or "-".join(str(p) for p in (stage, norm, decoder, dataset) if p) or None,
+        "tags": list(dict.fromkeys([*made, *(tags or [])])) or None,
+    }
 
-    def _check_log_dir_exists(self) -> None:
-        pass  # the experiment folder belongs to this run (mabn.run.folder): its metrics are kept, never deleted
+
+class _AppendingWriter:
+    """The CSV writer Lightning's ``CSVLogger`` calls (``log_hparams``, ``log_metrics``, ``save``), but a resumed
+    run keeps the rows already in ``metrics.csv`` (Lightning's writer deletes the file of a non-empty log folder:
+    the folder belongs to this run, mabn.run.folder), and every save rewrites the file whole through a temporary
+    file, so a kill never leaves a cut-off row or header."""
+
+    NAME_HPARAMS_FILE = "hparams.yaml"
+
+    def __init__(self, log_dir: str) -> None:
+        self.log_dir = log_dir
+        self.metrics_file_path = os.path.join(log_dir, "metrics.csv")
+        self.metrics: list[dict[str, Any]] = []
+        self.metrics_keys: list[str] = []
+        self.hparams: dict[str, Any] = {}
+        os.makedirs(log_dir, exist_ok=True)
+
+    def log_hparams(self, params: dict[str, Any]) -> None:
+        self.hparams.update(params)
+        self.save_hparams()
+
+    def log_metrics(self, metrics: dict[str, Any], step: int | None = None) -> None:
+        row = {k: v.item() if isinstance(v, Tensor) else v for k, v in metrics.items()}
+        self.metrics.append({**row, "step": len(self.metrics) if step is None else step})
+
+    def save_hparams(self) -> None:
+        write_atomic(Path(self.log_dir) / self.NAME_HPARAMS_FILE, lambda tmp: save_hparams_to_yaml(tmp, self.hparams))
 
     def save(self) -> None:
-        write_atomic(Path(self.log_dir) / self.NAME_HPARAMS_FILE, lambda tmp: save_hparams_to_yaml(tmp, self.hparams))
+        self.save_hparams()
         if not self.metrics:
             return
         path = Path(self.metrics_file_path)
@@ -179,7 +191,7 @@ class _AppendingWriter(ExperimentWriter):
                 reader = csv.DictReader(file)
                 rows = list(reader)
                 self.metrics_keys = sorted(set(self.metrics_keys) | set(reader.fieldnames or []))
-        self._record_new_keys()
+        self.metrics_keys = sorted(set(self.metrics_keys).union(*self.metrics))
         rows += self.metrics
 
         def write(tmp: Path) -> None:
@@ -201,10 +213,9 @@ class CSVLogger(_CSVLogger):
 
     @property
     def experiment(self) -> _AppendingWriter:
-        if self._experiment is None:
-            self._fs.makedirs(self.root_dir, exist_ok=True)
-            self._experiment = _AppendingWriter(log_dir=self.log_dir)
-        return self._experiment
+        if csv_writer(self) is None:  # the writer Lightning's finalize saves
+            set_csv_writer(self, _AppendingWriter(log_dir=self.log_dir))
+        return csv_writer(self)
 
 
 class TensorBoardLogger(_TensorBoardLogger):
@@ -225,7 +236,7 @@ class TensorBoardLogger(_TensorBoardLogger):
         """A ``ConfigError`` where neither tensorboard nor tensorboardX is installed. ``mabn.cli.lightning`` asks
         before a fit starts: Lightning's own ModuleNotFoundError comes once the classes are built, and jsonargparse
         reports it inside a traceback."""
-        if not (_TENSORBOARD_AVAILABLE or _TENSORBOARDX_AVAILABLE):
+        if not TENSORBOARD_INSTALLED:
             raise ConfigError(
                 "mabn.run.loggers.TensorBoardLogger needs the tensorboard package, which is not installed: "
                 "pip install 'mabn[tensorboard]' (or tensorboard)"

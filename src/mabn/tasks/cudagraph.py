@@ -43,6 +43,7 @@ from collections.abc import Iterator
 import torch
 from torch import Tensor, nn
 
+from ..compat import tree_leaves
 from ..distributed import has_process_group, sync_group
 from ..errors import ConfigError
 from ..norm import BatchRenorm2d, MABN2d
@@ -50,6 +51,9 @@ from ..norm.managed import managed_norms
 
 # Whether make_graphed_callables takes capture_error_mode (a GPU machine may bring another torch than the pinned one).
 _HAS_CAPTURE_MODE = "capture_error_mode" in inspect.signature(torch.cuda.make_graphed_callables).parameters
+
+
+_BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)  # the lazy ones subclass these
 
 
 def _blocking_layers(model: nn.Module) -> list[tuple[str, str]]:
@@ -61,7 +65,7 @@ def _blocking_layers(model: nn.Module) -> list[tuple[str, str]]:
             why = "SyncBatchNorm communicates across devices inside the forward"
         elif isinstance(m, (MABN2d, BatchRenorm2d)) and m.sync_stats and sync_group():
             why = f"{type(m).__name__}(sync_stats=True) communicates across devices inside the forward"
-        elif isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training and m.momentum is None:
+        elif isinstance(m, _BATCH_NORMS) and m.training and m.momentum is None:
             why = "BatchNorm with momentum=None reads its batch count on the host"
         if why:
             blockers.append((name or type(m).__name__, why))
@@ -155,7 +159,7 @@ def graph_training_forward(model: nn.Module, sample: Tensor, warmup_iters: int =
             pending.check()
             gradients.release()
             out = graphed(x)
-            node = next((t.grad_fn for t in torch.utils._pytree.tree_leaves(out) if t.grad_fn is not None), None)
+            node = next((t.grad_fn for t in tree_leaves(out) if t.grad_fn is not None), None)
             if node is not None:  # no parameter trains: no backward to wait for
                 gradients.watch(node)
                 pending.watch(node)

@@ -29,8 +29,8 @@ from unittest import mock
 
 import torch
 from torch import Tensor, nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from ...compat import TorchDispatchMode
 from ...norm import MABN2d
 from ...norm import mabn as mabn_module
 from ...norm.fused import load
