@@ -42,11 +42,12 @@ AFTER    ?=
 
 venv: $(STAMP)
 
-# The stamp depends on pyproject.toml: editing dependencies reinstalls, otherwise a second call installs nothing.
-$(STAMP): pyproject.toml
+# The releases of constraints.txt, the ones the suite is tested with. The stamp depends on pyproject.toml and
+# constraints.txt: editing either reinstalls, otherwise a second call installs nothing.
+$(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e ".[dev]"
+	$(PY) -m pip install --quiet -c constraints.txt -e ".[dev]"
 	touch $(STAMP)
 
 # The default suite: lint, then every test not marked slow, one pytest-xdist worker per core (about two minutes

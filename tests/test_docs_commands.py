@@ -85,7 +85,8 @@ from helpers.trainer import fit_flags
 
 ROOT = dc.ROOT
 VENV = ROOT / ".venv"
-LINKED = ("Makefile", "pyproject.toml", "configs", "scripts", "tests")  # the checkout a sandbox stands for
+# The checkout a sandbox stands for.
+LINKED = ("Makefile", "pyproject.toml", "constraints.txt", "configs", "scripts", "tests")
 HIDDEN = {".venv", ".bin", "tmp"}  # sandbox entries that are the harness's, not outputs of a command
 EXPORT_SIZE = ["--input-size", "64", "128"]
 # Variables of the caller's shell that must not reach a case: a launcher's layout, an outer make's flags, and the
@@ -272,7 +273,7 @@ def _sandbox(root: Path, real_python: bool = False) -> tuple[Path, Path, dict[st
         (sandbox / ".venv" / "bin").mkdir(parents=True)
         for name in ("python", "ruff"):
             (sandbox / ".venv" / "bin" / name).symlink_to(recorder)
-        (sandbox / ".venv" / ".installed").touch()  # newer than pyproject.toml: make installs nothing
+        (sandbox / ".venv" / ".installed").touch()  # newer than the files it depends on: make installs nothing
     for name in ("python", "python3", "torchrun", "sbatch", "srun"):
         if not real_python or name in ("torchrun", "sbatch", "srun"):
             (bin_dir / name).symlink_to(recorder)

@@ -35,13 +35,13 @@ def checkout(tmp_path) -> tuple[Path, dict[str, str]]:
     repo, bin_dir = tmp_path / "repo", tmp_path / "bin"
     repo.mkdir()
     bin_dir.mkdir()
-    for name in ("Makefile", "pyproject.toml", "configs", "scripts"):
+    for name in ("Makefile", "pyproject.toml", "constraints.txt", "configs", "scripts"):
         (repo / name).symlink_to(ROOT / name)
     (repo / ".venv").mkdir()
     for name in ("bin", "lib", "lib64", "pyvenv.cfg"):
         if (VENV / name).exists():
             (repo / ".venv" / name).symlink_to(VENV / name)
-    (repo / ".venv" / ".installed").touch()  # newer than pyproject.toml: make installs nothing
+    (repo / ".venv" / ".installed").touch()  # newer than pyproject.toml and constraints.txt: make installs nothing
     sbatch = bin_dir / "sbatch"
     sbatch.write_text(SBATCH)
     sbatch.chmod(0o755)
