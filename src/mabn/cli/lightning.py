@@ -162,7 +162,7 @@ def run_shape(config: Namespace, samples: int | None, memory: MemoryPlan | None 
 def plan_lines(config: Namespace) -> list[str]:
     """What the run's task says at the start of fit (batch, lr, schedule, and where it has a ``memory_plan`` the
     memory per device), computed from ``config``, then what the data module's ``plan`` says of the data set
-    (checked once for both)."""
+    (checked once for both), then the class weights the task takes from it (``class_weight_lines``)."""
     planned = data_plan(config)
     task, per_device, trainer = _import(config.model.class_path), _device_batch(config), config.trainer
     memory = None
@@ -177,7 +177,10 @@ def plan_lines(config: Namespace) -> list[str]:
     shape = run_shape(config, planned and planned.train_samples, memory)
     known = shape is not None and hasattr(task, "plan_lines")
     lines = task.plan_lines(dict(config.model.init_args), shape) if known else []
-    return lines + (memory.lines if memory else []) + (planned.lines if planned else [])
+    # The class weights the data gives (its class table's, its training pixels'), after the data's lines.
+    weighs = planned is not None and hasattr(task, "class_weight_lines")
+    weights = task.class_weight_lines(dict(config.model.init_args), planned) if weighs else []
+    return lines + (memory.lines if memory else []) + (planned.lines if planned else []) + weights
 
 
 def check_export(config: Namespace) -> None:

@@ -8,6 +8,7 @@ A dataset of the user's own (``mabn.data.folder``) describes its classes in ``cl
     mask_values: {0: background, 7: road, 26: car}   # optional: mask value -> class (name or index);
                                                      # default: value i is class i
     mask_format: index                 # optional: index (one value per pixel, the default) or color
+    weights: [0.5, 1.0, 4.0]           # optional: a weight > 0 per class, for the loss (mabn.tasks.losses)
 
 The file is UTF-8. A class name is printable text (``str.isprintable``: no line break, tab or terminal escape
 code) without ``|``, of at most 64 characters: the names are printed as they are in the validation table (a
@@ -26,8 +27,9 @@ names the file).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 from pathlib import Path
 from typing import Any
@@ -43,7 +45,7 @@ __all__ = ["CLASSES_FILE", "COLOR", "IGNORE_INDEX", "INDEX", "ClassTable", "colo
 # the augmentation's padding and the sliding-window evaluation leave it out.
 IGNORE_INDEX = 255
 CLASSES_FILE = "classes.yaml"
-KEYS = ("classes", "colors", "ignore_index", "mask_values", "mask_format", "ignore_color")
+KEYS = ("classes", "colors", "ignore_index", "mask_values", "mask_format", "ignore_color", "weights")
 INDEX, COLOR = "index", "color"  # the mask formats: one value per pixel, or one colour per pixel
 MAX_CLASSES = IGNORE_INDEX  # class indices 0..254: 255 is the ignored pixel inside the product
 MAX_MASK_VALUE = 65535  # a 16-bit PNG's largest value
@@ -116,7 +118,8 @@ class ClassTable:
     """The classes of a dataset: ``names`` in class-index order, a colour per class, the mask value of unlabelled
     pixels (``ignore_index``, or None) and the (mask value, class index) pairs, sorted by value; ``mask_format``:
     whether masks hold those values (``index``) or the class colours (``color``, unlabelled pixels in
-    ``ignore_color``, or None). ``source`` names where it came from, for messages."""
+    ``ignore_color``, or None). ``source`` names where it came from, for messages. ``weights``: a weight per class
+    for the training loss, or None where the file gives none."""
 
     names: tuple[str, ...]
     colors: tuple[tuple[int, int, int], ...]
@@ -125,6 +128,7 @@ class ClassTable:
     source: str = CLASSES_FILE
     mask_format: str = INDEX
     ignore_color: tuple[int, int, int] | None = None
+    weights: tuple[float, ...] | None = None
 
     @classmethod
     def read(cls, path: str | Path) -> ClassTable:
@@ -186,8 +190,16 @@ class ClassTable:
             colors = voc_palette(count)
         elif not (isinstance(colors, list) and len(colors) == count and all(_is_color(c) for c in colors)):
             raise bad(f"colors must hold one [R, G, B] (each 0..255) per class, {count} in all; got {colors!r}")
+        weights = raw.get("weights")
+        if weights is not None and not (
+            isinstance(weights, list)
+            and len(weights) == count
+            and all(isinstance(w, (int, float)) and not isinstance(w, bool) and 0 < w < math.inf for w in weights)
+        ):
+            raise bad(f"weights must hold one number > 0 per class, {count} in all; got {weights!r}")
         if mask_format == COLOR:
-            return cls._parse_color(raw, names, colors, bad, source)
+            table = cls._parse_color(raw, names, colors, bad, source)
+            return table if weights is None else replace(table, weights=tuple(map(float, weights)))
         if "ignore_color" in raw:
             raise bad(f"ignore_color applies to colour masks (mask_format: {COLOR}); index masks use ignore_index")
 
@@ -228,6 +240,7 @@ class ClassTable:
             ignore,
             tuple(sorted(pairs)),
             source,  # type: ignore[misc]
+            weights=None if weights is None else tuple(map(float, weights)),
         )
 
     @classmethod
@@ -272,11 +285,12 @@ class ClassTable:
             data.get("source", CLASSES_FILE),
             data.get("mask_format", INDEX),
             None if data.get("ignore_color") is None else tuple(data["ignore_color"]),
+            None if data.get("weights") is None else tuple(data["weights"]),
         )
 
     def as_dict(self) -> dict[str, Any]:
         """Plain values (a checkpoint is read weights-only): names, colors, ignore_index, mask_values, source,
-        mask_format, ignore_color."""
+        mask_format, ignore_color, weights."""
         return {
             "names": list(self.names),
             "colors": [list(c) for c in self.colors],
@@ -285,6 +299,7 @@ class ClassTable:
             "source": self.source,
             "mask_format": self.mask_format,
             "ignore_color": None if self.ignore_color is None else list(self.ignore_color),
+            "weights": None if self.weights is None else list(self.weights),
         }
 
     @property

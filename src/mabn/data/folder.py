@@ -394,8 +394,9 @@ class MaskCache:
 
     def __init__(self, root: Path, classes: ClassTable) -> None:
         self.root, self.resolved = root, str(root.resolve())
-        # What decides a mask's verdict: the values and colours, not the class names or where the table was read.
-        verdict = {k: v for k, v in classes.as_dict().items() if k not in ("names", "source")}
+        # What decides a mask's verdict: the values and colours, not the class names or weights or where the table
+        # was read.
+        verdict = {k: v for k, v in classes.as_dict().items() if k not in ("names", "source", "weights")}
         self.table = json.dumps(verdict, sort_keys=True)
         self.width = len(classes.names) + 1  # an entry's pixel counts: one per class, then the ignored pixels
         # The form of the entries is part of the name: a file of another form is another file, never read as this.
@@ -803,7 +804,9 @@ class FolderDataModule(pl.LightningDataModule):
     null one from the training images' sizes (``data_crop``), decided when the module is set up; smaller training
     images are padded up to it, and a fit says how many are (``small_images``, as ``--dry-run`` does). The class
     table and the crop are kept in the module's hyperparameters (``classes``, ``crop_size``), which Lightning writes
-    into every checkpoint: what ``python -m mabn test`` and ``predict`` read.
+    into every checkpoint: what ``python -m mabn test`` and ``predict`` read. ``class_pixels``: the training split's
+    pixels per class (``ClassPixels``), counted by the check of its masks when the module is set up for a fit (None
+    before, and for classes a dataset fixes, whose masks are not checked).
 
     Args:
         data_dir: the dataset's folder, which holds ``classes.yaml``, ``images/<split>/`` and ``masks/<split>/``
@@ -828,6 +831,7 @@ class FolderDataModule(pl.LightningDataModule):
     # those of the data folder's classes.yaml, which the checkpoints record and whose masks are checked for values
     # of no class before a fit.
     fixed_classes: ClassTable | None = None
+    class_pixels: ClassPixels | None = None
 
     def __init__(
         self,
@@ -901,9 +905,11 @@ class FolderDataModule(pl.LightningDataModule):
             # Every mask's values before the first step, not at the mask's first read hours in; the masks found
             # clean go into the cache, so the next fit (a resume, a rerun) and dry run decode only new or changed
             # ones.
-            problem = unknown_values(dataset.root, split, dataset.samples, self.classes)[0]
+            problem, pixels = unknown_values(dataset.root, split, dataset.samples, self.classes)
             if problem:
                 raise DatasetError(problem)
+            if train:
+                self.class_pixels = pixels  # what class_weights=counts weighs the classes by (mabn.tasks.losses)
         if train:
             if dataset.sizes is not None:
                 count, line = small_images(dataset.sizes, self.crop_size)
@@ -930,7 +936,7 @@ class FolderDataModule(pl.LightningDataModule):
         sizes, pixels = check_dataset(args)
         crop, crop_line = data_crop(sizes, args.get("crop_size"))
         lines = [crop_line, small_images(sizes, crop)[1], *pixels.lines(), *reading_lines(args)]
-        return DataPlan(len(sizes), lines, crop)
+        return DataPlan(len(sizes), lines, crop, pixels)
 
     def _loader(self, dataset: FolderDataset | None, batch_size: int, train: bool) -> DataLoader:
         if dataset is None:

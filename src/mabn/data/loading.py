@@ -18,11 +18,14 @@ from ..distributed import rank, world_size
 
 class DataPlan(NamedTuple):
     """What a data module's ``plan(args)`` says of its data set for ``--dry-run``, from one check of it: the
-    training samples, the lines to print, and the training crop where the data decides it (the memory estimate's)."""
+    training samples, the lines to print, the training crop where the data decides it (the memory estimate's), and
+    the training pixels per class where the check counts them (a ``mabn.data.folder.ClassPixels``: what
+    ``class_weights: counts`` weighs the classes by)."""
 
     train_samples: int
     lines: list[str]
     crop: int | None = None
+    class_pixels: Any = None
 
 
 def augmentation_seed(rank: int) -> int:

@@ -14,8 +14,10 @@ import torch.nn.functional as F
 from pytorch_lightning.loggers import WandbLogger
 from pytorch_lightning.utilities import rank_zero_info, rank_zero_warn
 
-from ..data.classes import IGNORE_INDEX
+from ..data.classes import IGNORE_INDEX, ClassTable
 from ..data.images import IMAGENET_MEAN, IMAGENET_STD
+from ..data.loading import DataPlan
+from ..distributed import say
 from ..errors import ConfigError
 from ..models import (
     DECODERS,
@@ -27,7 +29,7 @@ from ..models import (
     load_backbone_into,
 )
 from ..run import RunShape, device_batch, device_batch_reason
-from . import memory, schedules
+from . import losses, memory, schedules
 from .base import NormTask, require
 from .metrics import SegmentationMetric, format_iou_table
 from .sliding import sliding_window_logits
@@ -46,7 +48,9 @@ class SegmentationTask(NormTask):
     linear scaling rule), the new heads at ``head_lr_mult`` x that; lr rises linearly over ``warmup_epochs`` and
     then follows poly(``poly_power``) to the end of the run, stepped per iteration (epochs convert to iterations
     at the run's iterations per epoch, so the schedule keeps the recipe's epochs on any number of devices).
-    Loss: cross-entropy (ignore 255) of the main head plus ``aux_weight`` x that of the auxiliary head.
+    Loss: ``loss`` (the recipe's cross-entropy over the labelled pixels by default; Dice, Focal, Lovász, OHEM
+    cross-entropy or a weighted sum, with class weights: ``mabn.tasks.losses``) of the main head plus
+    ``aux_weight`` x that of the auxiliary head.
     Validation runs the full images through sliding windows of ``eval_crop`` (default: the training
     crop) with stride 2/3 of it, optional flip and scales, and reports the Cityscapes mIoU, the mean per-class
     accuracy ``val/macc`` and the pixel accuracy (a test: ``test/...``), and prints the per-class table; where a
@@ -75,7 +79,7 @@ class SegmentationTask(NormTask):
         head_lr_mult: the new heads' (decoder, classifier, auxiliary head) lr as a multiple of the encoder's.
         warmup_epochs: epochs of linear lr warm-up before the poly decay; 0: none.
         poly_power: the exponent of the poly decay, lr x (1 - iteration / total iterations) ** poly_power.
-        aux_weight: the weight of the auxiliary head's cross-entropy in the training loss (the main head's is 1).
+        aux_weight: the weight of the auxiliary head's loss in the training loss (the main head's is 1).
         dropout: the dropout probability in the heads, before their last 1x1 conv (and in the decoder where smp
             gives it one), in [0, 1).
         eval_crop: the side in pixels of the sliding window of validation, test and prediction (stride 2/3 of it);
@@ -89,6 +93,15 @@ class SegmentationTask(NormTask):
             ``deeplabv3``, ``deeplabv3plus``, ``upernet``, ``fpn``, ``unet``, ...).
         output_stride: the encoder's output stride, input size / feature size (8, 16 or 32, as the decoder takes);
             null: the decoder's default.
+        loss: the training loss of each head: ``ce`` (cross-entropy, the recipe's), ``dice``, ``focal``,
+            ``lovasz`` (segmentation_models_pytorch's), ``ohem`` (cross-entropy of the hard pixels, as
+            mmsegmentation's OHEM), or a weighted sum such as ``{ce: 1.0, dice: 0.5}`` (``mabn.tasks.losses``).
+        class_weights: per-class weights of the loss: null (the weights of the dataset's ``classes.yaml`` where it
+            gives some, else none), ``counts`` (from the training split's pixels per class, ``1 / ln(1.02 +
+            share)``) or a list of numbers > 0, one per class. Lovász takes none.
+        ohem_thresh: ``ohem`` keeps the labelled pixels whose true class has a softmax probability below this.
+        ohem_min_kept: ``ohem`` keeps at least this many pixels per image of the batch, those of the lowest
+            probability of their true class.
     """
 
     def __init__(
@@ -109,6 +122,10 @@ class SegmentationTask(NormTask):
         num_logged_predictions: int = 2,
         decoder: str = DEFAULT_DECODER,
         output_stride: int | None = None,
+        loss: dict[str, float] | str = "ce",
+        class_weights: list[float] | str | None = None,
+        ohem_thresh: float = 0.7,
+        ohem_min_kept: int = 100_000,
         **shared: Any,
     ) -> None:
         super().__init__(**shared)
@@ -121,6 +138,9 @@ class SegmentationTask(NormTask):
             rank_zero_info(f"Encoder loaded from {backbone} ({info['description']}) into norm {hp.norm}")
         else:
             rank_zero_warn("No backbone given (BACKBONE=...): the encoder starts from random weights.")
+        # Weights from the data (classes.yaml's, counts) are known at fit's setup, which makes the loss again.
+        weights = None if class_weights is None or class_weights == losses.COUNTS else class_weights
+        self.criterion = self.make_loss(self.hparams, self.class_names(), weights)[0]
         self.val_metric = SegmentationMetric(num_classes, IGNORE_INDEX)
         self.test_metric = SegmentationMetric(num_classes, IGNORE_INDEX)
         self.test_result: dict[str, torch.Tensor] = {}  # the last test's metrics (SegmentationMetric.compute)
@@ -141,6 +161,9 @@ class SegmentationTask(NormTask):
         require(hp["poly_power"] > 0, "poly_power", hp["poly_power"], "must be > 0")
         require(hp["aux_weight"] >= 0, "aux_weight", hp["aux_weight"], "must be >= 0")
         require(0 <= hp["dropout"] < 1, "dropout", hp["dropout"], "must be in [0, 1)")
+        losses.check_loss(
+            hp.get("loss", "ce"), hp.get("class_weights"), hp.get("ohem_thresh", 0.7), hp.get("ohem_min_kept", 1)
+        )
         decoder = hp.get("decoder", DEFAULT_DECODER)
         require(decoder in DECODERS, "decoder", decoder, f"choose one of {', '.join(DECODERS)}")
         stride = hp.get("output_stride")
@@ -181,7 +204,66 @@ class SegmentationTask(NormTask):
             shape.lr_line(hp["base_lr"], hp["base_batch_size"], heads),
             f"schedule: linear warm-up over {warmup}, then poly {hp['poly_power']:g}{end}",
             *cls.warmup_warning(hp, shape),
+            cls.loss_line(hp),
         ]
+
+    @staticmethod
+    def loss_line(hp: Mapping[str, Any]) -> str:
+        """The ``loss:`` line of the plan: the loss, where its class weights come from, and the heads it weighs."""
+        terms = losses.loss_terms(hp.get("loss", "ce"))
+        text = losses.describe(terms, hp.get("ohem_thresh", 0.7), hp.get("ohem_min_kept", 100_000))
+        weights = hp.get("class_weights")
+        if weights == losses.COUNTS:
+            text += ", class weights from the training pixels per class"
+        elif weights is not None:
+            text += ", class weights as given"
+        if DECODERS[hp.get("decoder", DEFAULT_DECODER)].aux:
+            return f"loss: {text}; main head + {hp['aux_weight']:g} x auxiliary head"
+        return f"loss: {text}; main head (no auxiliary head)"
+
+    @staticmethod
+    def make_loss(
+        hp: Mapping[str, Any],
+        names: Sequence[str],
+        class_weights: str | Sequence[float] | None,
+        classes: ClassTable | None = None,
+        pixels: Sequence[int] | None = None,
+    ) -> tuple[losses.PixelLoss, list[str]]:
+        """(the loss of each head; the line that says its class weights, none without). ``class_weights``: the
+        argument, resolved against ``classes`` (the dataset's table, whose weights it may give) and ``pixels`` (the
+        training split's per class) for the classes ``names`` (``losses.resolve_class_weights``)."""
+        weights, origin = losses.resolve_class_weights(
+            class_weights,
+            names,
+            None if classes is None else classes.weights,
+            "" if classes is None else classes.source,
+            pixels,
+        )
+        terms = losses.loss_terms(hp.get("loss", "ce"))
+        if weights is not None and all(name in losses.UNWEIGHTED for name in terms):
+            raise ConfigError(
+                f"class weights ({origin}): loss {hp.get('loss')} takes none (smp's LovaszLoss): remove them, or "
+                "add a term that takes them, e.g. {lovasz: 1.0, ce: 1.0}"
+            )
+        if weights is not None and "lovasz" in terms:
+            origin += "; lovasz takes none (smp's LovaszLoss)"
+        criterion = losses.PixelLoss(
+            terms,
+            weights,
+            hp.get("ohem_thresh", 0.7),
+            hp.get("ohem_min_kept", 100_000),
+        )
+        return criterion, [] if weights is None else [losses.weights_line(weights, names, origin)]
+
+    @classmethod
+    def class_weight_lines(cls, hp: Mapping[str, Any], plan: DataPlan) -> list[str]:
+        """The dry run's line on the class weights, from the data plan's training pixels per class (and the class
+        table they count), where the data module counts them; ``ConfigError`` where the weights cannot be made."""
+        pixels = plan.class_pixels
+        classes = None if pixels is None else pixels.classes
+        names = default_class_names(hp["num_classes"]) if classes is None else classes.names
+        counts = None if pixels is None else pixels.pixels
+        return cls.make_loss(hp, names, hp.get("class_weights"), classes, counts)[1]
 
     @staticmethod
     def warmup_warning(hp: Mapping[str, Any], shape: RunShape) -> list[str]:
@@ -211,11 +293,11 @@ class SegmentationTask(NormTask):
         images, labels = batch
         out = self.training_forward(images)
         out, aux = out if isinstance(out, tuple) else (out, None)  # a decoder without an auxiliary head
-        main_loss = pixel_loss(out, labels)
+        main_loss = self.criterion(out, labels)
         if aux is None:
             self.log_dict({"train/loss": main_loss, "train/main_loss": main_loss}, prog_bar=True)
             return main_loss
-        aux_loss = pixel_loss(aux, labels)
+        aux_loss = self.criterion(aux, labels)
         loss = main_loss + self.hparams.aux_weight * aux_loss
         self.log_dict({"train/loss": loss, "train/main_loss": main_loss, "train/aux_loss": aux_loss}, prog_bar=True)
         return loss
@@ -235,7 +317,7 @@ class SegmentationTask(NormTask):
                 names = getattr(source, "class_names", None)
                 if names is not None and len(names) == n:
                     return tuple(names)
-        return tuple(f"class {i}" for i in range(n))
+        return default_class_names(n)
 
     def predict_probs(self, images: torch.Tensor) -> torch.Tensor:
         """Class probabilities (N, K, H, W) of full images by the sliding-window protocol (``eval_crop``,
@@ -347,6 +429,18 @@ class SegmentationTask(NormTask):
     def setup(self, stage: str) -> None:
         if stage == "fit":  # after the data module's setup, before its loaders: the batch that fits the device
             memory.fit(self)
+            # The class weights the data gives: classes.yaml's, or the training pixels counted by its check.
+            data = self.trainer.datamodule
+            pixels = getattr(data, "class_pixels", None)
+            self.criterion, lines = self.make_loss(
+                self.hparams,
+                self.class_names(),
+                self.hparams.class_weights,
+                getattr(data, "classes", None),
+                None if pixels is None else pixels.pixels,
+            )
+            for line in lines:
+                say(line)
 
     @staticmethod
     def memory_plan(*args: Any) -> memory.MemoryPlan:
@@ -391,15 +485,15 @@ def class_table_rows(
     ]
 
 
-def pixel_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Cross-entropy averaged over the labelled pixels (``IGNORE_INDEX`` left out), and 0 for a batch without
-    any, where the mean over no pixel would be NaN and poison the weights (a crop of void only)."""
-    total = F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="sum")
-    return total / (labels != IGNORE_INDEX).sum().clamp(min=1)
+def default_class_names(count: int) -> tuple[str, ...]:
+    """The names of ``count`` classes where the data gives none: ``class 0``, ``class 1``, ..."""
+    return tuple(f"class {i}" for i in range(count))
 
 
 def probs_loss(probs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """``pixel_loss`` of class probabilities instead of logits (their log is the log-softmax of the logits)."""
+    """The cross-entropy over the labelled pixels (``losses.cross_entropy``) of class probabilities instead of
+    logits (their log is the log-softmax of the logits): validation's ``val/loss``, whatever the training loss, so
+    that runs of different losses compare."""
     total = F.nll_loss(probs.clamp_min(1e-12).log(), labels, ignore_index=IGNORE_INDEX, reduction="sum")
     return total / (labels != IGNORE_INDEX).sum().clamp(min=1)
 

@@ -1,0 +1,319 @@
+"""Stage 2's losses (``mabn.tasks.losses``, ``SegmentationTask``'s ``loss`` and ``class_weights``): each loss held to
+its formula, written here in float64 from the papers, on a hand-made batch with ignored pixels (which change
+nothing); OHEM's threshold and minimum kept; the class weights of ``classes.yaml`` and of the training pixels per
+class; the dry run's loss and weights lines; and 2-step fits of ``python -m mabn segment`` with each loss (one in
+the default suite, the others slow)."""
+
+from __future__ import annotations
+
+import csv
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from helpers.own_dataset import bands, line, segment
+from helpers.trainer import fit_flags
+from mabn.data.classes import ClassTable
+from mabn.data.errors import DatasetError
+from mabn.data.folder import FolderDataModule
+from mabn.errors import ConfigError
+from mabn.tasks import SegmentationTask
+from mabn.tasks.losses import PixelLoss, check_loss, inverse_log_weights, resolve_class_weights
+
+IGNORE = 255
+K = 4  # classes; class 3 has no labelled pixel in the batch
+
+
+def _batch() -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits (2, K, 3, 4) and labels with ignored pixels, of classes 0..2 only."""
+    g = torch.Generator().manual_seed(3)
+    logits = 2.0 * torch.randn(2, K, 3, 4, generator=g)
+    labels = torch.tensor(
+        [
+            [[0, 1, 2, IGNORE], [1, 1, 0, 2], [IGNORE, 0, 2, 2]],
+            [[2, 0, IGNORE, 1], [0, 0, 1, IGNORE], [2, 1, 1, 0]],
+        ]
+    )
+    return logits, labels
+
+
+def _flat(logits: torch.Tensor, labels: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+    """(the labelled pixels' logits, P x K float64; their classes, P)."""
+    z = logits.double().permute(0, 2, 3, 1).reshape(-1, logits.shape[1]).numpy()
+    y = labels.reshape(-1).numpy()
+    keep = y != IGNORE
+    return z[keep], y[keep]
+
+
+def _softmax(z: np.ndarray) -> np.ndarray:
+    e = np.exp(z - z.max(1, keepdims=True))
+    return e / e.sum(1, keepdims=True)
+
+
+def _weighted_mean(values: list[float], weights: list[float] | None) -> float:
+    w = np.ones(len(values)) if weights is None else np.asarray(weights, dtype=np.float64)
+    return float((np.asarray(values) * w).sum() / w.sum())
+
+
+def ref_ce(logits, labels, weights=None) -> float:
+    """sum_i w_{y_i} (-log p_{i, y_i}) / sum_i w_{y_i} over the labelled pixels i."""
+    z, y = _flat(logits, labels)
+    nll = -np.log(_softmax(z)[np.arange(len(y)), y])
+    w = np.ones(K) if weights is None else np.asarray(weights, dtype=np.float64)
+    return float((w[y] * nll).sum() / w[y].sum())
+
+
+def ref_dice(logits, labels, weights=None) -> float:
+    """Per class c over the batch: 1 - 2 sum p_c [y=c] / (sum p_c + sum [y=c]), 0 for a class with no labelled
+    pixel; the (weighted) mean over the classes."""
+    z, y = _flat(logits, labels)
+    p = _softmax(z)
+    per_class = []
+    for c in range(K):
+        t = (y == c).astype(np.float64)
+        per_class.append(1.0 - 2.0 * (p[:, c] * t).sum() / (p[:, c].sum() + t.sum()) if t.any() else 0.0)
+    return _weighted_mean(per_class, weights)
+
+
+def ref_focal(logits, labels, weights=None, gamma=2.0) -> float:
+    """Per class c, one against the rest on its logit: mean over the labelled pixels of -(1 - q)^gamma log q, q the
+    sigmoid's probability of the pixel's truth (is it c or not); the (weighted) mean over the classes."""
+    z, y = _flat(logits, labels)
+    per_class = []
+    for c in range(K):
+        s = 1.0 / (1.0 + np.exp(-z[:, c]))
+        q = np.where(y == c, s, 1.0 - s)
+        per_class.append(float((-((1.0 - q) ** gamma) * np.log(q)).mean()))
+    return _weighted_mean(per_class, weights)
+
+
+def ref_lovasz(logits, labels) -> float:
+    """Lovász-Softmax (Berman et al. 2018): per class c present, the errors e_i = |[y_i=c] - p_ic| sorted down, and
+    sum_k e_(k) (J_k - J_{k-1}), J_k the Jaccard loss 1 - |F \\ top-k| / |F U top-k| of the class's pixels F
+    against the k pixels of largest error taken as predicted c; the mean over the classes present."""
+    z, y = _flat(logits, labels)
+    p = _softmax(z)
+    per_class = []
+    for c in range(K):
+        fg = y == c
+        if not fg.any():
+            continue
+        errors = np.abs(fg - p[:, c])
+        order = np.argsort(-errors, kind="stable")
+        total, previous, loss = fg.sum(), 0.0, 0.0
+        for k in range(1, len(order) + 1):
+            top = order[:k]
+            inside = fg[top].sum()
+            jaccard = 1.0 - (total - inside) / (total + (k - inside))
+            loss += errors[order[k - 1]] * (jaccard - previous)
+            previous = jaccard
+        per_class.append(loss)
+    return float(np.mean(per_class))
+
+
+def ref_ohem(logits, labels, thresh, min_kept, weights=None) -> tuple[float, int]:
+    """(the (weighted) mean cross-entropy over the kept pixels, how many): a labelled pixel is kept where p_true <
+    thresh or where it is among the min_kept x N of lowest p_true (ties at the cut kept)."""
+    z, y = _flat(logits, labels)
+    p_true = _softmax(z)[np.arange(len(y)), y]
+    count = min(min_kept * logits.shape[0], len(y))
+    cut = np.sort(p_true)[count - 1]
+    kept = (p_true < thresh) | (p_true <= cut)
+    w = (np.ones(K) if weights is None else np.asarray(weights, dtype=np.float64))[y] * kept
+    return float((w * -np.log(p_true)).sum() / w.sum()), int(kept.sum())
+
+
+WEIGHTS = [0.5, 2.0, 1.0, 3.0]
+
+
+@pytest.mark.parametrize(
+    ("name", "reference", "weights"),
+    [
+        ("ce", ref_ce, None),
+        ("ce", ref_ce, WEIGHTS),
+        ("dice", ref_dice, None),
+        ("dice", ref_dice, WEIGHTS),
+        ("focal", ref_focal, None),
+        ("focal", ref_focal, WEIGHTS),
+        ("lovasz", ref_lovasz, None),
+    ],
+)
+def test_each_loss_is_its_formula_and_leaves_ignored_pixels_out(name, reference, weights):
+    logits, labels = _batch()
+    loss = PixelLoss({name: 1.0}, weights)
+    expected = reference(logits, labels) if weights is None else reference(logits, labels, weights)
+    assert loss(logits, labels).item() == pytest.approx(expected, rel=1e-5)
+    # The ignored pixels' logits change nothing.
+    ignored = (labels == IGNORE).unsqueeze(1)
+    moved = torch.where(ignored, logits + 7.0 * torch.randn(logits.shape), logits)
+    assert loss(moved, labels).item() == pytest.approx(loss(logits, labels).item(), rel=1e-6)
+
+
+def test_a_weighted_sum_is_the_sum_of_its_terms_and_the_default_is_cross_entropy():
+    logits, labels = _batch()
+    total = PixelLoss({"ce": 1.0, "dice": 0.5})(logits, labels).item()
+    assert total == pytest.approx(ref_ce(logits, labels) + 0.5 * ref_dice(logits, labels), rel=1e-5)
+    task = SegmentationTask(num_classes=K, arch="resnet18", norm="bn", log_predictions_every_n_epochs=0)
+    assert task.criterion(logits, labels).item() == pytest.approx(ref_ce(logits, labels), rel=1e-6)
+
+
+@pytest.mark.parametrize("name", ["ce", "dice", "focal", "lovasz", "ohem"])
+def test_a_batch_of_ignored_pixels_only_trains_nothing(name):
+    logits = torch.randn(1, K, 2, 2, requires_grad=True)
+    loss = PixelLoss({name: 1.0}, None, 0.7, 1)(logits, torch.full((1, 2, 2), IGNORE))
+    loss.backward()
+    assert loss.item() == 0.0 and torch.equal(logits.grad, torch.zeros_like(logits))
+
+
+@pytest.mark.parametrize(
+    ("thresh", "min_kept", "kept"),
+    [
+        (0.5, 2, None),  # the threshold keeps more than 2 x 2 pixels
+        (1e-6, 3, 6),  # no pixel under the threshold: the 3 x 2 hardest
+        (1e-6, 50, 20),  # more asked than labelled: every labelled pixel
+    ],
+)
+def test_ohem_keeps_the_pixels_under_the_threshold_and_at_least_min_kept(thresh, min_kept, kept):
+    logits, labels = _batch()
+    for weights in (None, WEIGHTS):
+        expected, count = ref_ohem(logits, labels, thresh, min_kept, weights)
+        assert PixelLoss({"ohem": 1.0}, weights, thresh, min_kept)(logits, labels).item() == pytest.approx(
+            expected, rel=1e-5
+        )
+        assert count == kept if kept is not None else count > 2 * min_kept
+    if min_kept * 2 < count:  # as mmsegmentation keeps distinct probabilities: p < max(p_(min_kept x N), thresh)
+        z, y = _flat(logits, labels)
+        p_true = _softmax(z)[np.arange(len(y)), y]
+        assert count == (p_true < max(np.sort(p_true)[min_kept * 2], thresh)).sum()
+
+
+def test_ohem_keeps_min_kept_through_a_tie_at_the_cut():
+    # Every pixel has p_true = 1/K: mmsegmentation's strict p < cut would keep none; every one is kept here.
+    logits, labels = torch.zeros(1, K, 2, 3), torch.tensor([[[0, 1, 2], [3, 0, IGNORE]]])
+    assert PixelLoss({"ohem": 1.0}, None, 0.1, 2)(logits, labels).item() == pytest.approx(math.log(K), rel=1e-6)
+
+
+def test_the_loss_arguments_are_refused_in_one_line():
+    for args, named in [
+        (("dyce", None, 0.7, 1), "loss='dyce': choose one of ce, dice, focal, lovasz, ohem"),
+        (({"ce": 1.0, "dice": 0}, None, 0.7, 1), "the weight of dice must be a number > 0"),
+        (({}, None, 0.7, 1), "loss={}"),
+        (("ce", "median", 0.7, 1), "class_weights='median'"),
+        (("ce", [1.0, -1.0], 0.7, 1), "class_weights=[1.0, -1.0]"),
+        (("lovasz", "counts", 0.7, 1), "loss lovasz takes no class weights"),
+        (("ohem", None, 1.5, 1), "ohem_thresh=1.5"),
+        (("ohem", None, 0.7, 0), "ohem_min_kept=0"),
+    ]:
+        with pytest.raises(ConfigError, match=named.replace("[", r"\[").replace("{", r"\{")) as caught:
+            check_loss(*args)
+        assert "\n" not in str(caught.value)
+
+
+def test_class_weights_from_counts_are_the_inverse_log_of_the_shares():
+    # shares 0.6, 0.3, 0.1 and 0: 1 / ln(1.02 + share)
+    assert inverse_log_weights([60, 30, 10, 0]) == pytest.approx([2.072856, 3.601894, 8.823891, 50.498350], rel=1e-6)
+
+
+def test_classes_yaml_gives_weights_and_refuses_bad_ones_in_one_line():
+    table = ClassTable.parse({"classes": ["sky", "road"], "weights": [1, 2.5]})
+    assert table.weights == (1.0, 2.5)
+    assert ClassTable.from_dict(table.as_dict()) == table
+    colour = ClassTable.parse({"classes": ["sky", "road"], "mask_format": "color", "weights": [3, 1]})
+    assert colour.weights == (3.0, 1.0)
+    assert ClassTable.parse({"classes": ["sky", "road"]}).weights is None
+    for bad in ([1.0], [1.0, 0.0], [1.0, "x"], [True, 1.0], [1.0, float("inf")], 2.0):
+        with pytest.raises(DatasetError, match=r"weights must hold one number > 0 per class, 2 in all") as caught:
+            ClassTable.parse({"classes": ["sky", "road"], "weights": bad}, "d/classes.yaml")
+        assert "\n" not in str(caught.value) and "d/classes.yaml" in str(caught.value)
+
+
+def test_class_weights_come_from_one_place():
+    names = ["sky", "road"]
+    assert resolve_class_weights(None, names, None, "c.yaml", [1, 1]) == (None, "")
+    assert resolve_class_weights(None, names, (1.0, 3.0), "c.yaml", None) == ([1.0, 3.0], "weights of c.yaml")
+    assert resolve_class_weights([2, 1], names, None, "c.yaml", None) == ([2.0, 1.0], "as given")
+    for args, named in [
+        (("counts", names, (1.0, 3.0), "c.yaml", [1, 1]), "c.yaml's weights both weigh the classes"),
+        (("counts", names, None, "", None), "this data module counts no pixels per class"),
+        (([1.0, 2.0, 3.0], names, None, "", None), "3 weights for 2 classes"),
+    ]:
+        with pytest.raises(ConfigError, match=named):
+            resolve_class_weights(*args)
+
+
+def test_the_training_pixels_per_class_come_from_the_data_module(tmp_path):
+    # Masks of 10x10 in three bands of 3, 3 and 4 columns: 60, 60 and 80 pixels over the 2 training masks.
+    data = FolderDataModule(str(bands(tmp_path / "d", (10, 10), train=2)), 8, global_batch_size=2, num_workers=0)
+    data.setup("fit")
+    assert data.class_pixels.pixels == (60, 60, 80)
+
+
+@pytest.fixture(scope="module")
+def banded(tmp_path_factory) -> Path:
+    """4 training and 4 validation pairs of 40x64 in bands of 21, 21 and 22 columns (sky, grass, road)."""
+    return bands(tmp_path_factory.mktemp("losses") / "d", (40, 64), train=4)
+
+
+def test_the_dry_run_says_the_loss_and_the_weights_from_counts(banded, tmp_path, capsys):
+    args = ["--model.init_args.loss", "{ohem: 1.0, dice: 0.5}", "--model.init_args.class_weights", "counts"]
+    code, out, err = segment(banded, tmp_path / "run", capsys, *args, "--data.init_args.global_batch_size", "4")
+    assert code == 0, err
+    assert line(out, "loss:") == (
+        "loss: 1 x OHEM cross-entropy (pixels of true-class probability < 0.7, at least the 100000 hardest per "
+        "image) + 0.5 x Dice (smp), class weights from the training pixels per class; main head + 0.4 x auxiliary head"
+    )
+    # shares 21/64, 21/64, 22/64: 1 / ln(1.02 + share)
+    assert line(out, "class weights") == (
+        "class weights (from the training pixels per class, 1 / ln(1.02 + share)): sky 3.35, grass 3.35, road 3.22"
+    )
+    code, out, err = segment(banded, tmp_path / "run", capsys, "--data.init_args.global_batch_size", "4")
+    assert line(out, "loss:") == "loss: cross-entropy; main head + 0.4 x auxiliary head"
+    assert not [text for text in out if text.startswith("class weights")]
+
+
+def test_the_dry_run_refuses_weights_that_do_not_fit_the_classes(banded, tmp_path, capsys):
+    weights = ["--model.init_args.class_weights", "[1.0, 2.0]", "--data.init_args.global_batch_size", "4"]
+    code, out, err = segment(banded, tmp_path / "run", capsys, *weights)
+    assert code == 2
+    assert "error: class_weights=[1.0, 2.0]: 2 weights for 3 classes; give one per class, in class-index order" in err
+
+
+TINY = [
+    *fit_flags(2, check_val_every_n_epoch=2, num_sanity_val_steps=0, log_every_n_steps=1),
+    "--data.init_args.global_batch_size", "4", "--data.init_args.num_workers", "0",
+    "--data.init_args.crop_size", "32", "--model.init_args.arch", "resnet18",
+    "--model.init_args.log_predictions_every_n_epochs", "0",
+]  # fmt: skip
+
+
+def _fit(data: Path, run: Path, capsys, *extra: str) -> list[str]:
+    """2 steps of ``python -m mabn segment`` on ``data`` with ``extra``: its stdout lines; its main and auxiliary
+    losses, finite at both steps."""
+    code, out, err = segment(data, run, capsys, *TINY, *extra, dry_run=False)
+    assert code == 0, err
+    rows = [row for row in csv.DictReader((run / "metrics.csv").open()) if row.get("train/main_loss")]
+    assert len(rows) == 2
+    for row in rows:
+        assert math.isfinite(float(row["train/main_loss"])) and math.isfinite(float(row["train/aux_loss"]))
+    return out
+
+
+def test_a_fit_trains_ohem_and_dice_with_the_weights_of_classes_yaml(tmp_path, capsys):
+    data = bands(tmp_path / "d", (40, 64), train=4)
+    with (data / "classes.yaml").open("a") as file:
+        file.write("weights: [1.0, 2.0, 0.5]\n")
+    loss = ["--model.init_args.loss", "{ohem: 1.0, dice: 0.5}", "--model.init_args.ohem_min_kept", "64"]
+    out = _fit(data, tmp_path / "run", capsys, *loss)
+    weights = f"class weights (weights of {data / 'classes.yaml'}): sky 1.00, grass 2.00, road 0.50"
+    assert line(out, "class weights") == weights
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("loss", "weights"), [("focal", "counts"), ("lovasz", "null"), ("ce", "counts")])
+def test_a_fit_trains_each_loss(banded, tmp_path, capsys, loss, weights):
+    args = ["--model.init_args.loss", loss, "--model.init_args.class_weights", weights]
+    out = _fit(banded, tmp_path / "run", capsys, *args)
+    assert bool([text for text in out if text.startswith("class weights")]) == (weights == "counts")
