@@ -4,6 +4,7 @@ framework as the product does and checks the outcome, not only that a name exist
 
 from __future__ import annotations
 
+import argparse
 import inspect
 import re
 import signal
@@ -140,6 +141,17 @@ def _error(*args: str) -> str:
     with pytest.raises(ArgumentError) as error:
         parser.parse_args(list(args))
     return str(error.value)
+
+
+def test_help_text_formatter_filters_descriptions_and_argument_help():
+    class Upper(compat.HelpTextFormatter):
+        def help_text(self, text: str) -> str:
+            return text.replace("x", "X")
+
+    parser = argparse.ArgumentParser(prog="p", description="the x tool", epilog="see x", formatter_class=Upper)
+    parser.add_argument("--n", default="x1", help="an x (default %(default)s)")
+    shown = parser.format_help()
+    assert "the X tool" in shown and "see X" in shown and "an X (default X1)" in shown  # after the expansion
 
 
 def test_option_strings_are_the_parsers_long_options():
@@ -286,6 +298,10 @@ def test_triton_launch_abi_is_tritons_own():
     assert isinstance(inspect.getattr_static(CompiledKernel, "run"), property)
     assert list(inspect.signature(CompiledKernel.launch_metadata).parameters) == ["self", "grid", "stream", "args"]
     assert hasattr(runtime, "launch_enter_hook") and hasattr(runtime, "launch_exit_hook")
+    # What the launcher keeps and passes here: the compiled kernel that a JIT function's launch returns.
+    from triton.runtime.jit import JITFunction
+
+    assert "returnkernel" in re.sub(r"\s+", "", inspect.getsource(JITFunction.run))
     ours = re.sub(r"\s+", "", inspect.getsource(compat.launch))
     assert (
         "compiled.run(*grid,stream,compiled.function,compiled.packed_metadata,compiled.launch_metadata(grid,stream,"

@@ -1,15 +1,17 @@
-"""Every private API of Lightning, torch, Triton and jsonargparse that the product relies on, one function each.
+"""Every private API of Lightning, torch, Triton, jsonargparse and argparse that the product relies on, one function
+(or base class) each.
 
 Each exists because no public API does the same (Lightning 2.6, torch 2.14, Triton 3.8, jsonargparse 4.53); its
 docstring says what it relies on and what breaks if a release changes it. tests/test_compat.py holds each to what
 is relied on here, so a release that changes one fails there, by the touchpoint's name, instead of the product
 going wrong quietly. Nothing else in the package reads or writes a foreign underscore name.
 
-Lightning, Triton and jsonargparse are imported where a function needs them: ``import mabn`` loads torch alone.
+Lightning and Triton are imported where a function needs them: ``import mabn`` loads torch alone.
 """
 
 from __future__ import annotations
 
+import argparse
 import functools
 import re
 from collections.abc import Callable
@@ -107,6 +109,24 @@ def subcommand_parsers(cli: Any) -> dict[str, Any]:
 
 
 # -- jsonargparse and argparse -----------------------------------------------------------------------------------
+
+
+class HelpTextFormatter(argparse.HelpFormatter):
+    """argparse's help formatter with one public hook, ``help_text(text)``, applied to descriptions and epilogs
+    before they are wrapped (``_format_text``) and to each argument's help once its ``%(default)s`` is expanded
+    (``_expand_help``); argparse documents the class's name only, and jsonargparse's formatter extends the same
+    two methods. ``python -m mabn``'s help turns docstrings' reStructuredText into plain text there. If either is
+    renamed, the help shows the markup (````x````, ``:class:`x```)."""
+
+    def help_text(self, text: str) -> str:
+        """``text`` as the help shows it."""
+        return text
+
+    def _format_text(self, text: str) -> str:
+        return super()._format_text(self.help_text(text))
+
+    def _expand_help(self, action: argparse.Action) -> str:
+        return self.help_text(super()._expand_help(action))
 
 
 def option_strings(parser: Any) -> list[str]:

@@ -7,6 +7,8 @@ import argparse
 import re
 import sys
 
+from ..compat import HelpTextFormatter
+
 PROG = "python -m mabn"
 
 _ROLE = re.compile(r":[a-z]+:`~?([^`]+)`")  # :class:`x`, :func:`~a.b` (Sphinx roles)
@@ -23,14 +25,11 @@ def plain_text(text: str) -> str:
     return text
 
 
-class PlainTextHelp(argparse.HelpFormatter):
+class PlainTextHelp(HelpTextFormatter):
     """Descriptions and argument help as plain text: most come from docstrings, written in reStructuredText."""
 
-    def _format_text(self, text: str) -> str:
-        return super()._format_text(plain_text(text))
-
-    def _expand_help(self, action: argparse.Action) -> str:
-        return plain_text(super()._expand_help(action))
+    def help_text(self, text: str) -> str:
+        return plain_text(text)
 
 
 class HelpFormatter(PlainTextHelp, argparse.RawDescriptionHelpFormatter):
