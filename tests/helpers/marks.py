@@ -20,3 +20,12 @@ def default_suite_runs(cases: Iterable, keep: Iterable, ids: Iterable[str] | Non
         )
         for case, i in zip(cases, ids)
     ]
+
+
+def where_interpreted(*marks: pytest.MarkDecorator) -> list[pytest.MarkDecorator]:
+    """``marks`` where Triton's interpreter runs the kernels (the CPU, where a program takes milliseconds), none
+    where they run compiled (MABN_TEST_DEVICE=cuda): there the GPU check's kernel section (``-m "gpu and not slow"``)
+    runs the case."""
+    import triton  # here: the modules that mark their cases otherwise need no Triton
+
+    return list(marks) if triton.knobs.runtime.interpret else []

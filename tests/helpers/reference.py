@@ -62,8 +62,9 @@ class RefMABN:
         norm_batch_size=None,
         stats="sma",
         renorm=True,
+        ema_start="one",
     ):
-        assert stats in ("batch", "sma", "ema")
+        assert stats in ("batch", "sma", "ema") and ema_start in ("one", "first")
         self.weight = weight.detach().to(torch.float64).clone()
         self.bias = bias.detach().to(torch.float64).clone()
         self.m = buffer_size
@@ -75,6 +76,7 @@ class RefMABN:
         self.norm_batch_size = norm_batch_size
         self.stats = stats
         self.renorm = renorm
+        self.ema_start = ema_start
 
         num_features = self.weight.numel()
         self.t = 0  # training forwards so far
@@ -90,14 +92,21 @@ class RefMABN:
         x = x.detach().to(torch.float64)
         self.t += 1
         t = self.t
-        ema_prev = self.ema.clone()
-        stream_ema = ema_prev.clone()  # e_{-1} for the stream EMA over this forward's groups
+        ema_prev = self.ema.clone()  # what r compares with
+        slices = group_slices(x.shape[0], self.norm_batch_size)
+        # The EMA before this forward's update: with ema_start "first", the first forward takes its chi2_B (the
+        # groups' mean) as the previous EMA.
+        if self.ema_start == "first" and t == 1:
+            ema_base = sum(channel_mean(x[sl] * x[sl]) for sl in slices) / len(slices)
+        else:
+            ema_base = ema_prev
+        stream_ema = ema_base.clone()  # e_{-1} for the stream EMA over this forward's groups
         renorm_on = self.renorm and t > max(self.renorm_warmup_iters, self.warmup_iters)
 
         out = torch.empty_like(x)
         self.saved = []
         record = {"t": t, "active": [], "r_raw": [], "r": []}
-        for sl in group_slices(x.shape[0], self.norm_batch_size):
+        for sl in slices:
             xg = x[sl]
             chi2 = channel_mean(xg * xg)
             recorded_before = len(self.chi2_stream)
@@ -137,7 +146,7 @@ class RefMABN:
             self.ema = stream_ema
         else:
             mean_var = sum(g["var"] for g in self.saved) / len(self.saved)
-            self.ema = self.momentum * ema_prev + (1.0 - self.momentum) * mean_var
+            self.ema = self.momentum * ema_base + (1.0 - self.momentum) * mean_var
         record["renorm_on"] = renorm_on
         self.log.append(record)
         return out
