@@ -66,7 +66,7 @@ test-gpu: $(if $(filter $(VENV)/bin/python,$(PY)),$(STAMP))
 	MABN_TEST_DEVICE=cuda PYTHONPATH="$(CURDIR)/src$(if $(PYTHONPATH),:$(PYTHONPATH))" $(PY) -m pytest -q -m gpu
 
 # The first thing to run whenever a GPU is at hand (docs/testing.md#on-a-gpu), in one call of at most 8 minutes:
-# sections in order of value, each stopped at its own time limit (405 s in all), the report in
+# sections in order of value, each stopped at its own time limit (480 s in all), the report in
 # runs/bench/bench-cuda.md (OUT=docs: docs/bench-cuda.md) rewritten as each ends: the kernel tests on the device
 # (the compiled Triton kernels against the float64 references), the chain of a real stage-2 run
 # (fits killed and resumed, CUDA graphs against eager, test, predict, export, two ranks under bf16-mixed), stage 2's

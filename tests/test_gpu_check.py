@@ -72,8 +72,8 @@ def _sections_text(text: str) -> dict[str, str]:
 def test_sections_runs_some_sections_in_the_checks_order(capsys):
     assert main(["check", "--dry-run", "--sections", "stage1,chain", "--out", "docs"]) == 0
     out = capsys.readouterr().out
-    assert _sections(out) == [("chain", 180), ("stage1", 45)]
-    assert "report: docs/bench-cuda.md" in out and "total limit: 225 s" in out
+    assert _sections(out) == [("chain", 180), ("stage1", 30)]
+    assert "report: docs/bench-cuda.md" in out and "total limit: 210 s" in out
     with pytest.raises(SystemExit) as exit_info:
         main(["check", "--dry-run", "--sections", "stage2,stage3"])
     assert exit_info.value.code == 2
@@ -92,7 +92,14 @@ def test_make_gpu_check_takes_dry_run_sections_and_another_python(tmp_path):
     run = subprocess.run([*make, "DRY_RUN=1", "SECTIONS=stage2", f"PY={sys.executable}"], capture_output=True,
                          text=True, timeout=120)  # fmt: skip
     assert run.returncode == 0, run.stderr
-    assert _sections(run.stdout) == [("stage2", 80)]
+    assert _sections(run.stdout) == [("stage2", 60)]
+    # The whole plan: the kernel tests first, with their limit, the recipes' kernel variants first among them.
+    plan = subprocess.run([*make, "DRY_RUN=1", f"PY={sys.executable}"], capture_output=True, text=True, timeout=120)
+    assert plan.returncode == 0, plan.stderr
+    assert _sections(plan.stdout)[0] == ("kernels", 180)
+    assert _sections_text(plan.stdout)["kernels"].startswith(
+        "the kernel tests of the default suite (tests/test_recipe_"
+    )
     # PY=python3: the machine's own Python runs the check with the checkout's src/ on its path, and no .venv is
     # built for it (a lent GPU machine has its own torch).
     recipe = subprocess.run([*make, "-n", "PY=python3", "OUT=docs"], capture_output=True, text=True, timeout=60)
@@ -100,6 +107,14 @@ def test_make_gpu_check_takes_dry_run_sections_and_another_python(tmp_path):
     words = recipe.stdout.replace("\\\n", " ").split()
     assert words[0].startswith(f'PYTHONPATH="{ROOT}/src')
     assert words[1:] == ["python3", "-m", "mabn", "bench", "check", "--out", '"docs"'], recipe.stdout
+
+
+def test_testing_md_gives_the_plans_limits():
+    """docs/testing.md's table of the sections: each with its limit, and the default plan's total."""
+    text = (ROOT / "docs" / "testing.md").read_text()
+    rows = dict(re.findall(r"^\| `(\w+)` \| (\d+) s \|", text, re.M))
+    assert rows == {s.key: str(s.limit_s) for s in check.SECTIONS}
+    assert f"{check.total_limit(check.select(None))} s in all" in text
 
 
 def test_recipe_iterations_are_the_results_pages():
@@ -371,7 +386,8 @@ def test_the_kernel_section_runs_where_smp_albumentations_and_jsonargparse_are_a
     on a bare GPU machine the check proves the kernels before anything needs the wheels."""
     plan = _bare("from mabn.__main__ import main; sys.exit(main(['bench', 'check', '--dry-run']))")
     assert plan.returncode == 0, plan.stderr[-3000:]
-    assert plan.stdout.splitlines()[2].startswith("section 1 of 5: kernels, limit 60 s: the kernel tests"), plan.stdout
+    assert plan.stdout.splitlines()[2].startswith("section 1 of 5: kernels, limit 180 s: the kernel tests"), plan.stdout
+    assert devicetests.KERNELS.tests[0] == "tests/test_recipe_kernels.py"  # collected below, as the section runs it
     tests = ", ".join(repr(t) for t in devicetests.KERNELS.tests)
     collected = _bare(
         f"import pytest; sys.exit(pytest.main(['--collect-only', '-q', '-p', 'no:cacheprovider', {tests}]))"

@@ -305,12 +305,14 @@ COMPILED = StepWork(2, "pspnet101", 2, 713, (StepPath("compiled"),))
 # paper's claim; stage 1's step gives its hours, and its profile the kernels behind its ratio. Compiling PSPNet-101
 # takes minutes (the first compiled step 82 s for BN, 302 s for MABN on an H200, docs/bench-compiled-cuda.md):
 # ``compiled`` is a GPU call of its own.
+# The kernel tests' limit holds their Triton compiles from a cold cache; the step sections' keep room over what they
+# took on an H200 (stage 2 39 s, stage 1 9 s: docs/bench-cuda.md), so that the plan stays within one call.
 SECTIONS = (
-    Section("kernels", 60, run_kernel_tests, _describe_kernel_tests, here=True),
+    Section("kernels", 180, run_kernel_tests, _describe_kernel_tests, here=True),
     Section("chain", 180, run_chain, _describe_chain, here=True),
-    _steps("stage2", 80, STAGE2),
-    _steps("stage1", 45, STAGE1),
-    Section("profile", 40, run_profile, _describe_profile),
+    _steps("stage2", 60, STAGE2),
+    _steps("stage1", 30, STAGE1),
+    Section("profile", 30, run_profile, _describe_profile),
     Section("compiled", 480, measure_compiled, _describe_compiled, COMPILED.targets(), alone=True),
 )
 # The budget of one GPU call that each plan keeps to (tests/test_gpu_check.py): a section's limit in the default
