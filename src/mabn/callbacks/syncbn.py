@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytorch_lightning as pl
 from torch import nn
 
+from ..norm.factory import layer_classes
+
 
 class SyncBatchNormCheck(pl.Callback):
     """Fail fast, before the first step, when a model with ``nn.SyncBatchNorm`` runs on one device or on CPUs.
@@ -32,5 +34,7 @@ class SyncBatchNormCheck(pl.Callback):
 
 
 def has_sync_batchnorm(module: nn.Module) -> bool:
-    """Whether ``module`` holds an ``nn.SyncBatchNorm`` (norm "syncbn")."""
-    return any(isinstance(m, nn.SyncBatchNorm) for m in module.modules())
+    """Whether ``module`` holds a layer of a norm that synchronizes across devices (its entry's ``sync``: the
+    ``nn.SyncBatchNorm`` of norm "syncbn")."""
+    synchronized = layer_classes(lambda entry: entry.sync)
+    return any(isinstance(m, synchronized) for m in module.modules())

@@ -28,7 +28,7 @@ import torch
 from ..data.once import generate_once
 from ..distributed import launch_rank, say
 from ..errors import ConfigError, UserErrors
-from ..norm import NORM_PRESETS
+from ..norm import check_norm, norm_entry
 from ..recipes import CONFIGS
 from ..tasks.classification import backbone_path
 
@@ -187,17 +187,18 @@ def trainer_args(gpus: int, nodes: int, cuda: bool | None = None) -> list[str]:
 
 
 def norm_args(norm: str, gpus: int, nodes: int, cuda: bool | None = None) -> list[str]:
-    """syncbn: Lightning's ``sync_batchnorm``, refused where SyncBatchNorm cannot synchronize anything."""
-    if norm != "syncbn":
+    """A norm that synchronizes across devices (its entry's ``sync``: syncbn): Lightning's ``sync_batchnorm``,
+    refused where SyncBatchNorm cannot synchronize anything."""
+    if not norm_entry(norm).sync:
         return []
     if gpus * nodes < 2:
         raise LaunchError(
-            f"NORM=syncbn synchronizes BatchNorm across GPUs, but GPUS={gpus} NODES={nodes} is "
+            f"NORM={norm} synchronizes BatchNorm across GPUs, but GPUS={gpus} NODES={nodes} is "
             f"{'no GPU' if gpus == 0 else 'one device'}: use NORM=bn, or GPUS=2 or more"
         )
     if not (torch.cuda.is_available() if cuda is None else cuda):
         raise LaunchError(
-            "NORM=syncbn needs GPUs (torch's SyncBatchNorm has no CPU kernel) and no CUDA device is visible: "
+            f"NORM={norm} needs GPUs (torch's SyncBatchNorm has no CPU kernel) and no CUDA device is visible: "
             "use NORM=bn, brn or mabn (norm_options sync_stats: true shares MABN/BRN statistics across devices)"
         )
     return ["--trainer.sync_batchnorm", "true"]
@@ -356,9 +357,10 @@ def checked_plan(
     warm = init is not None and attempt(lambda: check_warm_start(stage, label, preset, init), False)
     if warm:
         label = f"{label}-{WARM}"
-    if norm not in NORM_PRESETS:
-        names = sorted([*NORM_PRESETS, *STAGE1_PRESETS])
-        problems.append(f"NORM={norm}: unknown norm; choose one of {', '.join(names)}")
+    try:
+        check_norm(norm, also=STAGE1_PRESETS)
+    except ValueError as err:
+        problems.append(f"NORM={norm}: {err}")
         norm, norm_ok = "mabn", False  # the stand-in the LightningCLI checks the rest with
     cuda = True if dry_run else None
     devices_ok = gpus >= 0 and nodes >= 1 and not (gpus == 0 and nodes > 1)

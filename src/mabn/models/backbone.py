@@ -2,8 +2,9 @@
 
 A backbone file is one of (see docs/backbones.md):
 - a stage-1 file in ``pretrain/`` (format in pretrain/README.md) of the encoder's own norm;
-- a stage-1 file of plain BatchNorm (``bn`` or ``syncbn``, any normalization batch) for a ``bn``, ``brn`` or
-  ``syncbn`` encoder: the paper's Cityscapes baselines BN, BRN and SyncBN all start from one BN ResNet-101;
+- a stage-1 file of plain BatchNorm (``bn`` or ``syncbn``, any normalization batch: the norms whose entry holds
+  ``bn_statistics``) for a ``bn``, ``brn`` or ``syncbn`` encoder (``takes_bn_statistics``): the paper's Cityscapes
+  baselines BN, BRN and SyncBN all start from one BN ResNet-101;
 - torchvision's ResNet-101 ``state_dict()`` saved with ``torch.save`` (a BN network), for the same encoders.
 Any other pairing is refused with the reason, before training (``check_backbone``) and at loading. So is a file
 of another ResNet depth than the encoder's (the ``arch`` model option, default resnet101), and any file for an
@@ -20,7 +21,8 @@ import torch
 from torch import nn
 
 from ..errors import ConfigError
-from ..norm import NORM_PRESETS, BatchRenorm2d
+from ..norm import BatchRenorm2d, check_norm, norm_entry
+from ..norm.factory import norms_where
 from ..run import load_weights_file, write_atomic
 from .resnet import ARCHS, DEFAULT_ARCH, check_arch
 
@@ -32,10 +34,6 @@ LAYERS = ("layer1", "layer2", "layer3", "layer4")
 ARCH_BLOCKS = dict(zip(ARCHS, [(2, 2, 2, 2), (3, 4, 6, 3), (3, 4, 6, 3), (3, 4, 23, 3), (3, 8, 36, 3)]))
 BASIC_BLOCKS = ("resnet18", "resnet34")
 BN_EPS = 1e-5  # torch's BatchNorm2d default: torchvision's and this project's unless norm_options set eps
-# Stage-1 norm kinds whose layers hold BatchNorm statistics, and the encoder kinds that compute
-# w * (x - mean) / std + b at inference and so can take them over exactly.
-BN_SOURCES = ("bn", "syncbn")
-BN_TARGETS = ("bn", "brn", "syncbn")
 
 
 class BackboneError(ConfigError):
@@ -92,7 +90,7 @@ def save_backbone(
         "version": VERSION,
         "arch": check_arch(arch),
         "norm": norm,
-        "centralized": NORM_PRESETS[norm].centre_weights,
+        "centralized": check_norm(norm).centre_weights,
         "state_dict": backbone_state(model),
         "config": config,
         "val_top1": val_top1,
@@ -130,7 +128,7 @@ def _check_blocks(path: Path, state: dict[str, torch.Tensor], arch: str) -> None
 
 def _stage1_eps(payload: dict[str, Any]) -> float:
     options = ((payload.get("config") or {}).get("model") or {}).get("norm_options") or {}
-    return float(options.get(NORM_PRESETS[payload["norm"]].kind, {}).get("eps", BN_EPS))
+    return float(options.get(check_norm(payload["norm"]).kind, {}).get("eps", BN_EPS))
 
 
 def read_backbone(path: str | Path, arch: str = DEFAULT_ARCH) -> Backbone:
@@ -149,8 +147,10 @@ def read_backbone(path: str | Path, arch: str = DEFAULT_ARCH) -> Backbone:
         )
     if payload.get("version") != VERSION:
         raise BackboneError(f"{path} has format version {payload.get('version')}, this code reads {VERSION}")
-    if payload.get("norm") not in NORM_PRESETS:
-        raise BackboneError(f"{path} names an unknown norm {payload.get('norm')!r}")
+    try:
+        check_norm(payload.get("norm"))
+    except ValueError as err:
+        raise BackboneError(f"{path} names an {err}") from None
     if payload.get("arch") not in ARCH_BLOCKS:
         raise BackboneError(f"{path} names an unknown arch {payload.get('arch')!r}")
     info = {k: v for k, v in payload.items() if k != "state_dict"}
@@ -160,22 +160,23 @@ def read_backbone(path: str | Path, arch: str = DEFAULT_ARCH) -> Backbone:
 
 def _refusal(backbone: Backbone, norm: str) -> str | None:
     """Why ``backbone`` cannot start an encoder built with ``norm`` and what would, or None when it can."""
-    target, source = NORM_PRESETS[norm], NORM_PRESETS[backbone.norm]
+    target, source = norm_entry(norm), norm_entry(backbone.norm)
     if backbone.norm == norm:
         return None
-    if target.centre_weights and not backbone.centralized:
+    if check_norm(norm).centre_weights and not backbone.centralized:
         return (
             f"{norm} centres each conv's weights, which changes what every conv computes, so uncentred weights do "
             f"not carry over; pre-train with make pretrain NORM={norm}"
         )
-    if target.kind == "gn" and source.kind in BN_SOURCES:
-        return (
-            "GroupNorm normalizes each sample by its own statistics, so BN's running statistics and affine do not "
-            "give the same function; pre-train with make pretrain NORM=gn"
-        )
-    if target.kind in BN_TARGETS and source.kind in BN_SOURCES:
+    if source.bn_statistics and target.takes_bn_statistics:
         return None
-    return f"pre-train with that norm or pick a matching backbone (a BN backbone fits {', '.join(BN_TARGETS)})"
+    if source.bn_statistics and not target.batch:
+        return (
+            f"{target.layers[0].__name__} normalizes each sample by its own statistics, so BN's running statistics "
+            f"and affine do not give the same function; pre-train with make pretrain NORM={norm}"
+        )
+    fits = ", ".join(norms_where(lambda entry: entry.takes_bn_statistics))
+    return f"pre-train with that norm or pick a matching backbone (a BN backbone fits {fits})"
 
 
 def check_fits(backbone: Backbone, norm: str) -> None:

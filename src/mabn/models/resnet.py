@@ -10,10 +10,8 @@ import timm
 import torchvision
 from torch import nn
 
-from ..norm import NORM_PRESETS, convert_norm
+from ..norm import NORMS, check_norm, convert_norm
 
-# Norm kinds that normalize over a batch and so accept ghost batches.
-_BATCH_KINDS = ("bn", "brn", "mabn")
 # The ``arch`` model option of stage 1: torchvision's ResNets, which smp's encoders of the same names mirror key for
 # key. The paper's network, and every default, is ResNet-101. Stage 2 takes any smp encoder (``check_encoder``).
 ARCHS = ("resnet18", "resnet34", "resnet50", "resnet101", "resnet152")
@@ -46,12 +44,11 @@ def norm_kwargs_for(
     norm: str, norm_batch_size: int | None = None, norm_options: dict[str, dict[str, Any]] | None = None
 ) -> dict[str, Any]:
     """Layer arguments for ``convert_norm``: the options given for the norm's kind (e.g. "mabn" also
-    covers the ablation presets built from MABN2d) plus the ghost-batch size where it applies."""
-    if norm not in NORM_PRESETS:
-        raise ValueError(f"unknown norm {norm!r}; choose one of {sorted(NORM_PRESETS)}")
-    kind = NORM_PRESETS[norm].kind
+    covers the ablation presets built from MABN2d) plus the ghost-batch size where it applies: to a norm that
+    normalizes over the batch (its entry's ``batch``)."""
+    kind = check_norm(norm).kind
     kwargs = dict((norm_options or {}).get(kind, {}))
-    if norm_batch_size and kind in _BATCH_KINDS:
+    if norm_batch_size and NORMS[kind].batch:
         kwargs["norm_batch_size"] = norm_batch_size
     return kwargs
 

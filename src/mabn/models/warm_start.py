@@ -24,8 +24,9 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from ..norm import NORM_PRESETS, CenConv2d, MABN2d
-from .backbone import BN_SOURCES, STAGE1, Backbone, BackboneError, arch_title, read_backbone
+from ..norm import NORM_PRESETS, CenConv2d, MABN2d, norm_entry
+from ..norm.factory import norms_where
+from .backbone import STAGE1, Backbone, BackboneError, arch_title, read_backbone
 from .resnet import DEFAULT_ARCH
 
 
@@ -45,10 +46,11 @@ def check_init(path: str | Path, norm: str, arch: str = DEFAULT_ARCH) -> Backbon
             f"centring MABN norm ({centring}), not {norm!r}: train {norm} from scratch (drop INIT) or use NORM=mabn"
         )
     backbone = read_backbone(path, arch)
-    if backbone.source == STAGE1 and NORM_PRESETS[backbone.norm].kind not in BN_SOURCES:
+    if backbone.source == STAGE1 and not norm_entry(backbone.norm).bn_statistics:
+        sources = " or ".join(norms_where(lambda entry: entry.bn_statistics))
         raise BackboneError(
             f"--init {path} is a stage-1 file of norm {backbone.norm!r}: a warm start takes a BN network (a stage-1 "
-            f"{' or '.join(BN_SOURCES)} file, e.g. of NORM=bn32, or torchvision's {arch_title(arch)} state dict)"
+            f"{sources} file, e.g. of NORM=bn32, or torchvision's {arch_title(arch)} state dict)"
         )
     if backbone.arch != arch:
         raise BackboneError(

@@ -3,7 +3,17 @@
 from .batchrenorm import BatchRenorm2d, GhostBatchNorm2d
 from .cenconv import CenConv2d
 from .convert import convert_norm, fold_norms
-from .factory import NORM_PRESETS, NormPreset, create_norm
+from .factory import (
+    NORM_PRESETS,
+    NORMS,
+    NormEntry,
+    NormPreset,
+    check_norm,
+    create_norm,
+    norm_entry,
+    register_norm,
+    unregister_norm,
+)
 from .mabn import MABN2d
 
 __all__ = [
@@ -16,4 +26,10 @@ __all__ = [
     "fold_norms",
     "NORM_PRESETS",
     "NormPreset",
+    "NORMS",
+    "NormEntry",
+    "check_norm",
+    "norm_entry",
+    "register_norm",
+    "unregister_norm",
 ]

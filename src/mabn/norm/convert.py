@@ -15,12 +15,9 @@ from torch import Tensor, nn
 
 from .batchrenorm import BatchRenorm2d
 from .cenconv import CenConv2d, conv_like
-from .factory import NORM_PRESETS, create_norm
-from .mabn import MABN2d
+from .factory import check_norm, create_norm, entry_of, layer_classes
 
-_BATCH_NORMS = (nn.BatchNorm2d, nn.SyncBatchNorm)
-_LINEAR_NORMS = (nn.BatchNorm2d, nn.SyncBatchNorm, BatchRenorm2d, MABN2d)
-_ALL_NORMS = (*_LINEAR_NORMS, nn.GroupNorm)
+_BATCH_NORMS = (nn.BatchNorm2d, nn.SyncBatchNorm)  # the layers convert_norm replaces (with timm's subclasses)
 log = logging.getLogger(__name__)
 # LayerNorms over the channels of an NCHW map (smp's UPerNet and timm build them): a 2d norm can take their place,
 # which ``convert_norm`` does only when asked (``layer_norms=True``), since it changes what they normalize over.
@@ -54,15 +51,17 @@ def _num_channels(norm: nn.Module) -> int:
 
 
 def _fed_norms(
-    model: nn.Module, norms: tuple[type[nn.Module], ...] = _ALL_NORMS
+    model: nn.Module, norms: tuple[type[nn.Module], ...] | None = None
 ) -> Iterator[tuple[nn.Module, str, nn.Module, str]]:
     """(parent, layer name, norm parent, norm name) for every conv or transposed conv registered right before the
-    norm it feeds (inside a ``NormAct`` after a conversion), of the types ``norms``.
+    norm it feeds (inside a ``NormAct`` after a conversion), of the types ``norms`` (default: every registered
+    norm's layers).
 
     torchvision's ResNet (conv1/bn1, downsample.0/.1), smp's Conv2dReLU (conv, norm, act) and timm's blocks
     (conv_pw/bn1, conv/bn) register each conv directly before its norm, with matching channels; that is the
     pairing used here.
     """
+    norms = layer_classes() if norms is None else norms
     for parent in model.modules():
         children = list(parent.named_children())
         for (conv_name, conv), (norm_name, norm) in zip(children, children[1:]):
@@ -129,15 +128,14 @@ def convert_norm(
     One INFO line of this module's logger counts what was converted, by kind, and what was kept; a warning says
     when nothing was converted.
     """
-    if norm not in NORM_PRESETS:
-        raise ValueError(f"convert_norm: unknown norm {norm!r}; choose one of {sorted(NORM_PRESETS)}")
-    centre = NORM_PRESETS[norm].centre_weights if centralize_weights is None else centralize_weights
+    preset = check_norm(norm)
+    centre = preset.centre_weights if centralize_weights is None else centralize_weights
     names = {id(m): n for n, m in model.named_modules()}
 
     channel_layer_norms, norm_acts = _loaded(_CHANNEL_LAYER_NORMS), _loaded(_NORM_ACTS)
     centred, uncentred = 0, []
     if centre:
-        paired = (*_ALL_NORMS, *channel_layer_norms) if layer_norms else _ALL_NORMS
+        paired = (*layer_classes(), *channel_layer_norms) if layer_norms else layer_classes()
         for parent, layer_name, _, _ in list(_fed_norms(model, paired)):
             layer = getattr(parent, layer_name)
             if _centrable(layer):
@@ -185,15 +183,8 @@ def convert_norm(
 
 
 def _inference_affine(norm: nn.Module) -> tuple[Tensor, Tensor]:
-    """(scale, shift) per channel of a linear norm in eval mode, in float64."""
-    if isinstance(norm, _BATCH_NORMS):
-        if norm.running_var is None:
-            raise ValueError(f"fold_norms: {norm} tracks no running statistics, so it is not linear at inference")
-        scale = (norm.running_var.double() + norm.eps).rsqrt()
-        weight = norm.weight.double() if norm.weight is not None else torch.ones_like(scale)
-        bias = norm.bias.double() if norm.bias is not None else torch.zeros_like(scale)
-        return weight * scale, bias - norm.running_mean.double() * weight * scale
-    scale, shift = norm.inference_affine()
+    """(scale, shift) per channel of a linear norm in eval mode, as its entry computes them, in float64."""
+    scale, shift = entry_of(norm).inference_affine(norm)
     return scale.detach().double(), shift.detach().double()
 
 
@@ -214,16 +205,18 @@ def _plain_conv(conv: nn.Conv2d, weight: Tensor, bias: Tensor | None) -> nn.Conv
 def fold_norms(model: nn.Module) -> nn.Module:
     """An eval-mode copy of ``model`` with every norm that is linear at inference folded into its conv.
 
-    BN, SyncBN, BatchRenorm2d and MABN2d become part of the preceding conv (centred weights first for
-    CenConv2d), leaving a plain ``nn.Conv2d`` with bias; GroupNorm stays, since it needs per-sample
-    statistics. Remaining CenConv2d become plain convs with their centred weights, and a linear norm
-    with no conv before it becomes a depthwise 1x1 conv, so no norm or centring cost is left.
+    The norms whose entry is linear at inference (BN, SyncBN, BatchRenorm2d and MABN2d) become part of the
+    preceding conv (centred weights first for CenConv2d), leaving a plain ``nn.Conv2d`` with bias; GroupNorm
+    stays, since it needs per-sample statistics. Remaining CenConv2d become plain convs with their centred
+    weights, and a linear norm with no conv before it becomes a depthwise 1x1 conv, so no norm or centring cost
+    is left.
     """
     model = copy.deepcopy(model).eval()
+    linear = layer_classes(lambda entry: entry.linear)
     with torch.no_grad():
         for parent, conv_name, holder, norm_name in list(_conv_norm_pairs(model)):
             conv, norm = getattr(parent, conv_name), getattr(holder, norm_name)
-            if not isinstance(norm, _LINEAR_NORMS):
+            if not isinstance(norm, linear):
                 continue
             scale, shift = _inference_affine(norm)
             w = conv.centred_weight() if isinstance(conv, CenConv2d) else conv.weight
@@ -236,7 +229,7 @@ def fold_norms(model: nn.Module) -> nn.Module:
             for name, child in list(parent.named_children()):
                 if isinstance(child, CenConv2d):
                     setattr(parent, name, _plain_conv(child, child.centred_weight(), child.bias))
-                elif isinstance(child, _LINEAR_NORMS):
+                elif isinstance(child, linear):
                     c = child.num_features
                     scale, shift = _inference_affine(child)
                     dw = nn.Conv2d(c, c, 1, groups=c, bias=True, device=scale.device, dtype=child.weight.dtype)

@@ -70,10 +70,10 @@ ACTIVATION_BYTES: dict[tuple[str, str], int] = {
 }
 
 
-def activation_bytes(arch: str, kind: str) -> int | None:
-    """Bytes per pixel and image of encoder ``arch`` with a norm of family ``kind`` (syncbn's are bn's); None where
-    the table has no such entry."""
-    return ACTIVATION_BYTES.get((arch, "bn" if kind == "syncbn" else kind))
+def activation_bytes(arch: str, family: str) -> int | None:
+    """Bytes per pixel and image of encoder ``arch`` with a norm of ``family`` (a norm entry's ``family``: syncbn's
+    is bn); None where the table has no such entry."""
+    return ACTIVATION_BYTES.get((arch, family))
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ from pytorch_lightning.utilities import rank_zero_info
 from ..callbacks import NormPolicy, norm_callbacks
 from ..errors import ConfigError
 from ..models import DEFAULT_ARCH
-from ..norm import NORM_PRESETS
+from ..norm import check_norm
 from ..norm.cenconv import SGDCentring, keep_centred
 from ..run import RunShape, iterations_per_epoch
 from .cudagraph import check_capturable, drop_graph_gradients, release_graphs, training_call, why_not_capturable
@@ -106,7 +106,10 @@ class NormTask(pl.LightningModule):
         """Refuse arguments that cannot train, before any data or weights are read (the CLI calls this on the
         parsed config; ``__init__`` on its own arguments). Subclasses add their own."""
         norm = hp.get("norm")
-        require(norm in NORM_PRESETS, "norm", norm, f"choose one of {', '.join(sorted(NORM_PRESETS))}")
+        try:
+            check_norm(norm)
+        except ValueError as err:
+            raise ConfigError(f"norm={norm!r}: {err}") from None
         size = hp.get("norm_batch_size")
         require(size is None or (isinstance(size, int) and size >= 1), "norm_batch_size", size, "must be >= 1")
         require(hp.get("base_lr", 1) > 0, "base_lr", hp.get("base_lr"), "must be > 0")

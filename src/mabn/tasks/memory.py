@@ -16,7 +16,7 @@ from torch import nn
 
 from ..distributed import gather_objects, say
 from ..models import DEFAULT_ARCH, DEFAULT_DECODER, build_segmentation_model
-from ..norm import NORM_PRESETS
+from ..norm import NORM_PRESETS, norm_entry
 from ..run.memory import Budget, activation_bytes, device_budget, estimate, fit_batch
 
 
@@ -24,7 +24,7 @@ def per_pixel(hp: Mapping[str, Any]) -> int | None:
     """The activations' bytes per pixel and image of the task's network, from the table (PSPNet's alone)."""
     if hp.get("decoder", DEFAULT_DECODER) != DEFAULT_DECODER or hp.get("norm") not in NORM_PRESETS:
         return None
-    return activation_bytes(hp.get("arch") or DEFAULT_ARCH, NORM_PRESETS[hp["norm"]].kind)
+    return activation_bytes(hp.get("arch") or DEFAULT_ARCH, norm_entry(hp["norm"]).family)
 
 
 def network(hp: Mapping[str, Any]) -> str:

@@ -83,7 +83,8 @@ def plan(
 
     if args.what in ("norm", "all"):
         scale = f" x batch scale {args.scale}" if args.scale != 1.0 else ""
-        lines.append(f"norm layers alone: {len(norm.SHAPES)} shapes{scale}, bn, brn, mabn; {repeats('norm')} repeats")
+        names = ", ".join((norm.BASELINE, *norm.compared()))
+        lines.append(f"norm layers alone: {len(norm.SHAPES)} shapes{scale}, {names}; {repeats('norm')} repeats")
     if args.what in ("step", "all"):
         lines.append(step_line(args.crop, args.cuda_graph, args.compile))
     if args.what == "chain":
@@ -96,7 +97,7 @@ def plan(
     if args.what in ("infer", "all"):
         from . import infer
 
-        models = ", ".join(infer.label(n) for n in infer.MODELS)
+        models = ", ".join(infer.label(n) for n in infer.models())
         lines.append(f"inference: 1x3x{size[0]}x{size[1]}, {models}; {repeats('infer')} repeats")
     if out is None:
         lines.append(f"report: printed only ({args.what} writes a file with --out)")

@@ -8,12 +8,17 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ...norm import BatchRenorm2d, MABN2d, fold_norms
+from ...norm import NORMS, BatchRenorm2d, MABN2d, fold_norms
 from .measure import median_times
-from .step import build
+from .step import benched, build
+from .workloads import BASELINE
 
-# Folded models first: every ratio is to folded BN. GN cannot fold (per-sample statistics), so it runs as is.
-MODELS = ("bn", "brn", "mabn", "gn")
+
+def models() -> tuple[str, ...]:
+    """The benched norms, those linear at inference (folded) first: every ratio is to folded BN. A norm that
+    cannot fold (GN: per-sample statistics) runs as is."""
+    names = benched()
+    return (*(n for n in names if NORMS[n].linear), *(n for n in names if not NORMS[n].linear))
 
 
 @dataclass(frozen=True)
@@ -48,11 +53,11 @@ def build_inference(norm: str, num_classes: int = 19) -> nn.Module:
     """The eval model deployed for ``norm``, statistics calibrated: ``fold_norms`` of it, except for GN (eval)."""
     model = build(norm, num_classes)
     calibrate(model, torch.randn(2, 3, 128, 256, generator=torch.Generator().manual_seed(1)))
-    return fold_norms(model) if norm != "gn" else model.eval()
+    return fold_norms(model) if NORMS[norm].linear else model.eval()
 
 
 def label(norm: str) -> str:
-    return f"{norm} (folded)" if norm != "gn" else "gn"
+    return f"{norm} (folded)" if NORMS[norm].linear else norm
 
 
 def _forward(model: nn.Module, images: torch.Tensor) -> Callable[[], None]:
@@ -70,11 +75,12 @@ def run(
     (after three warm-up rounds), all on the same image."""
     images = torch.randn(1, 3, *size, generator=torch.Generator().manual_seed(0)).to(device)
     forwards = {}
-    for norm in MODELS:
+    names = models()
+    for norm in names:
         torch.manual_seed(0)
         forwards[norm] = _forward(build_inference(norm, num_classes).to(device), images)
     times = median_times(forwards, device, repeats, warmup=3)
-    rows = [InferRow(label(n), times[n], 1.0 / times[n], times[n] / times["bn"]) for n in MODELS]
+    rows = [InferRow(label(n), times[n], 1.0 / times[n], times[n] / times[BASELINE]) for n in names]
     for row in rows:
         print(f"inference {row.model}: {row.images_per_second:.3f} images/s, {row.time_ratio:.3f} x BN", flush=True)
     return rows

@@ -140,25 +140,25 @@ def slope(low: Measured, high: Measured) -> int:
 
 def table_lines(archs: list[str], norms: list[str], steps: int, threads: int | None) -> list[str]:
     """``ACTIVATION_BYTES``'s lines, measured: one per encoder and norm family, with its two peaks."""
-    from ...norm import NORM_PRESETS
+    from ...norm import norm_entry
 
     lines = []
     for arch in archs:
         for norm in norms:
             low, high = (measure(Point(arch, norm, c, b), steps, threads) for c, b in TABLE_POINTS)
-            kind = NORM_PRESETS[norm].kind
+            family = norm_entry(norm).family
             mb = f"{low.peak / 1e6:.0f} and {high.peak / 1e6:.0f} MB"
-            lines.append(f'    ("{arch}", "{kind}"): {slope(low, high)},  # peaks {mb}')
+            lines.append(f'    ("{arch}", "{family}"): {slope(low, high)},  # peaks {mb}')
             print(lines[-1], flush=True)
     return lines
 
 
 def report_section(archs: list[str], norm: str, crops: list[int], batch: int, steps: int, threads: int | None) -> str:
     """The report's table: per network and crop, the estimate's parts, the measured peak and their ratio."""
-    from ...norm import NORM_PRESETS
+    from ...norm import norm_entry
     from ...run.memory import activation_bytes, estimate
 
-    kind = NORM_PRESETS[norm].kind
+    family = norm_entry(norm).family
     rows = [
         "| encoder | crop | images | parameters | estimate: fixed + activations | measured peak "
         "| estimate / measured |",
@@ -168,7 +168,7 @@ def report_section(archs: list[str], norm: str, crops: list[int], batch: int, st
     for arch in archs:
         for crop in crops:
             found = measure(Point(arch, norm, crop, batch), steps, threads)
-            guess = estimate(found.params, found.buffer_bytes, activation_bytes(arch, kind), crop, batch)
+            guess = estimate(found.params, found.buffer_bytes, activation_bytes(arch, family), crop, batch)
             ratios.append(guess.total / found.peak)
             rows.append(
                 f"| {arch} | {crop} | {batch} | {found.params / 1e6:.1f} M | {guess.fixed / 1e6:.0f} + "
@@ -181,7 +181,7 @@ def report_section(archs: list[str], norm: str, crops: list[int], batch: int, st
         f"steps of {batch} random images per point, each point in a process of its own. Measured: the process's "
         "peak resident set (VmHWM) above its resident set once torch and the product are imported. Estimate: "
         "`mabn.run.memory.estimate`, 12 bytes per parameter (weights, gradients, momentum) and the buffers, plus "
-        f'`ACTIVATION_BYTES[(encoder, "{kind}")]` bytes per pixel and image, measured at crops '
+        f'`ACTIVATION_BYTES[(encoder, "{family}")]` bytes per pixel and image, measured at crops '
         f"{' and '.join(f'{c} x {b} images' for c, b in TABLE_POINTS)} (`--table`). Estimate / measured from "
         f"{min(ratios):.2f} to {max(ratios):.2f}."
     )
@@ -214,10 +214,13 @@ def plan_lines(args: argparse.Namespace, argv: list[str]) -> list[str]:
 
 
 def main(argv: list[str]) -> int:
+    from ...norm.factory import norms_where
+
     parser = argparse.ArgumentParser(prog=f"{PROG} bench memory", description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("--archs", nargs="+", default=list(REPORT_ARCHS), help="the encoders measured")
     parser.add_argument("--norm", default="mabn", help="the report's norm")
-    parser.add_argument("--norms", nargs="+", default=["bn", "gn", "brn", "mabn"], help="--table: the norms")
+    families = list(norms_where(lambda entry: entry.cost_family is None))  # a norm measured under its own name
+    parser.add_argument("--norms", nargs="+", default=families, help="--table: the norms")
     parser.add_argument("--crops", type=positive, nargs="+", default=list(REPORT_CROPS), help="the report's crops")
     parser.add_argument("--batch", type=positive, default=2, help="the report's images per step")
     parser.add_argument("--steps", type=positive, default=STEPS, help="training steps per point")

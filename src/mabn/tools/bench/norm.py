@@ -1,12 +1,15 @@
-"""Norm-layer benchmark: forward+backward time and peak memory of MABN2d and BatchRenorm2d vs BatchNorm2d."""
+"""Norm-layer benchmark: forward+backward time and peak memory of each norm that normalizes over a batch (MABN2d,
+BatchRenorm2d, and any registered with a ``steady_state``) vs BatchNorm2d."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from ...norm import BatchRenorm2d, MABN2d
+from ...norm import NORMS, create_norm
+from ...norm.factory import norms_where
 from .measure import environment, median_times, peak_memory
+from .workloads import BASELINE
 
 # (where the shape occurs, N, C, H, W, norm_batch_size): ResNet-101 pre-training at 224 px with 32
 # images per device (ghost batches of 2 as in the recipe), PSPNet-101 at a 512 px crop with 2 per device.
@@ -24,11 +27,18 @@ SHAPES = [
 ]
 
 
+def compared() -> tuple[str, ...]:
+    """The norms measured against the baseline: those that normalize over a batch (ghost batches included) and
+    that the benchmarks build (their entry's ``steady_state``), in registration order."""
+    return norms_where(lambda entry: entry.batch and entry.steady_state is not None and entry.name != BASELINE)
+
+
 def _layers(c: int, norm_batch_size: int | None) -> dict[str, nn.Module]:
-    # Steady state from the first step: SMA and renormalization active (short warm-ups).
-    mabn = MABN2d(c, warmup_iters=1, renorm_warmup_iters=1, buffer_size=16, norm_batch_size=norm_batch_size)
-    brn = BatchRenorm2d(c, r_ramp=(0, 1), d_ramp=(0, 1), norm_batch_size=norm_batch_size)
-    return {"bn": nn.BatchNorm2d(c), "mabn": mabn, "brn": brn}
+    # Steady state from the first step (e.g. MABN's SMA and renormalization active: short warm-ups).
+    layers = {BASELINE: create_norm(BASELINE, c)}
+    for name in compared():
+        layers[name] = create_norm(name, c, norm_batch_size=norm_batch_size, **NORMS[name].steady_state)
+    return layers
 
 
 def _step(layer: nn.Module, x: torch.Tensor, grad: torch.Tensor):
@@ -41,11 +51,13 @@ def _step(layer: nn.Module, x: torch.Tensor, grad: torch.Tensor):
 
 def run(device: torch.device, repeats: int = 15, shapes=SHAPES, scale: float = 1.0) -> str:
     """Measure every shape and return a markdown table of times and ratios to BatchNorm2d."""
+    names = compared()
+    columns = [f"{n.upper()} / BN time" for n in names] + [f"{n.upper()} / BN peak mem" for n in names]
     lines = [
         f"Norm layers, forward+backward, {environment(device)}; median of {repeats} interleaved repeats",
         "",
-        "| layer (N, C, H, W) | BN ms | MABN / BN time | BRN / BN time | MABN / BN peak mem | BRN / BN peak mem |",
-        "|---|---|---|---|---|---|",
+        f"| layer (N, C, H, W) | BN ms | {' | '.join(columns)} |",
+        "|---|---|" + "---|" * len(columns),
     ]
     for where, n, c, h, w, nbs in shapes:
         group = nbs or 1  # ghost batches must stay whole
@@ -57,9 +69,7 @@ def run(device: torch.device, repeats: int = 15, shapes=SHAPES, scale: float = 1
         steps = {k: _step(m, x, grad) for k, m in layers.items()}
         times = median_times(steps, device, repeats)
         mem = {k: peak_memory(fn, device) for k, fn in steps.items()}
-        lines.append(
-            f"| {where} ({n}, {c}, {h}, {w}) | {times['bn'] * 1e3:.2f} | {times['mabn'] / times['bn']:.2f} "
-            f"| {times['brn'] / times['bn']:.2f} | {mem['mabn'] / mem['bn']:.3f} | {mem['brn'] / mem['bn']:.3f} |"
-        )
+        ratios = [f"{times[k] / times[BASELINE]:.2f}" for k in names] + [f"{mem[k] / mem[BASELINE]:.3f}" for k in names]
+        lines.append(f"| {where} ({n}, {c}, {h}, {w}) | {times[BASELINE] * 1e3:.2f} | {' | '.join(ratios)} |")
         print(lines[-1], flush=True)
     return "\n".join(lines)

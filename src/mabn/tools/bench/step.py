@@ -26,15 +26,14 @@ from torch import nn
 from ...callbacks import MABNCallback, NormPolicy
 from ...data.classes import IGNORE_INDEX
 from ...models import PSPNet, resnet
-from ...norm import convert_norm
+from ...norm import NORMS, convert_norm, norm_entry
 from ...norm.cenconv import keep_centred
+from ...norm.factory import norms_where
 from ...tasks.cudagraph import training_call
 from .measure import median_times, peak_memory
-from .workloads import BF16, MODELS, NORM_BATCH_SIZE
+from .workloads import BASELINE, BF16, MODELS, NORM_BATCH_SIZE
 
-NORMS = ("bn", "gn", "brn", "mabn")
 LOGGED = "mabn + stats logging"  # MABN with MABNCallback's statistics logging at every step
-ROWS = (*NORMS, LOGGED)
 # ResNet-50 only: a user's loop, convert_norm(model, "mabn") with its defaults (the whole batch; past its warm-ups,
 # as every row) and torch.optim.SGD, with mabn.keep_centred(model, optimizer), and without it (centring in forward).
 PLAIN = "mabn plain loop"
@@ -43,9 +42,18 @@ COMPILED = ("bn", "mabn")  # the norms of the compiled rows, named "<norm> compi
 # SegmentationTask's defaults: auxiliary loss weight and SGD settings.
 AUX_WEIGHT = 0.4
 SGD = {"lr": 0.01, "momentum": 0.9, "weight_decay": 1e-4}
-# Steady state from the first step: BRN's clipping and MABN's renormalization already active (the
-# warm-ups only pick between tensors computed either way, so the cost is the same).
-STEADY_STATE = {"brn": {"r_ramp": (0, 1), "d_ramp": (0, 1)}, "mabn": {"warmup_iters": 1, "renorm_warmup_iters": 1}}
+
+
+def benched() -> tuple[str, ...]:
+    """The norms measured: every norm the benchmarks build (its entry's ``steady_state``), in registration order."""
+    return norms_where(lambda entry: entry.steady_state is not None)
+
+
+def steady_state() -> dict[str, dict[str, Any]]:
+    """The ``norm_options`` of steady state from the first step, per norm: e.g. BRN's clipping and MABN's
+    renormalization already active (the warm-ups only pick between tensors computed either way, so the cost is the
+    same)."""
+    return {name: dict(NORMS[name].steady_state) for name in benched()}
 
 
 @dataclass(frozen=True)
@@ -66,13 +74,14 @@ def build(norm: str, num_classes: int = 19, model: str = "pspnet101", norm_batch
     BN is plain ``nn.BatchNorm2d`` over the batch: at PSPNet's batch of 2 that is the ghost batch of 2 without
     the ghost-batch machinery, so it is the fastest BN baseline; at stage 1's 32 images it is the ``bn32``
     backbone's BN. GN has no batch dimension to split."""
-    groups = norm_batch_size if norm in ("brn", "mabn") else None
+    entry = norm_entry(norm)
+    groups = norm_batch_size if entry.batch and norm != BASELINE else None
     if model == "pspnet101":
-        return PSPNet(num_classes, norm, groups, STEADY_STATE)
+        return PSPNet(num_classes, norm, groups, steady_state())
     if model == "resnet101":  # stage 1's network, built as ClassificationTask.build_model builds it
-        return resnet(norm, num_classes, groups, STEADY_STATE, arch="resnet101")
+        return resnet(norm, num_classes, groups, steady_state(), arch="resnet101")
     net = torchvision.models.resnet50(num_classes=num_classes)  # weights=None: never downloads
-    options = {**STEADY_STATE.get(norm, {}), "norm_batch_size": groups} if norm in ("brn", "mabn") else {}
+    options = {**(entry.steady_state or {}), **({"norm_batch_size": groups} if groups else {})}
     return convert_norm(net, norm, **options)
 
 
@@ -172,7 +181,7 @@ def row_names(compile_mode: str | None, model: str = "pspnet101") -> tuple[str, 
     """The rows a run measures: every norm eager, for ResNet-50 the plain loops, and with ``compile_mode`` the
     compiled ones."""
     plain = (PLAIN, PLAIN_FORWARD) if model == "resnet50" else ()
-    return ROWS + plain + (tuple(f"{norm} compiled" for norm in COMPILED) if compile_mode else ())
+    return (*benched(), LOGGED) + plain + (tuple(f"{norm} compiled" for norm in COMPILED) if compile_mode else ())
 
 
 def run(

@@ -6,3 +6,4 @@ MODELS = {"pspnet101": "PSPNet-101", "resnet101": "ResNet-101 (stage 1)", "resne
 BF16 = "bf16-mixed"  # the one mixed precision the step bench runs (Lightning's name for it)
 # The recipe's per-device batch is one ghost batch of 2: BRN and MABN normalize groups of this size.
 NORM_BATCH_SIZE = 2
+BASELINE = "bn"  # every ratio is to BN: torch's BatchNorm2d over each device's whole batch
