@@ -309,14 +309,17 @@ class SegmentationTask(NormTask):
         """The classes' names in index order, for the validation tables and the logged masks: the ``class_names``
         of the data module, else of the dataset evaluated (``python -m mabn test``'s loader of a checkpoint's
         split), when it has one per class; else ``class 0``, ``class 1``, ..."""
-        n, trainer = self.hparams.num_classes, self._trainer
-        if trainer is not None:
-            loaders = trainer.test_dataloaders if trainer.testing else trainer.val_dataloaders
-            loaders = loaders if isinstance(loaders, (list, tuple)) else [loaders]
-            for source in (trainer.datamodule, *(getattr(loader, "dataset", None) for loader in loaders)):
-                names = getattr(source, "class_names", None)
-                if names is not None and len(names) == n:
-                    return tuple(names)
+        n = self.hparams.num_classes
+        try:
+            trainer = self.trainer
+        except RuntimeError:  # a task not attached to a trainer
+            return default_class_names(n)
+        loaders = trainer.test_dataloaders if trainer.testing else trainer.val_dataloaders
+        loaders = loaders if isinstance(loaders, (list, tuple)) else [loaders]
+        for source in (trainer.datamodule, *(getattr(loader, "dataset", None) for loader in loaders)):
+            names = getattr(source, "class_names", None)
+            if names is not None and len(names) == n:
+                return tuple(names)
         return default_class_names(n)
 
     def predict_probs(self, images: torch.Tensor) -> torch.Tensor:
