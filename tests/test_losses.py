@@ -160,6 +160,18 @@ def test_a_weighted_sum_is_the_sum_of_its_terms_and_the_default_is_cross_entropy
     assert task.criterion(logits, labels).item() == pytest.approx(ref_ce(logits, labels), rel=1e-6)
 
 
+def test_the_auxiliary_head_takes_the_same_loss_at_its_weight():
+    task = SegmentationTask(
+        num_classes=K, arch="resnet18", norm="bn", norm_batch_size=None, dropout=0.0, loss="dice", aux_weight=0.25
+    )
+    images, labels = torch.randn(2, 3, 24, 24), torch.randint(0, K, (2, 24, 24))
+    labels[:, :4] = IGNORE
+    with torch.no_grad():
+        main, aux = task.model(images)  # batch statistics in training mode: the step's forward gives the same
+        loss = task.training_step((images, labels), 0)
+    assert loss.item() == pytest.approx(ref_dice(main, labels) + 0.25 * ref_dice(aux, labels), rel=1e-5)
+
+
 @pytest.mark.parametrize("name", ["ce", "dice", "focal", "lovasz", "ohem"])
 def test_a_batch_of_ignored_pixels_only_trains_nothing(name):
     logits = torch.randn(1, K, 2, 2, requires_grad=True)

@@ -213,11 +213,12 @@ class PixelLoss:
         self.ohem_thresh, self.ohem_min_kept = ohem_thresh, ohem_min_kept
         self.weight = None if class_weights is None else torch.tensor(list(class_weights), dtype=torch.float32)
         weights = None if class_weights is None else list(class_weights)
-        self.smp = {
-            "dice": smp_losses.DiceLoss("multiclass", ignore_index=IGNORE_INDEX, class_weights=weights),
-            "focal": smp_losses.FocalLoss("multiclass", ignore_index=IGNORE_INDEX, class_weights=weights),
-            "lovasz": smp_losses.LovaszLoss("multiclass", ignore_index=IGNORE_INDEX),
+        smp = {
+            "dice": lambda: smp_losses.DiceLoss("multiclass", ignore_index=IGNORE_INDEX, class_weights=weights),
+            "focal": lambda: smp_losses.FocalLoss("multiclass", ignore_index=IGNORE_INDEX, class_weights=weights),
+            "lovasz": lambda: smp_losses.LovaszLoss("multiclass", ignore_index=IGNORE_INDEX),
         }
+        self.smp = {name: smp[name]() for name in self.terms if name in smp}
 
     def term(self, name: str, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """One term of the loss, unweighted by its factor."""
