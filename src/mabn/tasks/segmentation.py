@@ -161,9 +161,7 @@ class SegmentationTask(NormTask):
         require(hp["poly_power"] > 0, "poly_power", hp["poly_power"], "must be > 0")
         require(hp["aux_weight"] >= 0, "aux_weight", hp["aux_weight"], "must be >= 0")
         require(0 <= hp["dropout"] < 1, "dropout", hp["dropout"], "must be in [0, 1)")
-        losses.check_loss(
-            hp.get("loss", "ce"), hp.get("class_weights"), hp.get("ohem_thresh", 0.7), hp.get("ohem_min_kept", 1)
-        )
+        losses.check_loss(hp["loss"], hp["class_weights"], hp["ohem_thresh"], hp["ohem_min_kept"])
         decoder = hp.get("decoder", DEFAULT_DECODER)
         require(decoder in DECODERS, "decoder", decoder, f"choose one of {', '.join(DECODERS)}")
         stride = hp.get("output_stride")
@@ -210,9 +208,9 @@ class SegmentationTask(NormTask):
     @staticmethod
     def loss_line(hp: Mapping[str, Any]) -> str:
         """The ``loss:`` line of the plan: the loss, where its class weights come from, and the heads it weighs."""
-        terms = losses.loss_terms(hp.get("loss", "ce"))
-        text = losses.describe(terms, hp.get("ohem_thresh", 0.7), hp.get("ohem_min_kept", 100_000))
-        weights = hp.get("class_weights")
+        terms = losses.loss_terms(hp["loss"])
+        text = losses.describe(terms, hp["ohem_thresh"], hp["ohem_min_kept"])
+        weights = hp["class_weights"]
         if weights == losses.COUNTS:
             text += ", class weights from the training pixels per class"
         elif weights is not None:
@@ -239,20 +237,15 @@ class SegmentationTask(NormTask):
             "" if classes is None else classes.source,
             pixels,
         )
-        terms = losses.loss_terms(hp.get("loss", "ce"))
+        terms = losses.loss_terms(hp["loss"])
         if weights is not None and all(name in losses.UNWEIGHTED for name in terms):
             raise ConfigError(
-                f"class weights ({origin}): loss {hp.get('loss')} takes none (smp's LovaszLoss): remove them, or "
+                f"class weights ({origin}): loss {hp['loss']} takes none (smp's LovaszLoss): remove them, or "
                 "add a term that takes them, e.g. {lovasz: 1.0, ce: 1.0}"
             )
         if weights is not None and "lovasz" in terms:
             origin += "; lovasz takes none (smp's LovaszLoss)"
-        criterion = losses.PixelLoss(
-            terms,
-            weights,
-            hp.get("ohem_thresh", 0.7),
-            hp.get("ohem_min_kept", 100_000),
-        )
+        criterion = losses.PixelLoss(terms, weights, hp["ohem_thresh"], hp["ohem_min_kept"])
         return criterion, [] if weights is None else [losses.weights_line(weights, names, origin)]
 
     @classmethod
@@ -263,7 +256,7 @@ class SegmentationTask(NormTask):
         classes = None if pixels is None else pixels.classes
         names = default_class_names(hp["num_classes"]) if classes is None else classes.names
         counts = None if pixels is None else pixels.pixels
-        return cls.make_loss(hp, names, hp.get("class_weights"), classes, counts)[1]
+        return cls.make_loss(hp, names, hp["class_weights"], classes, counts)[1]
 
     @staticmethod
     def warmup_warning(hp: Mapping[str, Any], shape: RunShape) -> list[str]:
