@@ -1,10 +1,13 @@
-"""``python -m mabn export``: checkpoint -> folded TorchScript and ONNX that reproduce the trained model.
+"""``python -m mabn export``: checkpoint -> folded TorchScript, torch.export program and ONNX that reproduce the
+trained model.
 
 The checkpoints hold ResNet-18 networks (``arch: resnet18``): folding, tracing and the checks are per layer and
 the same at any depth, and ``export`` rebuilds the network from the checkpoint's arguments, arch included."""
 
 import importlib.util
 import json
+import logging
+import warnings
 
 import numpy as np
 import pytest
@@ -18,6 +21,7 @@ from mabn.data.classes import ClassTable
 from mabn.data.images import imagenet_normalize
 from mabn.inference import export
 from mabn.inference.checkpoint import Restored
+from mabn.norm import fold_norms
 from mabn.tasks import ClassificationTask, SegmentationTask
 from mabn.tools.bench.infer import calibrate
 
@@ -99,6 +103,47 @@ def test_exported_graph_has_no_norm_and_no_centring(seg_export):
     # head does not run in eval mode, so it is not in the trace).
     convs = sum(isinstance(m, nn.Conv2d) for name, m in model.named_modules() if not name.startswith("aux."))
     assert kinds.count("aten::_convolution") == convs
+
+
+def _load_program(path) -> tuple[torch.export.ExportedProgram, dict]:
+    """The ExportedProgram of a .pt2 file and its metadata, read back as a consumer reads them."""
+    extra = {export.METADATA_FILE: ""}  # torch.export.load fills in the archive's file of that name
+    return torch.export.load(path, extra_files=extra), json.loads(extra[export.METADATA_FILE])
+
+
+def test_the_exported_program_is_the_folded_model_at_any_batch_height_and_width(seg_export):
+    """The .pt2 beside the TorchScript module, read back by torch.export.load, gives the folded model's outputs at
+    the sample size and at other batches and sizes (odd, non-square, one side under the traced 128 px), has no
+    norm left, and says what the TorchScript archive says about its input and classes."""
+    model, result = seg_export
+    assert result.program == result.torchscript.with_name("psp.folded.pt2") and result.program.is_file()
+    assert result.program_diff.relative < 1e-5 and result.program_other.relative < 1e-5
+    program, meta = _load_program(result.program)
+    assert meta == result.metadata == _torchscript_metadata(result.torchscript)
+    targets = [str(node.target) for node in program.graph.nodes if node.op == "call_function"]
+    assert not [t for t in targets if any(op in t for op in NORM_OPS)] and "aten.mean" not in " ".join(targets)
+    folded, runnable = fold_norms(model), program.module()
+    for shape in [(1, 3, *SIZE), (2, 3, 37, 50), (3, 3, 90, 21), (1, 3, 9, 9)]:
+        x = torch.randn(*shape)
+        with torch.no_grad():
+            out = runnable(x)
+            assert out.shape == (shape[0], 5, *shape[2:]), shape
+            # The program runs the folded model's own ATen ops on the same weights: the same numbers.
+            torch.testing.assert_close(out, folded(x), rtol=1e-6, atol=1e-6, msg=str(shape))
+            assert _rel(out, model(x)) < 2e-3, shape
+    with pytest.raises(AssertionError, match=r"Guard failed: .*>= 9"):  # the stride-8 features would be 1 px
+        runnable(torch.randn(1, 3, 8, 16))
+
+
+def test_torch_export_load_reads_the_program_without_a_warning(seg_export, caplog):
+    """torch.export.load is the loader torch keeps (torch.jit.load warns that it is deprecated): it reads the file
+    export wrote without a Python warning or a warning of torch's logging."""
+    _, result = seg_export
+    with caplog.at_level(logging.WARNING), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _load_program(result.program)
+    assert [str(w.message) for w in caught] == []
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
 
 
 needs_onnx = pytest.mark.skipif(
@@ -221,7 +266,7 @@ def test_an_onnx_graph_that_only_fits_the_traced_size_is_refused(tmp_path, capsy
     monkeypatch.setattr(export, "_for_onnx", lambda folded: folded)
     err = _error_line(capsys, [str(tmp_path / "psp.ckpt"), "--input-size", "128", "128"])
     assert f"{tmp_path / 'psp.onnx'}: onnxruntime cannot run the ONNX model at 2x3x65x161: " in err, err
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["psp.ckpt", "psp.folded.pt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["psp.ckpt", "psp.folded.pt", "psp.folded.pt2"]
 
 
 @pytest.fixture(scope="session")
@@ -239,7 +284,7 @@ def cls_checkpoint(tmp_path_factory):
 @pytest.mark.slow
 def test_export_rebuilds_a_cli_classification_checkpoint(cls_checkpoint, tmp_path, capsys):
     path, model = cls_checkpoint
-    assert export_command.main([str(path), "--out", str(tmp_path), "--input-size", "32", "32"]) == 0
+    assert export_command.main([str(path), "--out", str(tmp_path), "--input-size", "64", "64"]) == 0
     printed = capsys.readouterr().out
     assert "Loaded ClassificationTask" in printed and "max abs diff" in printed
     scripted = torch.jit.load(str(tmp_path / "cls.folded.pt"))
@@ -267,6 +312,44 @@ def test_a_fold_that_changes_the_model_is_refused_and_writes_nothing(cls_checkpo
     assert list(tmp_path.iterdir()) == []
 
 
+class _OffWhenExported(nn.Module):
+    """A model whose captured graph is 1% off the model run eagerly, as a wrong capture would be."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.model(x)
+        return out * 1.01 if torch.compiler.is_exporting() else out
+
+
+@pytest.mark.slow
+def test_an_exported_program_off_the_folded_model_is_refused(cls_checkpoint, tmp_path, capsys, monkeypatch):
+    fold = export.fold_norms
+    monkeypatch.setattr(export, "fold_norms", lambda model: _OffWhenExported(fold(model)))
+    path, _ = cls_checkpoint
+    err = _error_line(capsys, [str(path), "--out", str(tmp_path), "--input-size", "64", "64"])
+    assert f"{tmp_path / 'cls.folded.pt2'}: the ExportedProgram differs from the reference" in err
+    assert f"only {tmp_path / 'cls.folded.pt'} written" in err
+    assert [p.name for p in tmp_path.iterdir()] == ["cls.folded.pt"]
+
+
+@pytest.mark.slow
+def test_a_program_that_cannot_take_the_checked_size_is_not_written(cls_checkpoint, tmp_path, capsys):
+    """torch.export leaves out the sizes at which a feature map would be 1 px (0/1 specialisation): a ResNet's
+    program takes 33 px and up, so with a check at 32 px it is not written, in one line naming the size and the
+    program's guard, and the other files are."""
+    path, _ = cls_checkpoint
+    code, out, _ = run_mabn(["export", str(path), "--out", str(tmp_path), "--input-size", "32", "32"], capsys)
+    assert code == 0
+    line = next(line for line in out.splitlines() if line.startswith("ExportedProgram"))
+    assert line.startswith("ExportedProgram: not written, torch.export's program of this network cannot run at "
+                           "1x3x32x32 (Guard failed: "), line  # fmt: skip
+    written = {p.name for p in tmp_path.iterdir()}
+    assert "cls.folded.pt" in written and "cls.folded.pt2" not in written
+
+
 @needs_onnx
 @pytest.mark.slow
 def test_an_onnx_model_off_at_the_second_size_is_refused(cls_checkpoint, tmp_path, capsys, monkeypatch):
@@ -278,9 +361,10 @@ def test_an_onnx_model_off_at_the_second_size_is_refused(cls_checkpoint, tmp_pat
 
     monkeypatch.setattr(export, "_run_onnxruntime", off_at_the_second_size)
     path, _ = cls_checkpoint
-    err = _error_line(capsys, [str(path), "--out", str(tmp_path), "--input-size", "32", "32"])
-    assert f"{tmp_path / 'cls.onnx'}: the ONNX model under onnxruntime at 2x3x17x41 differs from the reference" in err
-    assert "only" in err and [p.name for p in tmp_path.iterdir()] == ["cls.folded.pt"]
+    err = _error_line(capsys, [str(path), "--out", str(tmp_path), "--input-size", "64", "64"])
+    assert f"{tmp_path / 'cls.onnx'}: the ONNX model under onnxruntime at 2x3x33x81 differs from the reference" in err
+    assert f"only {tmp_path / 'cls.folded.pt'} and {tmp_path / 'cls.folded.pt2'} written" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cls.folded.pt", "cls.folded.pt2"]
 
 
 def _error_line(capsys, argv) -> str:

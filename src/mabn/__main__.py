@@ -26,7 +26,7 @@ stage-2 checkpoints:
   test          score a checkpoint on a split (sliding windows, flip and scales as options): per-class IoU
   predict       a checkpoint's predictions of a split, a folder, an image or a glob: mask PNGs, colour masks
 results:
-  export        a checkpoint -> folded TorchScript and ONNX models, checked before they are written
+  export        a checkpoint -> folded TorchScript, torch.export and ONNX models, checked before they are written
   plots         a run's norm statistics and training curves as PNG files
   bench         the cost of each norm against BN: training step, memory, inference
   ablation      the paper's ImageNet ablation (Tables 2 and 6) at small scale

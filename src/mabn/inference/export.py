@@ -1,15 +1,17 @@
-"""A trained checkpoint -> the folded inference model, as TorchScript and ONNX (``python -m mabn export CKPT``).
+"""A trained checkpoint -> the folded inference model, as TorchScript, a torch.export program and ONNX
+(``python -m mabn export CKPT``).
 
 Every norm that is linear at inference (BN, BRN, MABN) is folded into the conv before it (``fold_norms``),
 so the exported network costs what a BN network costs; GroupNorm stays. Each output is checked before it
-is written: the folded model against the unfolded one, the TorchScript module against the folded model,
-and the ONNX file (when onnxruntime is installed) against the folded model, at the sample size and at a second,
-non-square one with two images: the ONNX graph takes any batch, height and width. A file that does not reproduce
-the trained network is never left behind.
+is written: the folded model against the unfolded one, the TorchScript module against the folded model, and the
+ExportedProgram (``.pt2``) and the ONNX file (when onnxruntime is installed) against the folded model, at the sample
+size and at a second, non-square one with two images: their batch, height and width are symbolic. A file that does
+not reproduce the trained network is never left behind.
 
-Both files say how to use them (``metadata``): the input's channel order, layout and normalisation, the output, the
+Every file says how to use it (``metadata``): the input's channel order, layout and normalisation, the output, the
 number of classes and, where the checkpoint records them, the class names and colours; in the ONNX file's
-``metadata_props`` and in the TorchScript archive's ``metadata.json`` (``METADATA_FILE``), every value as JSON.
+``metadata_props`` and in the TorchScript and torch.export archives' ``metadata.json`` (``METADATA_FILE``), every
+value as JSON.
 """
 
 from __future__ import annotations
@@ -40,9 +42,11 @@ TOLERANCE = 1e-4
 # The input size checked and exported when none is given, per task: a Cityscapes frame at half resolution, and
 # ImageNet's evaluation crop.
 INPUT_SIZES: dict[str, tuple[int, int]] = {"SegmentationTask": (512, 1024), "ClassificationTask": (224, 224)}
-# The smallest side the ONNX graph is traced at (see ``_export_onnx``): a ResNet's stride-32 features are 4 px here.
+# The smallest side the symbolic-shape graphs are traced at (``_dynamic_input``): a ResNet's stride-32 features are
+# 4 px here.
 TRACE_SIDE = 128
-# The TorchScript archive's extra file that holds ``metadata`` (read back with torch.jit.load's ``_extra_files``).
+# The TorchScript and torch.export archives' extra file that holds ``metadata`` (read back with torch.jit.load's
+# ``_extra_files`` and torch.export.load's ``extra_files``).
 METADATA_FILE = "metadata.json"
 
 
@@ -71,10 +75,13 @@ class Exported:
     """What ``export`` wrote and measured."""
 
     task: str
-    metadata: dict[str, Any]  # what both files carry (``metadata``)
+    metadata: dict[str, Any]  # what every file carries (``metadata``)
     torchscript: Path
+    program: Path | None  # the torch.export ExportedProgram (.pt2); None: it cannot take the checked sizes (printed)
     onnx: Path | None  # None: the ONNX exporter's dependencies are missing (the reason is printed)
     folded: Difference  # folded vs unfolded model, both in float64
+    program_diff: Difference | None  # the ExportedProgram vs the folded model at the sample size
+    program_other: Difference | None  # the same at ``other_shape``
     onnxruntime: Difference | None  # ONNX file vs folded model at the sample size; None without onnxruntime
     # The same at ``other_shape`` (two images of another size: the graph's batch, height and width are dynamic).
     onnxruntime_other: Difference | None = None
@@ -186,20 +193,23 @@ def _for_onnx(folded: nn.Module) -> nn.Module:
     return model
 
 
+def _dynamic_input(sample: Tensor) -> Tensor:
+    """The input torch.export traces a graph of symbolic batch, height and width on: two images (a batch of one would
+    be fixed at one) of ``sample``'s size but at least ``TRACE_SIDE`` px a side. torch.export fixes any size that is 1
+    in the trace (a ResNet's last features at 32 px), and then the whole input shape, silently: the second-size
+    checks refuse such a graph."""
+    height, width = (max(side, TRACE_SIDE) for side in sample.shape[-2:])
+    return torch.randn(2, 3, height, width, generator=torch.Generator().manual_seed(1))
+
+
 def _export_onnx(folded: nn.Module, sample: Tensor, path: Path, meta: dict[str, Any]) -> None:
     """Write ``folded`` as one ONNX file (weights inside: under the 2 GB protobuf limit) whose input "image" has
-    dynamic batch, height and width, with ``meta`` in its ``metadata_props`` (each value as JSON).
-
-    Traced on two images (a batch of one would be fixed at one) of ``sample``'s size but at least ``TRACE_SIDE``
-    px a side: torch.export fixes any size that is 1 in the trace (a ResNet's last features at 32 px), and then
-    the whole input shape, silently; a graph with a fixed dimension is refused here.
-    """
-    height, width = (max(side, TRACE_SIDE) for side in sample.shape[-2:])
-    traced = torch.randn(2, 3, height, width, generator=torch.Generator().manual_seed(1))
+    dynamic batch, height and width (traced on ``_dynamic_input``), with ``meta`` in its ``metadata_props`` (each
+    value as JSON). A graph with a fixed dimension is refused here."""
     dims = {0: torch.export.Dim("batch"), 2: torch.export.Dim("height"), 3: torch.export.Dim("width")}
     program = torch.onnx.export(
         _for_onnx(folded),
-        (traced,),
+        (_dynamic_input(sample),),
         dynamo=True,
         verbose=False,
         input_names=["image"],
@@ -279,10 +289,58 @@ def _write_torchscript(folded: _Folded, sample: Tensor, path: Path, meta: dict[s
     print(f"TorchScript: wrote {path} ({Difference.between(ts_out, folded.out)} to the folded model)")
 
 
-def _write_onnx(
+def _write_program(
     folded: _Folded, sample: Tensor, other: Tensor, path: Path, ts_path: Path, meta: dict[str, Any]
 ) -> tuple[Path | None, Difference | None, Difference | None]:
-    """Step 3: the ONNX model, run by onnxruntime at the sample and at ``other``'s size where it is installed, moved
+    """Step 3: the folded model as a torch.export ExportedProgram of symbolic batch, height and width, run at the
+    sample and at ``other``'s size, written with its metadata once checked; (its path, its difference at each).
+
+    A program that fails a guard on its input's size at either is not written, in one line, and the export goes on:
+    a limit of torch.export's capture, not a wrong file. torch.export keeps a size-dependent decision of the trace as
+    such a guard: an smp decoder's crop of the padded logits (``DecoderNet``) is a view that is contiguous at
+    multiples of the output stride only, and a feature map of 1 px specialises too (below).
+    """
+    shown, shown_other = ("x".join(map(str, x.shape)) for x in (sample, other))
+    outcome = f"only {ts_path} written"
+    # Dim.DYNAMIC, not a named Dim: torch.export leaves out the sizes at which a feature map would be 1 px (under
+    # 9 px for PSPNet's stride-8 features, 33 px for a ResNet's stride-32 ones), which a named Dim's range refuses.
+    dims = dict.fromkeys((0, 2, 3), torch.export.Dim.DYNAMIC)
+    try:
+        program = torch.export.export(folded.model, (_dynamic_input(sample),), dynamic_shapes=(dims,))
+    except Exception as err:  # an operator or a Python branch on a size that torch.export cannot capture
+        raise ExportError(f"{path}: torch.export failed ({type(err).__name__}: {first_line(err)}); {outcome}") from err
+    runnable, outs = program.module(), []
+    for x, size in ((sample, shown), (other, shown_other)):
+        try:
+            outs.append(runnable(x))
+        except AssertionError as err:  # "Guard failed: <a condition on the input's size>"
+            print(f"ExportedProgram: not written, torch.export's program of this network cannot run at {size} "
+                  f"({first_line(err)}); the other files take any size")  # fmt: skip
+            return None, None, None
+    out, out_other = outs
+    _check("the ExportedProgram", Difference.between(out, folded.exact), folded.limit, path, outcome)
+    # At the second size the float32 folded model is the reference, as for the ONNX file (``_write_onnx``).
+    other_diff = Difference.between(out_other, folded.model(other))
+    _check(f"the ExportedProgram at {shown_other}", other_diff, folded.limit, path, outcome)
+    diff = Difference.between(out, folded.out)
+    extra = {METADATA_FILE: json.dumps(meta, indent=2)}
+
+    def save(tmp: Path) -> None:
+        # Through a Python file: torch.export.save takes a path only if it ends in .pt2, and the temporary
+        # name does not.
+        with open(tmp, "wb") as file:
+            torch.export.save(program, file, extra_files=extra)
+
+    write_atomic(path, save)
+    print(f"ExportedProgram vs the folded model: {diff} at {shown}, {other_diff} at {shown_other}")
+    print(f"ExportedProgram: wrote {path} (input x: any batch, height and width)")
+    return path, diff, other_diff
+
+
+def _write_onnx(
+    folded: _Folded, sample: Tensor, other: Tensor, path: Path, written: str, meta: dict[str, Any]
+) -> tuple[Path | None, Difference | None, Difference | None]:
+    """Step 4: the ONNX model, run by onnxruntime at the sample and at ``other``'s size where it is installed, moved
     into place once checked; (its path or None, its difference at the sample and at ``other``)."""
     shown_other = "x".join(map(str, other.shape))
     ort_diff, other_diff = None, None
@@ -296,15 +354,15 @@ def _write_onnx(
             return None, None, None
         except Exception as err:  # an operator the exporter cannot translate, or a failed graph capture
             reason = f"{type(err).__name__}: {first_line(err)}"
-            raise ExportError(f"{path}: ONNX export failed ({reason}); only {ts_path} written") from err
+            raise ExportError(f"{path}: ONNX export failed ({reason}); only {written} written") from err
         try:
             ort_outs = _run_onnxruntime(scratch_path, sample, other)
         except RuntimeError as err:
-            raise ExportError(f"{path}: onnxruntime cannot run the ONNX model {err}; only {ts_path} written") from err
+            raise ExportError(f"{path}: onnxruntime cannot run the ONNX model {err}; only {written} written") from err
         if ort_outs is None:
             print("onnxruntime is not installed: the ONNX file was not run (`pip install onnxruntime`)")
         else:
-            outcome = f"only {ts_path} written"
+            outcome = f"only {written} written"
             _check("the ONNX model under onnxruntime", Difference.between(ort_outs[0], folded.exact), folded.limit,
                    path, outcome)  # fmt: skip
             ort_diff = Difference.between(ort_outs[0], folded.out)
@@ -322,12 +380,14 @@ def _write_onnx(
 def export(
     checkpoint: str | Path, out_dir: str | Path | None = None, input_size: tuple[int, int] | None = None
 ) -> Exported:
-    """Fold the checkpoint's model and write ``<stem>.folded.pt`` (TorchScript) and ``<stem>.onnx`` to ``out_dir``.
+    """Fold the checkpoint's model and write ``<stem>.folded.pt`` (TorchScript), ``<stem>.folded.pt2`` (torch.export)
+    and ``<stem>.onnx`` to ``out_dir``.
 
     ``out_dir`` defaults to the checkpoint's folder, ``input_size`` (H, W) to the task's usual size: the sample
-    every output is checked at, in float64 for the folding. The ONNX graph's input has dynamic batch, height and
-    width, and onnxruntime is also held to the float32 folded model on two images of ``other_size(H, W)``; the
-    traced TorchScript module accepts other sizes too. Both files carry ``metadata`` of the checkpoint.
+    every output is checked at, in float64 for the folding. The ExportedProgram's and the ONNX graph's inputs have
+    symbolic batch, height and width, and each is also held to the float32 folded model on two images of
+    ``other_size(H, W)``; the traced TorchScript module accepts other sizes too. Every file carries ``metadata`` of
+    the checkpoint.
     """
     checkpoint = Path(checkpoint)
     restored = load_model(checkpoint)
@@ -341,7 +401,7 @@ def export(
     out_dir = Path(out_dir) if out_dir is not None else checkpoint.parent
     out_dir.mkdir(parents=True, exist_ok=True)
     stem = checkpoint.stem
-    ts_path, onnx_path = out_dir / f"{stem}.folded.pt", out_dir / f"{stem}.onnx"
+    ts_path, pt2_path, onnx_path = (out_dir / f"{stem}{suffix}" for suffix in (".folded.pt", ".folded.pt2", ".onnx"))
     gen = torch.Generator().manual_seed(0)
     sample = torch.randn(1, 3, height, width, generator=gen)
     other = torch.randn(2, 3, *other_size(height, width), generator=gen)
@@ -350,5 +410,18 @@ def export(
     with torch.no_grad():
         checked = _fold(model, sample, checkpoint)
         _write_torchscript(checked, sample, ts_path, meta)
-        onnx_written, ort_diff, other_diff = _write_onnx(checked, sample, other, onnx_path, ts_path, meta)
-    return Exported(name, meta, ts_path, onnx_written, checked.folding, ort_diff, other_diff, other_shape)
+        pt2_written, *program_diffs = _write_program(checked, sample, other, pt2_path, ts_path, meta)
+        written = f"{ts_path} and {pt2_written}" if pt2_written else str(ts_path)
+        onnx_written, ort_diff, other_diff = _write_onnx(checked, sample, other, onnx_path, written, meta)
+    return Exported(
+        name,
+        meta,
+        ts_path,
+        pt2_written,
+        onnx_written,
+        checked.folding,
+        *program_diffs,
+        ort_diff,
+        other_diff,
+        other_shape,
+    )

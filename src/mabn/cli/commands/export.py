@@ -1,11 +1,12 @@
-"""``python -m mabn export CKPT``: a trained checkpoint -> the folded inference model, as TorchScript and ONNX.
+"""``python -m mabn export CKPT``: a trained checkpoint -> the folded inference model, as TorchScript (.pt), a
+torch.export ExportedProgram (.pt2) and ONNX.
 
 Every norm that is linear at inference (BN, BRN, MABN) is folded into the conv before it, so the exported network
 costs what a BN network costs; GroupNorm stays. Each output is checked before it is written
-(``mabn.inference.export``): a file that does not reproduce the trained network is never left behind. The ONNX
-model takes any batch, height and width. Both files carry their metadata (input normalisation, channel order,
-classes; ``mabn.inference.export.metadata``): in the ONNX file's metadata_props and in the TorchScript archive's
-metadata.json.
+(``mabn.inference.export``): a file that does not reproduce the trained network is never left behind. The .pt2
+program and the ONNX model take any batch, height and width. Every file carries its metadata (input normalisation,
+channel order, classes; ``mabn.inference.export.metadata``): in the ONNX file's metadata_props and in the
+TorchScript and torch.export archives' metadata.json.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ def main(argv: list[str]) -> int:
         nargs=2,
         metavar=("H", "W"),
         help="sample input size the outputs are checked at (default: 512 1024 for PSPNet, 224 224 for ResNet); "
-        "the ONNX model takes any size",
+        "the .pt2 program and the ONNX model take any size",
     )
     args = parser.parse_args(argv)
     from ...inference.export import export  # the ONNX exporters and the models: imported once the arguments parse
