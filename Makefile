@@ -73,13 +73,14 @@ test-gpu: $(if $(filter $(VENV)/bin/python,$(PY)),$(STAMP))
 # PSPNet-101 step, stage 1's ResNet-101 step and its kernels' GPU time; each ratio MABN / BN against its target.
 # SECTIONS=compiled: stage 2's step compiled, a call of its own (480 s). SECTIONS=stage2,stage1: some of them
 # (kernels, chain, stage2, stage1, profile, compiled);
-# DRY_RUN=1: the sections, their limits and the report's path; ARGS: further options of python -m mabn bench check,
-# e.g. ARGS="--limits chain=240".
+# DRY_RUN=1: the sections, their limits and the report's path; ARGS: further options of scripts/gpu/check.py,
+# e.g. ARGS="--limits chain=240". The check is a tool of the checkout, not of the package: it runs the checkout's
+# tests and measures with the package's benchmarks.
 # PY=python: the machine's own Python instead of .venv, which is then not built (a lent GPU machine with its own
 # torch, after scripts/gpu/wheels.sh install); the checkout's src/ is on its path either way. make test-gpu after it.
 SECTIONS ?=
 gpu-check: $(if $(filter $(VENV)/bin/python,$(PY)),$(STAMP))
-	PYTHONPATH="$(CURDIR)/src$(if $(PYTHONPATH),:$(PYTHONPATH))" $(PY) -m mabn bench check \
+	PYTHONPATH="$(CURDIR)/src$(if $(PYTHONPATH),:$(PYTHONPATH))" $(PY) scripts/gpu/check.py \
 		$(if $(OUT),--out "$(OUT)") $(if $(SECTIONS),--sections "$(SECTIONS)") $(if $(DRY_RUN),--dry-run) $(ARGS)
 
 # The wheels a lent GPU machine lacks (smp, albumentations, jsonargparse, ...) into .gpu-wheels/, to carry there.

@@ -1,14 +1,14 @@
-"""``python -m mabn bench chain`` (the chain half of ``make gpu-check``) runs every link on CPU processes: the
-fit killed after its first checkpoint and resumed by ``--resume auto``, ``test``, ``predict`` and ``export`` of its
-checkpoint, and two torchrun-started ranks over gloo; a link that fails is reported as failed, and the report is
-whole after every link."""
+"""The GPU check's chain (``scripts/gpu/chain.py``, ``make gpu-check SECTIONS=chain``) runs every link on CPU
+processes: the fit killed after its first checkpoint and resumed by ``--resume auto``, ``test``, ``predict`` and
+``export`` of its checkpoint, and two torchrun-started ranks over gloo; a link that fails is reported as failed, and
+the report is whole after every link."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from mabn.tools.bench import chain
+from helpers.gpu_check import chain
 
 
 @pytest.mark.slow  # six product commands in subprocesses, one of them two DDP ranks: about two minutes

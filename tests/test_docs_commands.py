@@ -27,8 +27,8 @@ make and ``set -e`` would:
 - ``python -m mabn fit|validate`` is parsed and checked by ``mabn.cli.lightning.check`` (its dry run),
 ``--print_config``
   runs as is;
-- ``bench``, ``ablation`` and ``make bench|ablation|gpu-check`` run their ``--dry-run`` plan; the GPU tests that
-  ``make gpu-check`` starts are checked (files exist, ``MABN_TEST_DEVICE=cuda``), not run;
+- ``bench``, ``ablation``, ``scripts/gpu/check.py`` and ``make bench|ablation|gpu-check`` run their ``--dry-run``
+  plan; the GPU tests that ``make gpu-check`` starts are checked (files exist, ``MABN_TEST_DEVICE=cuda``), not run;
 - ``make test``, ``test-slow``, ``test-gpu`` (this suite inside itself, or a GPU) are ``make -n``: every recipe
   line must be a known ruff or pytest line naming existing test files;
 - ``export``, ``test-split``, ``predict``, ``plots`` (make targets and ``python -m mabn`` commands) and
@@ -630,6 +630,11 @@ def _replay(call: Call, case: Case) -> int:
         if argv[:1] == ["-c"] and len(argv) == 2:
             with _as_called(call, case):
                 return _snippet(argv[1], "<python -c>", case)
+        if argv[:1] == [dc.GPU_CHECK]:  # make gpu-check's tool: its plan
+            from helpers.gpu_check import check
+
+            with _as_called(call, case):
+                return _in_process(case, lambda: check.main(_with_dry_run(argv[1:])))
     if call.program == "torchrun":
         options = {}
         while argv and argv[0] != "-m":

@@ -1,6 +1,6 @@
-"""``python -m mabn bench check`` (``make gpu-check``): its sections fit one GPU call (each within its limit, the
-limits within the budget), run in order, each stopped at its limit while the next still runs, and the report holds
-what every section measured, the targets met or not, as soon as the section ends.
+"""``make gpu-check`` (``python scripts/gpu/check.py``, a tool of the checkout): its sections fit one GPU call
+(each within its limit, the limits within the budget), run in order, each stopped at its limit while the next still
+runs, and the report holds what every section measured, the targets met or not, as soon as the section ends.
 
 The orchestration runs here with stand-in sections (functions of this module, which the step process imports by
 name); the step sections' own measurement runs on a ResNet-18 PSPNet at a tiny crop, eager on the CPU. The chain's
@@ -22,9 +22,9 @@ import pytest
 import torch
 import yaml
 
+from helpers.gpu_check import SCRIPTS, chain, check, devicetests
 from mabn.models import PSPNet
-from mabn.tools.bench import chain, check, devicetests, profile, step
-from mabn.tools.bench.command import main
+from mabn.tools.bench import profile, step
 
 ROOT = Path(__file__).resolve().parents[1]
 SECTION_LINE = re.compile(r"^section (\d+) of (\d+): (\w+), limit (\d+) s: (.+)$")
@@ -40,7 +40,7 @@ def _sections(text: str) -> list[tuple[str, int]]:
 
 
 def test_dry_run_lists_the_sections_in_order_within_one_gpu_call(capsys):
-    assert main(["check", "--dry-run"]) == 0
+    assert check.main(["--dry-run"]) == 0
     out = capsys.readouterr().out
     sections = _sections(out)
     assert [key for key, _ in sections] == ["kernels", "chain", "stage2", "stage1", "profile"]
@@ -48,11 +48,12 @@ def test_dry_run_lists_the_sections_in_order_within_one_gpu_call(capsys):
     assert all(0 < limit <= check.MAX_SECTION_S == 240 for limit in limits)
     assert sum(limits) <= check.MAX_TOTAL_S == 480
     # Compiling PSPNet-101 is a call of its own, within one call's budget.
-    assert main(["check", "--dry-run", "--sections", "compiled"]) == 0
+    assert check.main(["--dry-run", "--sections", "compiled"]) == 0
     alone = capsys.readouterr().out
     assert [key for key, _ in _sections(alone)] == ["compiled"] and check.total_limit(check.select("compiled")) <= 480
     assert f"total limit: {sum(limits)} s" in out
     assert "report: runs/bench/bench-cuda.md, rewritten as each section ends" in out
+    assert out.startswith("dry run of python scripts/gpu/check.py: nothing is measured or written")
     assert "nothing is measured or written" in out and not Path("runs/bench/bench-cuda.md").exists()
     # What each measures, in its line: the chain's runs, the stages' sizes and paths.
     lines = _sections_text(out)
@@ -70,21 +71,21 @@ def _sections_text(text: str) -> dict[str, str]:
 
 
 def test_sections_runs_some_sections_in_the_checks_order(capsys):
-    assert main(["check", "--dry-run", "--sections", "stage1,chain", "--out", "docs"]) == 0
+    assert check.main(["--dry-run", "--sections", "stage1,chain", "--out", "docs"]) == 0
     out = capsys.readouterr().out
     assert _sections(out) == [("chain", 180), ("stage1", 30)]
     assert "report: docs/bench-cuda.md" in out and "total limit: 210 s" in out
     with pytest.raises(SystemExit) as exit_info:
-        main(["check", "--dry-run", "--sections", "stage2,stage3"])
+        check.main(["--dry-run", "--sections", "stage2,stage3"])
     assert exit_info.value.code == 2
     known = "kernels, chain, stage2, stage1, profile, compiled"
     assert f"unknown section(s) stage3; choose from {known}" in capsys.readouterr().err
-    assert main(["check", "--dry-run", "--sections", "compiled,stage1", "--limits", "compiled=400,stage1=60"]) == 0
+    assert check.main(["--dry-run", "--sections", "compiled,stage1", "--limits", "compiled=400,stage1=60"]) == 0
     out = capsys.readouterr().out
     assert _sections(out) == [("stage1", 60), ("compiled", 400)] and "total limit: 460 s" in out
     for limits in ("compiled=0", "compiled", "stage3=10"):
         with pytest.raises(SystemExit):
-            main(["check", "--dry-run", "--limits", limits])
+            check.main(["--dry-run", "--limits", limits])
 
 
 def test_make_gpu_check_takes_dry_run_sections_and_another_python(tmp_path):
@@ -106,7 +107,20 @@ def test_make_gpu_check_takes_dry_run_sections_and_another_python(tmp_path):
     assert recipe.returncode == 0, recipe.stderr
     words = recipe.stdout.replace("\\\n", " ").split()
     assert words[0].startswith(f'PYTHONPATH="{ROOT}/src')
-    assert words[1:] == ["python3", "-m", "mabn", "bench", "check", "--out", '"docs"'], recipe.stdout
+    assert words[1:] == ["python3", "scripts/gpu/check.py", "--out", '"docs"'], recipe.stdout
+
+
+def test_the_check_needs_a_cuda_device(monkeypatch, capsys):
+    """Named another device, or with no CUDA device here, the check says so in one line (exit 2); its dry run
+    plans it for CUDA anywhere."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for argv, said in ((["--device", "cpu"], "the check needs a CUDA device, got --device cpu"),
+                       ([], "no CUDA device here: the check runs on a GPU machine")):  # fmt: skip
+        with pytest.raises(SystemExit) as exit_info:
+            check.main(argv)
+        assert exit_info.value.code == 2 and said in capsys.readouterr().err
+    assert check.main(["--dry-run", "--sections", "stage1"]) == 0
+    assert "device: cuda (assumed by --dry-run: no CUDA device here)" in capsys.readouterr().out
 
 
 def test_testing_md_gives_the_plans_limits():
@@ -249,8 +263,8 @@ def test_the_plans_targets():
 
 
 def test_the_command_writes_the_report_and_fails_on_a_section_not_ok(monkeypatch, tmp_path, capsys):
-    """``python -m mabn bench check`` through its command line (stand-in sections in this process, no GPU): the
-    report as it stands after each section, exit status 1 when one did not end ok."""
+    """The check through its command line (stand-in sections in this process, no GPU): the report as it stands
+    after each section, exit status 1 when one did not end ok."""
     from mabn.tools.bench import report
 
     target = check.Target(f"{LABEL}: step time", 1.05)
@@ -260,9 +274,10 @@ def test_the_command_writes_the_report_and_fails_on_a_section_not_ok(monkeypatch
     )
     monkeypatch.setattr(check, "SECTIONS", sections)
     monkeypatch.setattr(report, "header", lambda device: "a GPU, torch 2")
-    assert main(["check", "--device", "cuda", "--out", str(tmp_path), "--sections", "quick,fails"]) == 1
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert check.main(["--device", "cuda", "--out", str(tmp_path), "--sections", "quick,fails"]) == 1
     text = (tmp_path / "bench-cuda.md").read_text()
-    assert text.startswith("## GPU check (CUDA)\n\n`python -m mabn bench check --device cuda --out ")
+    assert text.startswith("## GPU check (CUDA)\n\n`python scripts/gpu/check.py --device cuda --out ")
     assert "| quick | 30 | ok |" in text and "| fails | 30 | failed: RuntimeError: cuDNN said no |" in text
     assert f"| {LABEL}: step time | 1.200 | <= 1.05 | not met |" in text and "### Quick" in text
     assert not list(tmp_path.glob("*.png"))  # tables only: the GPU machine need not have matplotlib
@@ -312,9 +327,7 @@ def test_the_profile_section_runs_stage_1s_step_for_each_norm(monkeypatch):
 
 def test_the_kernels_section_runs_the_checkouts_kernel_tests(monkeypatch):
     """The kernels section runs pytest on the device named (here the CPU, Triton's interpreter) and fails the check
-    when the tests fail or are not there (an installed package has no tests beside it)."""
-    from mabn.tools.bench import devicetests
-
+    when the tests fail or are not there."""
     kernels = devicetests.KERNELS
     monkeypatch.setattr(devicetests, "KERNELS", replace(kernels, tests=("tests/test_recentre_kernel.py",)))
     job = check.Job(check.Options(device="cpu"), time.monotonic() + 120, [].append, [].append)
@@ -323,7 +336,7 @@ def test_the_kernels_section_runs_the_checkouts_kernel_tests(monkeypatch):
     assert re.search(r": passed in \d+ s", measured.markdown) and "3 passed" in measured.markdown
     monkeypatch.setattr(devicetests, "KERNELS", replace(kernels, tests=("tests/test_no_such_file.py",)))
     missing = check.run_kernel_tests(job)
-    assert missing.failures == (kernels.title,) and "no checkout's tests beside the package" in missing.markdown
+    assert missing.failures == (kernels.title,) and "file or directory not found" in missing.markdown
 
 
 def test_the_compiled_section_tests_the_compiled_step_before_timing_it(monkeypatch):
@@ -331,8 +344,6 @@ def test_the_compiled_section_tests_the_compiled_step_before_timing_it(monkeypat
     its own part of the limit, then the timed steps, whose ratios it keeps; a failed test fails the check. (The
     device tests' run is the kernels section's, tested above; the timed steps are the step sections' code, run on
     the CPU by the tests above, replaced here by their result.)"""
-    from mabn.tools.bench import devicetests
-
     case = devicetests.COMPILED.tests[0]
     path, name = re.fullmatch(r"(.+)::(\w+)\[mabn\]", case).groups()
     source = (ROOT / path).read_text()
@@ -384,7 +395,12 @@ def _bare(code: str) -> subprocess.CompletedProcess:
 def test_the_kernel_section_runs_where_smp_albumentations_and_jsonargparse_are_absent():
     """The check's plan, and the kernel tests its first section runs, import with torch, Triton and pytest alone:
     on a bare GPU machine the check proves the kernels before anything needs the wheels."""
-    plan = _bare("from mabn.__main__ import main; sys.exit(main(['bench', 'check', '--dry-run']))")
+    # The script as python runs it: its folder first on the path, run as __main__.
+    script = SCRIPTS / "check.py"
+    plan = _bare(
+        f"import runpy; sys.path[0] = {str(SCRIPTS)!r}; sys.argv = [{str(script)!r}, '--dry-run']; "
+        f"runpy.run_path({str(script)!r}, run_name='__main__')"
+    )
     assert plan.returncode == 0, plan.stderr[-3000:]
     assert plan.stdout.splitlines()[2].startswith("section 1 of 5: kernels, limit 180 s: the kernel tests"), plan.stdout
     assert devicetests.KERNELS.tests[0] == "tests/test_recipe_kernels.py"  # collected below, as the section runs it

@@ -76,6 +76,42 @@ def _graph() -> nx.DiGraph:
     return graph
 
 
+# The checkout's top level: the package's sources, its configs, the stages' hand-off, the tests, the docs and the
+# checkout's own tools (scripts/: the SLURM job, the GPU check and its wheels), with the build, CI and git files.
+TOP_LEVEL = {"src", "configs", "pretrain", "tests", "docs", "scripts", "Makefile", "pyproject.toml", "README.md",
+             "constraints.txt", ".ci", ".gitignore"}  # fmt: skip
+GPU_CHECK = SRC.parent / "scripts" / "gpu"  # make gpu-check's tool: it runs the checkout's tests
+
+
+def test_the_top_level_is_the_layouts():
+    tracked = subprocess.run(["git", "ls-files"], cwd=SRC.parent, capture_output=True, text=True, check=True)
+    assert {path.split("/")[0] for path in tracked.stdout.splitlines()} <= TOP_LEVEL
+
+
+def test_the_gpu_check_stands_outside_the_package_on_its_public_modules():
+    """The GPU check runs the checkout's tests, which an installed package does not have: its modules live in
+    scripts/gpu/, import the package's public modules by absolute name (the measurements they report are the
+    package's benchmarks), and no module of the package imports them."""
+    names = {path.stem for path in GPU_CHECK.glob("*.py")}
+    assert {"check", "chain", "devicetests"} <= names
+    used = set()
+    for path in GPU_CHECK.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").split(".")[0] == "mabn":
+                used |= {f"{node.module}.{a.name}" if _exists(f"{node.module}.{a.name}") else node.module
+                         for a in node.names}  # fmt: skip
+    assert "mabn.tools.bench.step" in used and all(_exists(module) for module in used), used
+    assert not [m for m in used if any(part.startswith("_") for part in m.split("."))]
+    top_imports = set()
+    for path in (SRC / "mabn").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                top_imports |= {a.name.split(".")[0] for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.level == 0:
+                top_imports.add((node.module or "").split(".")[0])
+    assert not top_imports & names
+
+
 def test_every_unit_has_a_floor():
     units = {_unit(m) for m in _graph()}
     assert units <= set(FLOOR), f"units with no floor in FLOORS: {sorted(units - set(FLOOR))}"

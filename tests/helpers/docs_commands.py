@@ -44,7 +44,7 @@ SPAN = re.compile(r"(`+)(.+?)\1", re.S)
 # Kinds (see test_docs_commands.py for how each runs).
 STAGE = "stage"  # a training stage: run as a dry run (DRY_RUN=1, --dry-run, simulated SLURM / torchrun)
 FIT = "fit"  # python -m mabn fit|validate: parsed and checked by mabn.cli.lightning.check (--print_config runs as is)
-PLAN = "plan"  # bench, ablation, gpu-check: their --dry-run plan; their GPU tests' paths checked
+PLAN = "plan"  # bench, ablation, gpu-check (scripts/gpu/check.py): their --dry-run plan
 MAKE_N = "make -n"  # make test, test-slow, test-gpu, lint: the recipe printed by make -n and checked
 REAL = "real"  # on a checkpoint or a run: export, test-split, predict, plots, demo-data, run for real
 USAGE = "usage"  # a bare `make export|test-split|predict`: the target's usage line and exit status 2
@@ -62,6 +62,7 @@ MAKE_N_TARGETS = {"test", "test-slow", "test-gpu", "lint"}  # make test would ru
 STAGES = {"pretrain", "cityscapes", "segment"}
 REAL_COMMANDS = {"export", "test", "predict", "plots", "demo-data"}
 PLAN_COMMANDS = {"bench", "ablation"}
+GPU_CHECK = "scripts/gpu/check.py"  # make gpu-check's tool of the checkout: its --dry-run plan
 
 # Commands the docs show that no test can run, with the reason (regular expressions on the command text).
 NOT_RUN = {
@@ -336,6 +337,8 @@ def classify(command: Command) -> str:
             return PYTEST
         if len(argv) > 1 and argv[1] == "-c":
             return SNIPPET
+        if argv[1:2] == [GPU_CHECK]:
+            return PLAN
         found = mabn_command(argv)
         if found is None:
             return UNKNOWN

@@ -1,22 +1,17 @@
-"""``python -m mabn bench norm|step|infer|all|check|chain|ops|memory``: cost benchmarks, each ratio measured against
-BN in the same run, the GPU check of a whole run, and the training memory against its estimate (``memory``, with
-options of its own: ``python -m mabn bench memory --help``, ``mabn.tools.bench.memory``).
+"""``python -m mabn bench norm|step|infer|all|ops|memory``: cost benchmarks, each ratio measured against BN in the
+same run, and the training memory against its estimate (``memory``, with options of its own: ``python -m mabn bench
+memory --help``, ``mabn.tools.bench.memory``).
 
 norm: norm layers alone, forward+backward time and peak memory. step: a training step (forward, backward, SGD)
 per norm, time and peak memory, of PSPNet-101, of stage 1's ResNet-101 or of ResNet-50 (--model), eager and with
 --compile also compiled. infer: images per second of the folded PSPNet-101 per norm and of the GroupNorm one. all:
-the three in one run, into one report (what `make bench` runs). chain: a short stage-2 run's whole chain, each link
-a command of the product (fits killed and resumed, graphed against eager, test, predict, export, two DDP ranks),
-see ``mabn.tools.bench.chain``. check (CUDA, what `make gpu-check` runs): sections in order of value, each stopped at
-its own time limit (``mabn.tools.bench.check``): the chain, stage 2's PSPNet-101 step at crop 713, stage 1's ResNet-101
-step at 32 images of 224 px, stage 2's step compiled; --sections runs some of them, --limits sets their limits;
-the report, runs/bench/bench-cuda.md, is rewritten as each ends. ops: the host work of one norm layer's training
+the three in one run, into one report (what `make bench` runs). ops: the host work of one norm layer's training
 forward and backward, the GPU eager step's bottleneck at small batches: ATen operators and Triton launches
 counted, host time on a tiny input (on the CPU through MABN's CUDA path, see ``mabn.tools.bench.ops``).
 Reports go to runs/bench/ (``--out``: another folder, e.g. ``--out docs``, or a file).
---dry-run: check the options, print what would be measured (sections, models, rows, sizes, repeats, time limits)
-and the report's path, measure and write nothing; a CUDA-only command (check, --cuda-graph) is planned for CUDA
-anywhere.
+--dry-run: check the options, print what would be measured (models, rows, sizes, repeats) and the report's path,
+measure and write nothing; --cuda-graph is planned for CUDA anywhere. (The GPU check of a whole run is a tool of
+the checkout: ``make gpu-check``, scripts/gpu/check.py.)
 """
 
 from __future__ import annotations
@@ -30,10 +25,10 @@ import torch
 
 from ...cli.help import PROG, HelpFormatter, positive
 from ...run import write_text_atomic
-from . import chain, check, norm, ops, report, workloads
+from . import norm, ops, report, workloads
 
 REPORTS = Path("runs/bench")  # where reports go unless --out names another place
-DEFAULT_REPEATS = {"norm": 15, "step": 5, "infer": 7, "check": 5, "ops": 1000}
+DEFAULT_REPEATS = {"norm": 15, "step": 5, "infer": 7, "ops": 1000}
 
 
 def _norm_batch(text: str) -> int | None:
@@ -47,8 +42,8 @@ def report_path(args: argparse.Namespace, device: torch.device) -> Path | None:
         return None
     if args.out is not None and args.out.suffix == ".md":
         return args.out
-    stem = "bench" if args.what in ("all", "check") else f"bench-{args.what}"
-    if args.what not in ("check", "chain", "norm", "ops"):  # these have one report each, whatever the step options
+    stem = "bench" if args.what == "all" else f"bench-{args.what}"
+    if args.what not in ("norm", "ops"):  # these have one report each, whatever the step options
         if args.model != "pspnet101":
             stem += f"-{args.model}-" + (f"ghost{args.norm_batch}" if args.norm_batch else "whole")
         stem += ("-graph" if args.cuda_graph else "") + ("-compile" if args.compile else "")
@@ -78,7 +73,7 @@ def plan(
         rows = ", ".join(step.row_names(compile_mode, args.model))
         return (
             f"training step: {workloads.MODELS[args.model]}, batch {args.batch}, {what}, BRN and MABN over {groups}"
-            f"{how}; rows {rows}; {repeats('check' if args.what == 'check' else 'step')} repeats"
+            f"{how}; rows {rows}; {repeats('step')} repeats"
         )
 
     if args.what in ("norm", "all"):
@@ -87,11 +82,6 @@ def plan(
         lines.append(f"norm layers alone: {len(norm.SHAPES)} shapes{scale}, {names}; {repeats('norm')} repeats")
     if args.what in ("step", "all"):
         lines.append(step_line(args.crop, args.cuda_graph, args.compile))
-    if args.what == "chain":
-        lines.append(chain.describe(chain.Plan()))
-    if args.what == "check":  # its own lines, report included
-        sections = check.select(args.sections, args.limits)
-        return lines + check.plan_lines(sections, check_options(args, device, repeats), out)
     if args.what == "ops":
         lines.append(f"host work per norm layer: input {'x'.join(map(str, ops.SHAPE))}; {repeats('ops')} repeats")
     if args.what in ("infer", "all"):
@@ -101,16 +91,11 @@ def plan(
         lines.append(f"inference: 1x3x{size[0]}x{size[1]}, {models}; {repeats('infer')} repeats")
     if out is None:
         lines.append(f"report: printed only ({args.what} writes a file with --out)")
-    elif args.what in ("norm", "ops", "chain"):
+    elif args.what in ("norm", "ops"):
         lines.append(f"report: {out}")
     else:
         lines.append(f"report: {out} and its chart {out.with_suffix('.png')}")
     return lines
-
-
-def check_options(args: argparse.Namespace, device: torch.device, repeats: Callable[[str], int]) -> check.Options:
-    """What the check's sections take from the command line."""
-    return check.Options(str(device), repeats("check"), args.compile or "reduce-overhead")
 
 
 def main(argv: list[str]) -> int:
@@ -119,10 +104,10 @@ def main(argv: list[str]) -> int:
 
         return memory.main(argv[1:])
     parser = argparse.ArgumentParser(prog=f"{PROG} bench", description=__doc__, formatter_class=HelpFormatter)
-    parser.add_argument("what", choices=["norm", "step", "infer", "all", "check", "chain", "ops"])
+    parser.add_argument("what", choices=["norm", "step", "infer", "all", "ops"])
     parser.add_argument(
         "--device",
-        help="torch device (default: cuda when present, else cpu; with --dry-run, cuda for check and --cuda-graph)",
+        help="torch device (default: cuda when present, else cpu; with --dry-run, cuda for --cuda-graph)",
     )
     parser.add_argument(
         "--repeats",
@@ -148,8 +133,7 @@ def main(argv: list[str]) -> int:
         nargs="?",
         const="default",
         metavar="MODE",
-        help="step: also time bn and mabn through torch.compile in this mode (default: torch's default); check: the "
-        "compiled section's mode (default reduce-overhead)",
+        help="step: also time bn and mabn through torch.compile in this mode (default: torch's default)",
     )
     parser.add_argument(
         "--cuda-graph", action="store_true", help="step: replay each model's forward and backward as CUDA graphs"
@@ -165,40 +149,20 @@ def main(argv: list[str]) -> int:
         type=Path,
         help="the markdown report (step, infer, all: with a PNG chart beside it), or a folder for it (default: "
         "runs/bench/, as "
-        "bench-<device>.md for all and check, bench-<what>-<device>.md for the others; norm and ops write only when "
+        "bench-<device>.md for all, bench-<what>-<device>.md for the others; norm and ops write only when "
         "given). --out docs: the reports the docs quote",
-    )
-    parser.add_argument(
-        "--sections",
-        metavar="KEY,...",
-        help="check: the sections to run, comma-separated, in the check's order (default: "
-        f"{', '.join(s.key for s in check.SECTIONS if not s.alone)}; "
-        f"{', '.join(s.key for s in check.SECTIONS if s.alone)} in a GPU call of its own)",
     )
     parser.add_argument(
         "--dry-run", action="store_true", help="check the options and print the plan; measure and write nothing"
     )
-    parser.add_argument(
-        "--limits",
-        metavar="KEY=S,...",
-        help="check: time limits in seconds in place of the sections' own, e.g. chain=240",
-    )
     args = parser.parse_args(argv)
-    if args.what != "check" and (args.sections or args.limits):
-        parser.error("--sections and --limits are options of check")
-    try:
-        check.select(args.sections, args.limits)
-    except ValueError as err:
-        parser.error(f"--sections/--limits: {err}")
     if args.norm_batch and args.batch % args.norm_batch:
         parser.error(f"--batch must be a multiple of {args.norm_batch}, got {args.batch}")
-    needs_cuda = args.cuda_graph or args.what == "check"
-    if args.device is None:  # a dry run plans a CUDA-only command for the GPU machine it is meant for
-        args.device = "cuda" if torch.cuda.is_available() or (args.dry_run and needs_cuda) else "cpu"
+    if args.device is None:  # a dry run plans --cuda-graph for the GPU machine it is meant for
+        args.device = "cuda" if torch.cuda.is_available() or (args.dry_run and args.cuda_graph) else "cpu"
     device = torch.device(args.device)
-    if needs_cuda and device.type != "cuda":
-        what = "--cuda-graph" if args.cuda_graph else "check"
-        parser.error(f"{what} needs a CUDA device, got --device {args.device}")
+    if args.cuda_graph and device.type != "cuda":
+        parser.error(f"--cuda-graph needs a CUDA device, got --device {args.device}")
 
     def repeats(what: str) -> int:
         return args.repeats or DEFAULT_REPEATS[what]
@@ -234,23 +198,6 @@ def main(argv: list[str]) -> int:
         sections.append(step.table(step_rows, repeats("step"), args.crop, args.batch, args.cuda_graph, **workload))
     if args.what == "ops":
         sections.append(ops.run(device, repeats=repeats("ops")))
-    if args.what == "chain":
-        write = lambda text: report.write(out, device, command, [text], [], [], env)  # noqa: E731
-        links = chain.run(chain.Plan().fresh(), device, write)
-        broken = chain.failed(links)
-        print(f"chain: {len(links) - len(broken)} of {len(links)} links passed; report {out}")
-        return 1 if broken else 0
-    if args.what == "check":
-        assert out is not None
-
-        def save_check(outcomes: list[check.Outcome]) -> None:
-            report.write(out, device, command, check.report_parts(outcomes), [], [], env, title="GPU check")
-
-        chosen = check.select(args.sections, args.limits)
-        outcomes = check.run(chosen, check_options(args, device, repeats), save_check)
-        broken = [o.section.key for o in outcomes if not o.ok]
-        print(f"check: report {out}" + (f"; not ok: {', '.join(broken)}" if broken else ""), flush=True)
-        return 1 if broken else 0
     if args.what in ("infer", "all"):
         infer_rows = infer.run(device, repeats("infer"), size)
         sections.append(infer.table(infer_rows, repeats("infer"), size))

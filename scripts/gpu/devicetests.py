@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
-ROOT = Path(__file__).resolve().parents[4]  # the checkout: src/mabn/tools/bench/ -> .
+ROOT = Path(__file__).resolve().parents[2]  # the checkout: scripts/gpu/ -> .
 
 
 @dataclass(frozen=True)
@@ -72,9 +72,6 @@ def run(suite: Suite, device: str, deadline: float) -> Outcome:
     """``suite`` with MABN_TEST_DEVICE=``device``, stopped at ``deadline`` (``time.monotonic()``)."""
     shown = f"`MABN_TEST_DEVICE={device} {shlex.join(['python', *command(suite)[1:]])}`"
     heading = f"### {suite.title}"
-    if not all((ROOT / t.split("::")[0]).is_file() for t in suite.tests):
-        line = f"{shown}: no checkout's tests beside the package ({ROOT})"
-        return Outcome(False, line, f"{heading}\n\n{line}")
     env = {**os.environ, "MABN_TEST_DEVICE": device}
     env.pop("TRITON_INTERPRET", None)
     started = time.monotonic()

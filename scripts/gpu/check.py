@@ -1,11 +1,13 @@
-"""``python -m mabn bench check`` (``make gpu-check``): what a GPU session checks and measures, as sections in order of
-value, each with its own time limit, so that one GPU call of ``total_limit()`` seconds (at most 8 minutes) brings
-back the most it can.
+#!/usr/bin/env python
+"""``make gpu-check`` (``python scripts/gpu/check.py``): what a GPU session checks and measures, as sections in order
+of value, each with its own time limit, so that one GPU call of ``total_limit()`` seconds (at most 8 minutes) brings
+back the most it can. A tool of the checkout, not of the package: it runs the checkout's tests, and measures with
+the package's benchmarks (``mabn.tools.bench``), imported from the ``src/`` on its path.
 
-0. ``kernels``: the checkout's kernel tests on the device (``mabn.tools.bench.devicetests``): the compiled Triton
-   kernels against the float64 references, before anything is measured with them;
-1. ``chain``: the chain of a real stage-2 run (``mabn.tools.bench.chain``): fits killed and resumed, graphed against
-   eager, test, predict, export, two ranks under bf16-mixed;
+0. ``kernels``: the checkout's kernel tests on the device (``devicetests.py``): the compiled Triton kernels against
+   the float64 references, before anything is measured with them;
+1. ``chain``: the chain of a real stage-2 run (``chain.py``): fits killed and resumed, graphed against eager, test,
+   predict, export, two ranks under bf16-mixed;
 2. ``stage2``: stage 2's training step, PSPNet-101 at batch 2 and crop 713, MABN against BN, CUDA graphs and eager,
    float32 and bf16-mixed;
 3. ``stage1``: stage 1's training step, ResNet-101 at 32 images of 224 px in ghost batches of 2 against BN over
@@ -29,13 +31,18 @@ The report (``runs/bench/bench-cuda.md``, or ``--out``) is rewritten, whole and 
 (or a link of the chain) ends: the sections' table, the targets (each ratio MABN / BN measured against its goal,
 met or not met), then each section's tables. The step sections time bn and mabn alone, ``repeats`` interleaved
 rounds each, medians, cuDNN's benchmark mode off (as ``bench step``).
+--dry-run: check the options, print the sections, their limits, what each measures and the report's path; measure
+and write nothing (planned for CUDA on any machine).
 """
 
 from __future__ import annotations
 
+import argparse
 import gc
 import multiprocessing
 import queue
+import shlex
+import sys
 import time
 import traceback
 from collections.abc import Callable
@@ -43,12 +50,16 @@ from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
 
+import chain  # chain, devicetests: the modules beside this script, whose folder is on the path
+import devicetests
 import torch
 import yaml
 
-from ...recipes import CONFIGS
-from ...run import device_batch, loader_batches, total_iterations
-from . import chain, devicetests, profile, workloads
+from mabn.cli.help import HelpFormatter, positive
+from mabn.recipes import CONFIGS
+from mabn.run import device_batch, loader_batches, total_iterations
+from mabn.tools.bench import profile, report, workloads
+from mabn.tools.bench.command import REPORTS
 
 # The goals each measured ratio MABN / BN is held to (the report says met or not met).
 TIME_TARGETS = {"graphs": 1.05, "eager": 1.15, "compiled": 1.05}
@@ -182,7 +193,7 @@ def measure_steps(work: StepWork, job: Job) -> Measured:
         mode = options.compile_mode if compiled else None
         norms = ("bn compiled", "mabn compiled") if compiled else ("bn", "mabn")
         shape = {"model": work.model, "compile_mode": mode, "precision": path.precision}
-        from . import step  # here: it builds the models, which the kernel section needs not
+        from mabn.tools.bench import step  # here: it builds the models, which the kernel section needs not
 
         rows = step.run(device, options.repeats, work.crop, work.batch, cuda_graph=path.how == "graphs",
                         rows=norms, say=job.say, **shape)  # fmt: skip
@@ -393,7 +404,7 @@ def report_parts(outcomes: list[Outcome]) -> list[str]:
     sections = "\n".join(o.row() for o in outcomes)
     targets = "\n".join(t.row(o.ratios.get(t.label)) for o in outcomes for t in o.section.targets)
     parts = [
-        f"### Sections\n\n`python -m mabn bench check`: each section stopped at its limit (in all {total} s)\n\n"
+        f"### Sections\n\n`python scripts/gpu/check.py`: each section stopped at its limit (in all {total} s)\n\n"
         f"| section | limit (s) | status | s |\n|---|---:|---|---:|\n{sections}"
     ]
     if targets:
@@ -520,3 +531,74 @@ def _here(section: Section, job: Job) -> tuple[str, Measured | str]:
         return "done", section.run(job)
     except Exception:
         return "error", traceback.format_exc()
+
+
+PROG = "python scripts/gpu/check.py"
+
+
+def report_path(out: Path | None) -> Path:
+    """The report: ``out`` when it names a markdown file, else ``bench-cuda.md`` in ``out`` or in runs/bench/."""
+    if out is not None and out.suffix == ".md":
+        return out
+    return (out or REPORTS) / "bench-cuda.md"
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog=PROG, description=__doc__, formatter_class=HelpFormatter)
+    parser.add_argument("--device", default="cuda", help="the CUDA device to check (default: cuda)")
+    parser.add_argument(
+        "--repeats", type=positive, default=5, help="step sections: timed repeats, interleaved (median reported)"
+    )
+    parser.add_argument("--compile", default="reduce-overhead", metavar="MODE", help="compiled: torch.compile's mode")
+    parser.add_argument(
+        "--sections",
+        metavar="KEY,...",
+        help="the sections to run, comma-separated, in the check's order (default: "
+        f"{', '.join(s.key for s in SECTIONS if not s.alone)}; "
+        f"{', '.join(s.key for s in SECTIONS if s.alone)} in a GPU call of its own)",
+    )
+    parser.add_argument(
+        "--limits", metavar="KEY=S,...", help="time limits in seconds in place of the sections' own, e.g. chain=240"
+    )
+    parser.add_argument(
+        "--out",
+        type=Path,
+        help="the markdown report, or a folder for it as bench-cuda.md (default: runs/bench/; --out docs: the "
+        "report the docs quote)",
+    )
+    parser.add_argument(
+        "--dry-run", action="store_true", help="check the options and print the plan; measure and write nothing"
+    )
+    args = parser.parse_args(argv)
+    try:
+        sections = select(args.sections, args.limits)
+    except ValueError as err:
+        parser.error(f"--sections/--limits: {err}")
+    device = torch.device(args.device)
+    if device.type != "cuda":
+        parser.error(f"the check needs a CUDA device, got --device {args.device}")
+    if not args.dry_run and not torch.cuda.is_available():
+        parser.error("no CUDA device here: the check runs on a GPU machine (--dry-run prints its plan anywhere)")
+    options = Options(str(device), args.repeats, args.compile)
+    out = report_path(args.out)
+    if args.dry_run:
+        here = "" if torch.cuda.is_available() else " (assumed by --dry-run: no CUDA device here)"
+        shown = shlex.join([*PROG.split(), *(a for a in argv if a != "--dry-run")])
+        lines = [f"dry run of {shown}: nothing is measured or written", f"device: {device}{here}"]
+        print("\n".join([*lines, *plan_lines(sections, options, out)]))
+        return 0
+    env = report.header(device)
+    print(env, flush=True)
+    command = shlex.join([*PROG.split(), *argv])
+
+    def save(outcomes: list[Outcome]) -> None:
+        report.write(out, device, command, report_parts(outcomes), [], [], env, title="GPU check")
+
+    outcomes = run(sections, options, save)
+    broken = [o.section.key for o in outcomes if not o.ok]
+    print(f"check: report {out}" + (f"; not ok: {', '.join(broken)}" if broken else ""), flush=True)
+    return 1 if broken else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,4 +1,5 @@
-"""``python -m mabn bench chain``: the whole chain of a real stage-2 run, each link one command of the product.
+"""The GPU check's ``chain`` section (``make gpu-check SECTIONS=chain``): the whole chain of a real stage-2 run,
+each link one command of the product.
 
 On a GPU this is the run a user's first cluster job makes, shrunk to a few steps: PSPNet-101 fits at crop 713 on
 the recipe's configuration under DDP with one process, with MABN's phase switches (``norm_policy``) moved to steps
@@ -46,7 +47,7 @@ from pathlib import Path
 
 import torch
 
-from ...run import load_weights_file
+from mabn.run import load_weights_file
 
 LINK_TIMEOUT_S = 240  # one link's limit: a PSPNet-101 fit of a few steps starts, captures and saves within it
 TRAIN_IMAGES = 16  # the generated training split: an epoch of 4 steps of 2 accumulated batches of 2 images
@@ -308,7 +309,7 @@ def report(links: list[Link], plan: Plan) -> str:
     shown = {link.name: shlex.join(link.command).replace(sys.executable, "python") for link in links if link.command}
     commands = "\n".join(f"- {name}: `{command}`" for name, command in shown.items())
     return (
-        f"### The chain of a stage-2 run\n\n`python -m mabn bench chain`: {plan.arch} PSPNet, crop {plan.crop}, "
+        f"### The chain of a stage-2 run\n\nThe check's `chain` section: {plan.arch} PSPNet, crop {plan.crop}, "
         f"generated images of {plan.image_size[0]}x{plan.image_size[1]}, {FIT_STEPS} steps of {ACCUMULATE} "
         f"accumulated batches, phase switches at steps {PHASE_STEPS[0]} and {PHASE_STEPS[1]}, a checkpoint at "
         f"each epoch's end ({TRAIN_IMAGES} images); each link a subprocess limited to {LINK_TIMEOUT_S} s, started "
@@ -324,7 +325,7 @@ def run(plan: Plan, device: torch.device, save: Callable[[str], object], deadlin
     missing (a checkpoint the fit did not write) is reported as not run. ``device``: where the product's commands
     will train (they pick it). ``deadline`` (``time.monotonic()``): links still running then are killed, links not
     started are not run."""
-    from ...data.synthetic import cityscapes as demo_cityscapes
+    from mabn.data.synthetic import cityscapes as demo_cityscapes
 
     demo_cityscapes.generate(plan.data, n_train=TRAIN_IMAGES, n_val=2, size=plan.image_size)
     graphed, eager = plan.work / "graphed", plan.work / "eager"
