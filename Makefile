@@ -38,7 +38,7 @@ STAGE_ARGS = $(NORM_ARGS) --gpus $(GPUS) --nodes $(NODES) $(if $(RESUME),--resum
 STAGE    ?= cityscapes
 AFTER    ?=
 
-.PHONY: venv test test-slow test-gpu gpu-check gpu-wheels lint pretrain cityscapes segment slurm export test-split predict plots bench bench-norm ablation clean
+.PHONY: venv test test-slow test-torch test-gpu gpu-check gpu-wheels lint pretrain cityscapes segment slurm export test-split predict plots bench bench-norm ablation clean
 
 venv: $(STAMP)
 
@@ -59,6 +59,26 @@ test: lint
 # GPU-sized benchmarks).
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow
+
+# The suite against a second torch, in an environment built as a user's is: a new $(TORCH_VENV) (git-ignored) with
+# torch $(TORCH) and torchvision $(TORCHVISION) installed first, then `pip install ".[dev]"` without constraints.txt,
+# which must keep them (pip's report of what it installed names neither); then the default suite on the checkout's
+# src/, and the install tests (a wheel's stage dry run from another folder, pip keeping that torch). torch===: PyPI's
+# build, not a local "+cpu" file of the same version, beside which PyPI's torchvision cannot load its operators.
+# PYTHON picks the Python (python3.12, ...).
+TORCH       ?= 2.13.0
+TORCHVISION ?= 0.28.0
+TORCH_VENV  := .venv-torch$(TORCH)
+test-torch:
+	rm -rf $(TORCH_VENV)
+	$(PYTHON) -m venv $(TORCH_VENV)
+	$(TORCH_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(TORCH_VENV)/bin/python -m pip install --quiet "torch===$(TORCH)" "torchvision==$(TORCHVISION)"
+	$(TORCH_VENV)/bin/python -m pip install --quiet --report $(TORCH_VENV)/install.json ".[dev]"
+	! grep -E '"name": "(torch|torchvision)"' $(TORCH_VENV)/install.json
+	$(TORCH_VENV)/bin/python -c 'import sys, torch, torchvision; print(sys.version.split()[0], torch.__version__, torchvision.__version__)'
+	PYTHONPATH="$(CURDIR)/src" $(TORCH_VENV)/bin/python -m pytest -q -m "not slow" -n auto --dist loadfile
+	PYTHONPATH="$(CURDIR)/src" $(TORCH_VENV)/bin/python -m pytest -q -m slow tests/test_wheel_install.py
 
 # On a machine with a GPU, the tests marked gpu: the CUDA kernels held to the float64 references, CUDA-graph and
 # compiled training against eager, the host work per MABN layer.
@@ -153,4 +173,4 @@ ablation: $(STAMP)
 	$(PY) -m mabn ablation $(if $(DATA),--data "$(DATA)") $(ARGS)
 
 clean:
-	rm -rf $(VENV) .pytest_cache build src/*.egg-info
+	rm -rf $(VENV) .venv-torch* .pytest_cache build src/*.egg-info
