@@ -156,12 +156,23 @@ def test_stage1_at_256_has_no_warm_up_and_an_explicit_warmup_epochs_wins(layouts
     assert _lrs(_pretrain_hparams(warmup_epochs=0), _shape(off, 64), 3) == pytest.approx([0.8] * 3)
 
 
-def test_iterations_follow_the_sampler_and_the_dropped_last_batch():
-    # 10 samples on 3 devices: each gets ceil(10/3) = 4 (two padded), 4 // 3 = 1 full batch of 3.
-    assert scaling.loader_batches(10, 3, 3) == 1
-    assert scaling.iterations_per_epoch(7, accumulate=2) == 4  # the last, partial window also steps
-    assert scaling.total_iterations(7, 3, -1, 2) == 11  # ceil(21 / 2), as Lightning estimates
+@pytest.mark.parametrize(("samples", "per_device", "devices"), [(10, 3, 3), (48, 4, 1), (2975, 2, 6), (7, 2, 4)])
+def test_loader_batches_are_those_of_a_distributed_sampler_dropping_the_last_batch(samples, per_device, devices):
+    data = torch.utils.data.TensorDataset(torch.zeros(samples))
+    sampler = torch.utils.data.DistributedSampler(data, num_replicas=devices, rank=devices - 1, shuffle=True)
+    loader = torch.utils.data.DataLoader(data, per_device, sampler=sampler, drop_last=True)
+    assert scaling.loader_batches(samples, per_device, devices) == len(loader)
+    # limit_train_batches, as Lightning reads it: an int at most that many, a float that share rounded down
+    assert scaling.loader_batches(samples, per_device, devices, 1) == min(len(loader), 1)
+    assert scaling.loader_batches(samples, per_device, devices, 0.5) == len(loader) // 2
+
+
+def test_every_epoch_ends_its_partial_accumulation_window():
+    assert scaling.iterations_per_epoch(7, accumulate=2) == 4  # 2 + 2 + 2 + 1 batches
+    # 3 epochs of 4 steps (Lightning's fit loop steps at the end of each epoch), not ceil(7 x 3 / 2) = 11
+    assert scaling.total_iterations(7, 3, -1, 2) == 12
     assert scaling.total_iterations(7, 3, 5, 1) == 5
+    assert scaling.total_iterations(7, None, 5, 1) == 5
 
 
 def test_missing_stage1_backbone_is_an_error_and_none_is_random_weights_on_purpose(
@@ -173,8 +184,9 @@ def test_missing_stage1_backbone_is_an_error_and_none_is_random_weights_on_purpo
     error = [line for line in err.splitlines() if line.startswith("error:")]
     assert error == [
         "error: no stage-1 backbone pretrain/resnet101-mabn.pt: run stage 1 first (make pretrain NORM=mabn "
-        "DATA=<imagenet>), give one with BACKBONE=<file>, or BACKBONE=none (--backbone none) to train the encoder "
-        "from random weights"
+        "DATA=<imagenet>), give one with BACKBONE=<file>, start from BN weights (BACKBONE=<a torchvision or timm "
+        "ResNet state dict, or a stage-1 bn file>: converted to mabn; or NORM=bn with them as they are), or "
+        "BACKBONE=none (--backbone none) to train the encoder from random weights"
     ]
     random = _dry_run(capsys, "cityscapes", layouts["cityscapes"], 1, 1, "--backbone", "none")
     assert random["Backbone"] == "none (BACKBONE=none): the encoder starts from random weights"
@@ -191,3 +203,58 @@ def test_dry_run_names_the_backbone_it_will_load(layouts, backbones, tmp_path, m
     path.unlink()
     pending = _dry_run(capsys, "cityscapes", layouts["cityscapes"], 8, 1, "--backbone-pending")
     assert pending["Backbone"].endswith("to be written by the stage-1 job this one waits for")
+
+
+def _spy(monkeypatch, name: str, change=lambda value: value) -> list[tuple]:
+    """Wrap ``mabn.run.scaling.<name>``: record each call's arguments and result, and return ``change`` of it."""
+    calls, function = [], getattr(scaling, name)
+
+    def spy(*args):
+        result = change(function(*args))
+        calls.append((args, result))
+        return result
+
+    monkeypatch.setattr(scaling, name, spy)
+    return calls
+
+
+def test_the_fit_runs_the_plan_its_dry_run_prints(tiny_cityscapes, tmp_path, monkeypatch):
+    """Stage 2 on 4 training images, 1 per device with 3 accumulated, for 2 epochs: each epoch steps after its
+    3rd and 4th batch, so 2 steps an epoch and 4 in all; the warm-up is 1 epoch. The dry run's lines, computed
+    from the configuration, hold the fit's live values: its steps, batch, accumulation, lr and schedule."""
+    from mabn.cli import launch
+    from mabn.cli import lightning as cli
+
+    monkeypatch.chdir(tmp_path)
+    # Both sides must take the lr from the one rule and the length from the one computation: the rule is given a
+    # factor of 1.5 it does not have, and the computation's inputs and results are recorded.
+    lrs = _spy(monkeypatch, "linear_lr", lambda lr: 1.5 * lr)
+    lengths = _spy(monkeypatch, "total_iterations")
+    extra = [
+        *("--trainer.max_steps", "-1", "--trainer.max_epochs", "2", "--trainer.accumulate_grad_batches", "3"),
+        *("--trainer.limit_val_batches", "0", "--trainer.num_sanity_val_steps", "0", "--trainer.logger", "false"),
+        *("--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false"),
+        *("--data.init_args.global_batch_size", "1", "--data.init_args.num_workers", "0"),
+        *("--data.init_args.crop_size", "32", "--model.init_args.norm_batch_size", "1"),
+        *("--model.init_args.arch", "resnet18", "--model.init_args.base_lr", "0.02"),
+        *("--model.init_args.warmup_epochs", "1"),
+    ]
+    args = launch.build_args("cityscapes", tiny_cityscapes, "gn", gpus=0, nodes=1, extra=extra, backbone="none")
+    said = {line.split(":", 1)[0]: line.split(":", 1)[1].strip() for line in cli.check(args) if ":" in line}
+    planned = {"lr": lrs[:], "length": lengths[:]}
+    lrs.clear(), lengths.clear()
+    fit = cli.run_cli(args)
+    trainer, lr = fit.trainer, 1.5 * 0.02 * 3 / 16
+    assert said["batch"].startswith("1 per device x 1 device(s) x 3 accumulated = global batch 3")
+    assert (fit.datamodule.batch_size, trainer.accumulate_grad_batches) == (1, 3)
+    assert said["iterations"] == "2 per epoch (4 training samples), 4 in total"
+    assert trainer.global_step == 4
+    assert said["lr"].startswith(f"0.02 x 3 / 16 = {lr:g} for the encoder")
+    assert trainer.optimizers[0].param_groups[0]["initial_lr"] == pytest.approx(lr, rel=1e-12)
+    assert said["schedule"] == "linear warm-up over 1 epochs (2 iterations), then poly 0.9 to iteration 4"
+    factor = trainer.lr_scheduler_configs[0].scheduler.lr_lambdas[0]
+    assert [factor(step) for step in range(5)] == pytest.approx([0.5, 1.0, 0.5**0.9, 0.25**0.9, 0.0])
+    # The one rule and the one computation, made by the dry run and by the fit from the same inputs to the same
+    # values.
+    assert planned["lr"] and lrs and set(planned["lr"] + lrs) == {lrs[0]} and lrs[0][0] == (0.02, 3, 16)
+    assert planned["length"] == lengths == [((4, 2, -1, 3), 4)]

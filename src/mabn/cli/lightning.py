@@ -62,10 +62,8 @@ from ..run import (
     RunShape,
     WandbLogger,
     device_batch,
-    iterations_per_epoch,
     load_weights_file,
-    loader_batches,
-    total_iterations,
+    plan_shape,
     use_line_progress,
     write_text_atomic,
 )
@@ -134,35 +132,34 @@ def data_plan(config: Namespace) -> DataPlan | None:
 
 
 def run_shape(config: Namespace, samples: int | None, memory: MemoryPlan | None = None) -> RunShape | None:
-    """The run's batch and length computed from ``config`` and the training ``samples`` (None: unknown) as the
-    Trainer will run them; None without a per-device batch. ``memory``: the task's ``memory_plan``, whose
-    per-device batch the run takes, with its factor on the gradient accumulation."""
+    """The run's batch and length from ``config`` and the training ``samples`` (None: unknown) by ``plan_shape``,
+    the computation the fit makes from its Trainer; None without a per-device batch. ``memory``: the task's
+    ``memory_plan``, whose per-device batch the run takes, with its factor on the gradient accumulation."""
     trainer = config.trainer
     per_device = _device_batch(config)
     if not per_device:
         return None
-    devices = _devices(trainer) or 1
     accumulate = trainer.get("accumulate_grad_batches") or 1
     if memory is not None:
         per_device, accumulate = memory.per_device, accumulate * memory.accumulate
-    per_epoch = steps = None
-    if samples is not None:
-        batches = loader_batches(samples, per_device, devices)
-        if batches == 0:
-            raise ConfigError(
-                f"the training split holds {samples} samples: too few for one batch of {per_device} on each of "
-                f"{devices} devices"
-            )
-        per_epoch = iterations_per_epoch(batches, accumulate)
-        steps = total_iterations(batches, trainer.get("max_epochs"), trainer.get("max_steps"), accumulate)
     norm_batch = (config.model.get("init_args") or Namespace()).get("norm_batch_size")
-    return RunShape(per_device, devices, accumulate, norm_batch, samples, per_epoch, steps)
+    limit = trainer.get("limit_train_batches")
+    return plan_shape(
+        per_device,
+        _devices(trainer) or 1,
+        accumulate,
+        norm_batch,
+        samples,
+        trainer.get("max_epochs"),
+        trainer.get("max_steps"),
+        1.0 if limit is None else limit,
+    )
 
 
 def plan_lines(config: Namespace) -> list[str]:
-    """What the run's task says at the start of fit (batch, lr, schedule, and where it has a ``memory_plan`` the
-    memory per device), computed from ``config``, then what the data module's ``plan`` says of the data set
-    (checked once for both), then the class weights the task takes from it (``class_weight_lines``)."""
+    """What the run's task says at the start of fit (its ``run_plan``'s batch, lr and schedule, and where it has a
+    ``memory_plan`` the memory per device), computed from ``config``, then what the data module's ``plan`` says of
+    the data set (checked once for both), then the class weights the task takes from it (``class_weight_lines``)."""
     planned = data_plan(config)
     task, per_device, trainer = _import(config.model.class_path), _device_batch(config), config.trainer
     memory = None
@@ -175,8 +172,8 @@ def plan_lines(config: Namespace) -> list[str]:
         crop = planned.crop if planned and planned.crop else (config.data.get("init_args") or {}).get("crop_size")
         memory = task.memory_plan(dict(config.model.init_args), per_device, global_batch, cuda, per_node, crop)
     shape = run_shape(config, planned and planned.train_samples, memory)
-    known = shape is not None and hasattr(task, "plan_lines")
-    lines = task.plan_lines(dict(config.model.init_args), shape) if known else []
+    known = shape is not None and hasattr(task, "run_plan")
+    lines = list(task.run_plan(dict(config.model.init_args), shape).lines) if known else []
     # The class weights the data gives (its class table's, its training pixels'), after the data's lines.
     weighs = planned is not None and hasattr(task, "class_weight_lines")
     weights = task.class_weight_lines(dict(config.model.init_args), planned) if weighs else []

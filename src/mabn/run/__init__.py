@@ -22,6 +22,7 @@ from .perdevice import PerDeviceState
 from .progress import LineProgress, use_line_progress
 from .rng import RandomStateCallback
 from .scaling import (
+    RunPlan,
     RunShape,
     auto_warmup_epochs,
     device_batch,
@@ -29,6 +30,7 @@ from .scaling import (
     iterations_per_epoch,
     linear_lr,
     loader_batches,
+    plan_shape,
     total_iterations,
 )
 
@@ -42,6 +44,7 @@ __all__ = [
     "OutOfMemoryReport",
     "PerDeviceState",
     "RandomStateCallback",
+    "RunPlan",
     "RunShape",
     "WandbLogger",
     "atomic_path",
@@ -55,6 +58,7 @@ __all__ = [
     "load_weights_file",
     "loader_batches",
     "lock",
+    "plan_shape",
     "total_iterations",
     "use_line_progress",
     "write_atomic",

@@ -9,14 +9,16 @@
   epoch the device count gives (``loader_batches``), so a run keeps the recipe's epochs on any number of
   devices. MABN's phase timelines stay in iterations, as in the paper.
 
-``RunShape`` holds these numbers once, whether read off a Trainer at the start of fit or computed from a
-configuration by ``--dry-run``, and says them in the same lines either way.
+``plan_shape`` computes these numbers, as ``RunShape``, for both the dry run (from a configuration) and the fit
+(from its Trainer, at the start of ``configure_optimizers``); a task makes its ``RunPlan`` (the lr, the schedule and
+the lines that say them) from it, the one the dry run prints and the fit runs.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from ..errors import ConfigError
 
@@ -57,10 +59,12 @@ def device_batch_reason(global_batch: int, devices: int, norm_batch: int | None)
     return f"{run}, {above}: each of {devices} devices holds at least {least}"
 
 
-def loader_batches(samples: int, per_device: int, devices: int) -> int:
+def loader_batches(samples: int, per_device: int, devices: int, limit: float = 1.0) -> int:
     """Training batches per epoch on each device: a distributed sampler gives each device ceil(samples / devices)
-    samples (padded by repetition) and the training loader drops its last partial batch."""
-    return math.ceil(samples / devices) // per_device
+    samples (padded by repetition) and the training loader drops its last partial batch; ``limit`` is the Trainer's
+    ``limit_train_batches`` (an int: at most that many; a float: that share, rounded down)."""
+    batches = math.ceil(samples / devices) // per_device
+    return min(batches, limit) if isinstance(limit, int) else int(batches * limit)
 
 
 def iterations_per_epoch(batches: int, accumulate: int = 1) -> int:
@@ -134,10 +138,51 @@ class RunShape:
 
 
 def total_iterations(batches: int, max_epochs: int | None, max_steps: int | None, accumulate: int) -> int:
-    """The fit's optimizer steps as Lightning estimates them (``Trainer.estimated_stepping_batches``)."""
+    """The fit's optimizer steps as Lightning runs and estimates them (``Trainer.estimated_stepping_batches``):
+    ``iterations_per_epoch`` in each epoch (each ends its partial accumulation window), at least one epoch."""
     epochs = max_epochs if max_epochs is not None and max_epochs >= 0 else None
     steps = max_steps if max_steps is not None and max_steps >= 0 else None
     if epochs is None and steps is None:
         raise ConfigError("trainer.max_epochs and trainer.max_steps are both unset: the run would never end")
-    total = math.ceil(batches * epochs / accumulate) if epochs is not None else math.inf
+    total = iterations_per_epoch(batches, accumulate) * max(epochs, 1) if epochs is not None else math.inf
     return int(min(total, steps) if steps is not None else total)
+
+
+def plan_shape(
+    per_device: int,
+    devices: int,
+    accumulate: int,
+    norm_batch: int | None,
+    samples: int | None,
+    max_epochs: int | None,
+    max_steps: int | None,
+    limit: float = 1.0,
+) -> RunShape:
+    """The run's batch and length: ``per_device`` samples on each of ``devices`` with ``accumulate`` micro-batches
+    a step, over ``samples`` training samples (None: not known yet) for the Trainer's ``max_epochs``,
+    ``max_steps`` and ``limit_train_batches`` (``limit``). The one computation of both the dry run and the fit; a
+    ``ConfigError`` where the samples fill no batch."""
+    per_epoch = steps = None
+    if samples is not None:
+        batches = loader_batches(samples, per_device, devices, limit)
+        if batches == 0:
+            raise ConfigError(
+                f"the training split holds {samples} samples: too few for one batch of {per_device} on each of "
+                f"{devices} devices"
+            )
+        per_epoch = iterations_per_epoch(batches, accumulate)
+        steps = total_iterations(batches, max_epochs, max_steps, accumulate)
+    return RunShape(per_device, devices, accumulate, norm_batch, samples, per_epoch, steps)
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """What a task makes of a ``RunShape`` (its ``run_plan``): the lr of the global batch, the factor of it at
+    each optimizer step (``LambdaLR``'s), the warm-up in iterations, and the lines that say the batch, the lr and
+    the schedule. The dry run prints these lines; the fit says them and sets up its optimizer from the same plan."""
+
+    shape: RunShape
+    lr: float
+    warmup_steps: int | None
+    lines: tuple[str, ...]
+    lr_factor: Callable[[int], float] = field(compare=False)

@@ -17,7 +17,7 @@ from ..errors import ConfigError
 from ..models import DEFAULT_ARCH
 from ..norm import check_norm
 from ..norm.cenconv import SGDCentring, keep_centred
-from ..run import RunShape, iterations_per_epoch
+from ..run import RunPlan, RunShape, iterations_per_epoch, plan_shape
 from .cudagraph import check_capturable, drop_graph_gradients, release_graphs, training_call, why_not_capturable
 
 
@@ -221,31 +221,40 @@ class NormTask(pl.LightningModule):
         return self.model(x)
 
     @classmethod
-    def plan_lines(cls, hp: Mapping[str, Any], shape: RunShape) -> list[str]:
-        """The run's batch, lr and schedule, said at the start of fit and by ``--dry-run``; each stage adds its lr
-        and schedule to the batch and length lines."""
-        return shape.lines()
+    def run_plan(cls, hp: Mapping[str, Any], shape: RunShape) -> RunPlan:
+        """The run's lr and schedule for ``shape`` and the lines that say them: what ``--dry-run`` prints and what
+        the fit runs (``fit_plan``). Each stage has its own."""
+        raise NotImplementedError(f"{cls.__name__} plans no lr schedule")
 
-    def run_shape(self) -> RunShape:
-        """The fit's batch over its devices and its length, as the Trainer runs it, said in the task's
-        ``plan_lines`` (call from ``configure_optimizers``: it loads the train loader)."""
+    def fit_plan(self) -> RunPlan:
+        """The fit's ``run_plan``, from the shape ``plan_shape`` computes off the Trainer (the dry run's computation
+        from the configuration), said in its lines (call from ``configure_optimizers``: it loads the train
+        loader). A ``ConfigError`` where the shape is not what Lightning runs: a loader of another length (its own
+        sampler, a last partial batch kept) would move the schedule off the run's iterations."""
         trainer = self.trainer
-        per_device = trainer.datamodule.batch_size
-        total = trainer.estimated_stepping_batches
-        if trainer.train_dataloader is None:  # a run bounded by max_steps alone: the estimate read no data
+        if trainer.train_dataloader is None:
             trainer.fit_loop.setup_data()
         loader = trainer.train_dataloader
-        if math.isinf(trainer.num_training_batches):
+        if math.isinf(trainer.num_training_batches) or not hasattr(loader.dataset, "__len__"):
             raise ConfigError("the schedule is in epochs: the training data loader must have a length")
-        samples = len(loader.dataset) if loader is not None and hasattr(loader.dataset, "__len__") else None
-        shape = RunShape(
-            per_device=per_device,
-            devices=trainer.world_size,
-            accumulate=trainer.accumulate_grad_batches,
-            norm_batch=self.hparams.get("norm_batch_size"),
-            samples=samples,
-            iterations_per_epoch=iterations_per_epoch(trainer.num_training_batches, trainer.accumulate_grad_batches),
-            total_iterations=int(total),
+        shape = plan_shape(
+            trainer.datamodule.batch_size,
+            trainer.world_size,
+            trainer.accumulate_grad_batches,
+            self.hparams.get("norm_batch_size"),
+            len(loader.dataset),
+            trainer.max_epochs,
+            trainer.max_steps,
+            trainer.limit_train_batches,
         )
-        rank_zero_info("\n".join(self.plan_lines(self.hparams, shape)))
-        return shape
+        lightning = iterations_per_epoch(trainer.num_training_batches, trainer.accumulate_grad_batches)
+        if (shape.iterations_per_epoch, shape.total_iterations) != (lightning, trainer.estimated_stepping_batches):
+            raise ConfigError(
+                f"the training loader gives {lightning} iterations per epoch and {trainer.estimated_stepping_batches} "
+                f"in total, the plan of {shape.samples} samples in batches of {shape.per_device} on "
+                f"{shape.devices} device(s) {shape.iterations_per_epoch} and {shape.total_iterations}: the loader "
+                "must spread the samples over the devices and drop its last partial batch"
+            )
+        plan = self.run_plan(self.hparams, shape)
+        rank_zero_info("\n".join(plan.lines))
+        return plan

@@ -17,7 +17,7 @@ from torchmetrics.classification import MulticlassAccuracy
 from ..errors import ConfigError
 from ..models import ARCHS, DEFAULT_ARCH, resnet, save_backbone
 from ..models.warm_start import check_init, load_warm_start
-from ..run import RunShape, auto_warmup_epochs, load_weights_file
+from ..run import RunPlan, RunShape, auto_warmup_epochs, load_weights_file
 from . import schedules
 from .base import NormTask, require
 
@@ -140,8 +140,9 @@ class ClassificationTask(NormTask):
         return partial(_goyal_warmup_multistep, start, warmup_steps, milestones, hp["lr_gamma"])
 
     @classmethod
-    def plan_lines(cls, hp: Mapping[str, Any], shape: RunShape) -> list[str]:
-        """The run's batch, lr and schedule, said at the start of fit and by ``--dry-run``."""
+    def run_plan(cls, hp: Mapping[str, Any], shape: RunShape) -> RunPlan:
+        """The run's lr (``base_lr`` scaled to the global batch), its schedule (``lr_factor``) and the lines that
+        say them with the batch: what ``--dry-run`` prints and the fit runs."""
         drops = ", ".join(f"{m:g}" for m in hp["milestones"])
         steps = [shape.iterations(m) for m in hp["milestones"]]
         at = "" if None in steps else f" (iterations {', '.join(map(str, steps))})"
@@ -162,12 +163,13 @@ class ClassificationTask(NormTask):
         lr = shape.lr(hp["base_lr"], base)
         ramp = f"from {hp['base_lr']:g} to {lr:g}" if scaled_up else f"up to {lr:g}"
         said = f"{shape.epochs_text(epochs)}, {ramp}, as {why}" if epochs else f"none, as {why}"
-        return [
+        lines = (
             *shape.lines(),
             shape.lr_line(hp["base_lr"], hp["base_batch_size"]),
             f"warm-up: {said}",
             f"schedule: {warmup}lr x {hp['lr_gamma']:g} at epochs {drops}{at}",
-        ]
+        )
+        return RunPlan(shape, lr, shape.iterations(epochs), lines, cls.lr_factor(hp, shape))
 
     def build_model(self) -> torch.nn.Module:
         hp = self.hparams
@@ -193,12 +195,9 @@ class ClassificationTask(NormTask):
         self.log("val/top5", self.val_top5)
 
     def configure_optimizers(self) -> dict[str, Any]:
-        hp = self.hparams
-        shape = self.run_shape()
-        lr = shape.lr(hp.base_lr, hp.base_batch_size)
-        optimizer = torch.optim.SGD(self.parameters(), lr=lr, momentum=hp.momentum, weight_decay=hp.weight_decay)
-        factor = self.lr_factor(hp, shape)
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+        hp, plan = self.hparams, self.fit_plan()
+        optimizer = torch.optim.SGD(self.parameters(), lr=plan.lr, momentum=hp.momentum, weight_decay=hp.weight_decay)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, plan.lr_factor)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     def on_fit_end(self) -> None:

@@ -28,7 +28,7 @@ from ..models import (
     check_encoder,
     load_backbone_into,
 )
-from ..run import RunShape, device_batch, device_batch_reason
+from ..run import RunPlan, RunShape, device_batch, device_batch_reason
 from . import losses, memory, schedules
 from .base import NormTask, require
 from .metrics import SegmentationMetric, format_iou_table
@@ -180,11 +180,17 @@ class SegmentationTask(NormTask):
         )
 
     @classmethod
-    def plan_lines(cls, hp: Mapping[str, Any], shape: RunShape) -> list[str]:
-        """The run's batch, lr and schedule, said at the start of fit and by ``--dry-run``."""
+    def run_plan(cls, hp: Mapping[str, Any], shape: RunShape) -> RunPlan:
+        """The run's encoder lr (``base_lr`` scaled to the global batch; the heads' is ``head_lr_mult`` times it),
+        its warm-up and poly schedule, and the lines that say them with the batch: what ``--dry-run`` prints and the
+        fit runs."""
         heads = f" for the encoder, x {hp['head_lr_mult']:g} for the heads"
         end = "" if shape.total_iterations is None else f" to iteration {shape.total_iterations}"
         warmup = shape.epochs_text(hp["warmup_epochs"])
+        warmup_steps = shape.iterations(hp["warmup_epochs"])
+        factor = partial(
+            schedules.warmup_poly, max_steps=shape.total_iterations, warmup_steps=warmup_steps, power=hp["poly_power"]
+        )
         decoder = hp.get("decoder", DEFAULT_DECODER)
         model = []  # the paper's PSPNet says nothing; another decoder says what is built
         if decoder != DEFAULT_DECODER:
@@ -194,7 +200,7 @@ class SegmentationTask(NormTask):
             model = [
                 f"model: {spec.title} decoder (smp) on {hp.get('arch', DEFAULT_ARCH)}, output stride {stride}, {aux}"
             ]
-        return [
+        lines = (
             *model,
             *shape.lines()[:1],
             *cls.batch_reason(hp, shape),
@@ -203,7 +209,8 @@ class SegmentationTask(NormTask):
             f"schedule: linear warm-up over {warmup}, then poly {hp['poly_power']:g}{end}",
             *cls.warmup_warning(hp, shape),
             cls.loss_line(hp),
-        ]
+        )
+        return RunPlan(shape, shape.lr(hp["base_lr"], hp["base_batch_size"]), warmup_steps, lines, factor)
 
     @staticmethod
     def loss_line(hp: Mapping[str, Any]) -> str:
@@ -445,9 +452,8 @@ class SegmentationTask(NormTask):
         return memory.plan(*args)
 
     def configure_optimizers(self) -> dict[str, Any]:
-        hp = self.hparams
-        shape = self.run_shape()
-        lr = shape.lr(hp.base_lr, hp.base_batch_size)
+        hp, plan = self.hparams, self.fit_plan()
+        lr = plan.lr
         heads = list(self.model.heads().parameters())
         head_ids = {id(p) for p in heads}
         encoder = [p for p in self.model.parameters() if id(p) not in head_ids]
@@ -457,13 +463,7 @@ class SegmentationTask(NormTask):
             momentum=hp.momentum,
             weight_decay=hp.weight_decay,
         )
-        factor = partial(
-            schedules.warmup_poly,
-            max_steps=shape.total_iterations,
-            warmup_steps=shape.iterations(hp.warmup_epochs),
-            power=hp.poly_power,
-        )
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, plan.lr_factor)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
 
