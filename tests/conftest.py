@@ -310,3 +310,23 @@ def backbones(tmp_path_factory):
     from helpers.backbone_files import Backbones
 
     return Backbones(tmp_path_factory.mktemp("backbones"))
+
+
+@pytest.fixture(scope="session")
+def stage2_run(tmp_path_factory):
+    """A short stage-2 fit (``helpers.fits.TINY``: MABN, PSPNet on ResNet-18, crop 32) of ``python -m mabn
+    cityscapes`` on a generated Cityscapes (``helpers.fits.shared_fit``), made once for the whole test run: test,
+    predict, export, plots and the docs' commands read it; a test that writes into it works on a
+    ``helpers.fits.copy_run``."""
+    from helpers.fits import shared_fit
+
+    return shared_fit(tmp_path_factory, "cityscapes")
+
+
+@pytest.fixture(scope="session")
+def segment_run(tmp_path_factory):
+    """The same fit of ``python -m mabn segment`` on a generated dataset of one's own, one training image below
+    the crop (``helpers.fits.shared_fit``)."""
+    from helpers.fits import shared_fit
+
+    return shared_fit(tmp_path_factory, "segment")

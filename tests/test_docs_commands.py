@@ -81,7 +81,6 @@ from PIL import Image
 
 from helpers import docs_commands as dc
 from helpers.backbone_files import Backbones
-from helpers.trainer import fit_flags
 
 ROOT = dc.ROOT
 VENV = ROOT / ".venv"
@@ -168,39 +167,16 @@ def assets(tmp_path_factory) -> Assets:
     return Assets(root / "imagenet", cityscapes, images, own)
 
 
-def _tiny_fit(stage: str, data: Path, work: Path) -> Path:
-    """The run folder of a two-step MABN fit of PSPNet on ResNet-18 at crop 32 of ``stage`` on ``data``, its
-    norm statistics logged at every step (for plots)."""
-    from mabn.cli.commands.stage import main as run_stage
-
-    folder = work / "runs" / stage / "mabn"
-    extra = [
-        *fit_flags(2, limit_train_batches=2, num_sanity_val_steps=0),
-        "--data.init_args.global_batch_size", "4", "--data.init_args.num_workers", "0",
-        "--data.init_args.crop_size", "32", "--model.init_args.arch", "resnet18",
-        "--model.init_args.log_predictions_every_n_epochs", "0", "--model.init_args.norm_policy.log_every_n_steps", "1",
-    ]  # fmt: skip
-    cwd = Path.cwd()
-    os.chdir(work)
-    try:
-        run_stage([stage, "--data", str(data), "--norm", "mabn", "--backbone", "none", "--run-dir", str(folder),
-                   "--", *extra])  # fmt: skip
-    finally:
-        os.chdir(cwd)
-    assert (folder / "checkpoints" / "last.ckpt").is_file() and (folder / "metrics.csv").is_file()
-    return folder
+@pytest.fixture(scope="session")
+def tiny_run(stage2_run) -> Path:
+    """The session's short stage-2 fit (conftest.py's ``stage2_run``), its norm statistics logged at every step."""
+    return stage2_run.folder
 
 
 @pytest.fixture(scope="session")
-def tiny_run(assets, tmp_path_factory) -> Path:
-    """A short stage-2 fit on the generated Cityscapes (``_tiny_fit``)."""
-    return _tiny_fit("cityscapes", assets.cityscapes, tmp_path_factory.mktemp("docs-run"))
-
-
-@pytest.fixture(scope="session")
-def tiny_segment_run(assets, tmp_path_factory) -> Path:
-    """A short fit of ``python -m mabn segment`` on the generated dataset of one's own (``_tiny_fit``)."""
-    return _tiny_fit("segment", assets.own, tmp_path_factory.mktemp("docs-segment-run"))
+def tiny_segment_run(segment_run) -> Path:
+    """The session's short fit of ``python -m mabn segment`` on a generated dataset of one's own."""
+    return segment_run.folder
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -6,7 +6,6 @@ from __future__ import annotations
 import copy
 import importlib
 import json
-import warnings
 from pathlib import Path
 
 import numpy as np
@@ -16,32 +15,19 @@ from PIL import Image
 
 import mabn
 from helpers.commands import run_mabn
-from helpers.trainer import fit_flags
-from mabn.cli import launch
-from mabn.cli import lightning as cli
+from helpers.fits import copy_run
 from mabn.cli.commands import test as evaluate
 from mabn.data.cityscapes import CLASS_NAMES
-from mabn.data.synthetic import cityscapes as demo_cityscapes
 from mabn.inference import predict
 
 
 @pytest.fixture(scope="session")
-def fitted(tmp_path_factory) -> tuple[Path, Path]:
-    """(data root, best checkpoint) of a 2-step bn fit on a tiny demo set with crop 32 (images 32x64), of a PSPNet on
-    ResNet-18: test and predict rebuild whatever arch the checkpoint names and score it the same way."""
-    root = tmp_path_factory.mktemp("predict")
-    data = demo_cityscapes.generate(root / "cs", n_train=4, n_val=3, size=(32, 64), seed=5)
-    extra = [
-        *fit_flags(2, check_val_every_n_epoch=2, num_sanity_val_steps=0),
-        "--trainer.default_root_dir", str(root / "runs" / "bn"),
-        "--data.init_args.global_batch_size", "4", "--data.init_args.num_workers", "0",
-        "--data.init_args.crop_size", "32", "--model.init_args.log_predictions_every_n_epochs", "0",
-        "--model.init_args.arch", "resnet18",
-    ]  # fmt: skip
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        trainer = cli.run_cli(launch.build_args("cityscapes", data, "bn", 0, 1, extra, backbone="none")).trainer
-    return data, Path(trainer.checkpoint_callback.best_model_path)
+def fitted(stage2_run, tmp_path_factory) -> tuple[Path, Path]:
+    """(data root, last checkpoint) of the session's ``stage2_run`` (a 2-step MABN fit of a PSPNet on ResNet-18 at
+    crop 32 on a tiny demo set of 32x64 images), the run in a folder of this module's, which predict writes into:
+    test and predict rebuild whatever arch the checkpoint names and score it the same way."""
+    folder = copy_run(stage2_run.folder, tmp_path_factory.mktemp("predict") / "run")
+    return stage2_run.data, folder / "checkpoints" / "last.ckpt"
 
 
 def _run(command: str, argv: list[str], capsys) -> tuple[int, str, list[str]]:

@@ -7,11 +7,7 @@ The bad-data cases run through the entry point in tests/test_bad_input.py."""
 
 from __future__ import annotations
 
-import contextlib
-import io
-import logging
 import shutil
-import warnings
 from pathlib import Path
 
 import numpy as np
@@ -21,9 +17,8 @@ import yaml
 from PIL import Image
 
 from helpers.commands import run_mabn
-from helpers.trainer import fit_flags
+from helpers.fits import CROP, TINY, copy_run, stage_fit
 from mabn.cli import launch
-from mabn.cli.commands import stage
 from mabn.cli.commands import test as evaluate
 from mabn.data import cityscapes
 from mabn.data.classes import ClassTable, voc_palette
@@ -34,60 +29,16 @@ from mabn.inference import predict
 from mabn.tasks import SegmentationTask
 
 NAMES = tuple(demo_segment.COLORS)
-CROP = 32  # the crop the runs are given: the example's images are 40x64, one training image 32x20 (WxH)
-TINY = [
-    *fit_flags(2, check_val_every_n_epoch=2, num_sanity_val_steps=0),
-    "--data.init_args.global_batch_size", "4", "--data.init_args.num_workers", "0",
-    "--data.init_args.crop_size", str(CROP),
-    "--model.init_args.arch", "resnet18", "--model.init_args.log_predictions_every_n_epochs", "0",
-]  # fmt: skip
-
-
-class _Lines(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__()
-        self.lines: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(record.getMessage())
-
-
-def _shrink(data: Path, name: str, size: tuple[int, int]) -> None:
-    """Make the training pair ``name`` of ``data`` ``size`` (width, height): the image resized, the mask by nearest
-    neighbour (its values stay the mask values)."""
-    for path, resample in (
-        (data / "images" / "train" / f"{name}.jpg", Image.Resampling.BILINEAR),
-        (data / "masks" / "train" / f"{name}.png", Image.Resampling.NEAREST),
-    ):
-        with Image.open(path) as image:
-            small = image.resize(size, resample)
-        small.save(path)
-
-
-def _fit(data: Path, folder: Path) -> str:
-    """What ``python -m mabn segment`` printed and logged for a fit of ``TINY`` on ``data`` into ``folder``."""
-    logged, printed = _Lines(), io.StringIO()
-    logger = logging.getLogger("pytorch_lightning")
-    logger.addHandler(logged)
-    try:
-        with warnings.catch_warnings(), contextlib.redirect_stdout(printed):
-            warnings.simplefilter("ignore")
-            stage.main(["segment", "--data", str(data), "--backbone", "none", "--run-dir", str(folder), "--", *TINY])
-    finally:
-        logger.removeHandler(logged)
-    return printed.getvalue() + "\n".join(logged.lines)
 
 
 @pytest.fixture(scope="session")
-def fitted(tmp_path_factory) -> tuple[Path, Path, str]:
-    """(data root, last checkpoint, what the run printed) of ``python -m mabn segment`` on the generated example
-    (4 train and 3 val images of 40x64, the training image scene003 shrunk to 32x20), 2 steps of a PSPNet on
-    ResNet-18 with crop ``CROP``."""
-    root = tmp_path_factory.mktemp("segment")
-    data = demo_segment.generate(root / "my-data", n_train=4, n_val=3, size=(40, 64), seed=5)
-    _shrink(data, "scene003", (32, 20))
-    folder = root / "runs" / "segment" / "mabn"
-    return data, folder / "checkpoints" / "last.ckpt", _fit(data, folder)
+def fitted(segment_run, tmp_path_factory) -> tuple[Path, Path, str]:
+    """(data root, last checkpoint, what the run printed) of the session's ``segment_run``: ``python -m mabn
+    segment`` on the generated example (4 train and 3 val images of 40x64, the training image scene003 shrunk to
+    32x20), 2 steps of a PSPNet on ResNet-18 with crop ``CROP``; the run in a folder of this module's, which its
+    tests write into."""
+    folder = copy_run(segment_run.folder, tmp_path_factory.mktemp("segment") / "run")
+    return segment_run.data, folder / "checkpoints" / "last.ckpt", segment_run.output
 
 
 def _run(command: str, argv: list[str], capsys) -> tuple[int, str, list[str]]:
@@ -220,7 +171,7 @@ def test_colour_masks_train_and_predict_in_the_class_colours(tmp_path, monkeypat
     argv = ["segment", "--data", str(data), "--backbone", "none", "--run-dir", str(run), "--dry-run", "--", *TINY]
     code, out, err = _run("segment", argv[1:], capsys)
     assert code == 0 and f"0 of the 4 training images are smaller than the crop {CROP}x{CROP}" in out, err
-    output = _fit(data, run)
+    output = stage_fit("segment", data, run)
     shown = output[output.index("Validation at step 2:") :]
     assert [line.split(" | ")[0].removeprefix("| ") for line in shown.splitlines()[3:11]] == list(NAMES)
     ckpt = run / "checkpoints" / "last.ckpt"
