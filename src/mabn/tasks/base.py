@@ -78,6 +78,7 @@ class NormTask(pl.LightningModule):
     _first_step_reported = False
     _centring: list[SGDCentring] = []  # per optimizer, while a fit runs
     _graphed_fit: bool | None = None  # ``cuda_graph`` as resolved at fit start; None before the first fit
+    planned: RunPlan | None = None  # the plan the fit runs (``fit_plan``); None before a fit configured its optimizer
 
     def __init__(
         self,
@@ -228,9 +229,9 @@ class NormTask(pl.LightningModule):
 
     def fit_plan(self) -> RunPlan:
         """The fit's ``run_plan``, from the shape ``plan_shape`` computes off the Trainer (the dry run's computation
-        from the configuration), said in its lines (call from ``configure_optimizers``: it loads the train
-        loader). A ``ConfigError`` where the shape is not what Lightning runs: a loader of another length (its own
-        sampler, a last partial batch kept) would move the schedule off the run's iterations."""
+        from the configuration), said in its lines and kept as ``planned`` (call from ``configure_optimizers``: it
+        loads the train loader). A ``ConfigError`` where the shape is not what Lightning runs: a loader of another
+        length (its own sampler, a last partial batch kept) would move the schedule off the run's iterations."""
         trainer = self.trainer
         if trainer.train_dataloader is None:
             trainer.fit_loop.setup_data()
@@ -255,6 +256,6 @@ class NormTask(pl.LightningModule):
                 f"{shape.devices} device(s) {shape.iterations_per_epoch} and {shape.total_iterations}: the loader "
                 "must spread the samples over the devices and drop its last partial batch"
             )
-        plan = self.run_plan(self.hparams, shape)
-        rank_zero_info("\n".join(plan.lines))
-        return plan
+        self.planned = self.run_plan(self.hparams, shape)
+        rank_zero_info("\n".join(self.planned.lines))
+        return self.planned

@@ -7,7 +7,6 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-import pytorch_lightning as pl
 import torch
 import torch.nn.functional as F
 from pytorch_lightning.utilities import rank_zero_info
@@ -34,11 +33,6 @@ def _goyal_warmup_multistep(
     ``warmup_steps``, times ``gamma`` at each milestone passed."""
     ramp = start + (1 - start) * step / warmup_steps if step < warmup_steps else 1.0
     return ramp * gamma ** sum(step >= m for m in milestones)
-
-
-def global_batch_size(trainer: pl.Trainer, per_device: int) -> int:
-    """Samples per optimizer step across every device and accumulated micro-batch."""
-    return per_device * trainer.world_size * trainer.accumulate_grad_batches
 
 
 class ClassificationTask(NormTask):
@@ -219,7 +213,7 @@ class ClassificationTask(NormTask):
             ),  # whose backbone this is (see mabn.cli.lightning.check_export)
             "model": dict(self.hparams),
             "data": dict(self.trainer.datamodule.hparams),
-            "global_batch_size": global_batch_size(self.trainer, self.trainer.datamodule.batch_size),
+            "global_batch_size": self.planned.shape.global_batch,
             "steps": self.trainer.global_step,
         }
         top1 = None if top1 is None else float(top1)
