@@ -61,8 +61,8 @@ from ..run import (
     RandomStateCallback,
     RunShape,
     WandbLogger,
-    device_batch,
     load_weights_file,
+    per_device_batch,
     plan_shape,
     use_line_progress,
     write_text_atomic,
@@ -105,11 +105,10 @@ def _devices(trainer: Namespace) -> int | None:
 
 def _device_batch(config: Namespace) -> int | None:
     """The per-device batch: the data's ``batch_size``, or its share of ``global_batch_size`` over the devices
-    (``mabn.run.scaling.device_batch``)."""
+    (``mabn.run.scaling.per_device_batch``, as the data module takes it)."""
     data, model = config.data.get("init_args") or Namespace(), config.model.get("init_args") or Namespace()
-    if data.get("global_batch_size"):
-        return device_batch(data.global_batch_size, _devices(config.trainer) or 1, model.get("norm_batch_size"))
-    return data.get("batch_size")
+    devices, norm_batch = _devices(config.trainer) or 1, model.get("norm_batch_size")
+    return per_device_batch(data.get("batch_size"), data.get("global_batch_size"), devices, norm_batch)
 
 
 def check_batch(config: Namespace) -> None:

@@ -58,7 +58,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from ..distributed import first_process, rank, say
 from ..errors import WriteError
-from ..run import TMP_SUFFIX, device_batch, first_line, write_text_atomic
+from ..run import TMP_SUFFIX, first_line, per_device_batch, write_text_atomic
 from .classes import CLASSES_FILE, COLOR, IGNORE_INDEX, ClassTable
 from .errors import DatasetError, DatasetErrors, pair_problems
 from .images import (
@@ -887,11 +887,10 @@ class FolderDataModule(pl.LightningDataModule):
             self.crop_size, line = data_crop(self.dataset(self.train_split).image_sizes(), None)
             self.hparams["crop_size"] = self.crop_size
             say(line)
-        if self.global_batch_size:
-            world = self.trainer.world_size if self.trainer is not None else 1
-            module = self.trainer.lightning_module if self.trainer is not None else None
-            norm_batch = module.hparams.get("norm_batch_size") if module is not None else None
-            self.batch_size = device_batch(self.global_batch_size, world, norm_batch)
+        world = self.trainer.world_size if self.trainer is not None else 1
+        module = self.trainer.lightning_module if self.trainer is not None else None
+        norm_batch = module.hparams.get("norm_batch_size") if module is not None else None
+        self.batch_size = per_device_batch(self.batch_size, self.global_batch_size, world, norm_batch)
         if stage in (None, "fit"):
             self.train_set = self.make_dataset(self.train_split, train=True)
         if stage in (None, "fit", "validate"):

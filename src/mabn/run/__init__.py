@@ -30,6 +30,7 @@ from .scaling import (
     iterations_per_epoch,
     linear_lr,
     loader_batches,
+    per_device_batch,
     plan_shape,
     total_iterations,
 )
@@ -58,6 +59,7 @@ __all__ = [
     "load_weights_file",
     "loader_batches",
     "lock",
+    "per_device_batch",
     "plan_shape",
     "total_iterations",
     "use_line_progress",

@@ -39,6 +39,14 @@ def device_batch(global_batch: int, devices: int, norm_batch: int | None) -> int
     return max(1, global_batch // (devices * unit)) * unit
 
 
+def per_device_batch(
+    batch_size: int | None, global_batch_size: int | None, devices: int, norm_batch: int | None
+) -> int | None:
+    """The per-device batch of a data module: its share of ``global_batch_size`` (``device_batch``) where that is
+    set, else its ``batch_size``; what the dry run plans and the data module loads."""
+    return device_batch(global_batch_size, devices, norm_batch) if global_batch_size else batch_size
+
+
 def device_batch_reason(global_batch: int, devices: int, norm_batch: int | None) -> str:
     """Why ``device_batch`` gives the global batch it gives, in words (the dry run's ``global batch:`` line)."""
     unit = norm_batch or 1
