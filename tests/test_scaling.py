@@ -8,13 +8,16 @@ import re
 from pathlib import Path
 
 import pytest
+import pytorch_lightning as pl
 import torch
 import yaml
 
 from helpers.commands import run_mabn
+from helpers.trainer import quiet_trainer
 from mabn.cli.commands import stage as stage_command
 from mabn.errors import ConfigError
 from mabn.run import scaling
+from mabn.tasks.base import NormTask
 from mabn.tasks.classification import ClassificationTask
 
 LAYOUTS = [(1, 1), (8, 1), (8, 2), (8, 4), (8, 8)]  # GPUs per node x nodes, as the issue's users run them
@@ -258,3 +261,44 @@ def test_the_fit_runs_the_plan_its_dry_run_prints(tiny_cityscapes, tmp_path, mon
     # values.
     assert planned["lr"] and lrs and set(planned["lr"] + lrs) == {lrs[0]} and lrs[0][0] == (0.02, 3, 16)
     assert planned["length"] == lengths == [((4, 2, -1, 3), 4)]
+
+
+class _LinearTask(NormTask):
+    """The least task that plans its fit: a constant lr of 0.1."""
+
+    def __init__(self) -> None:
+        super().__init__(norm="bn", norm_batch_size=None, cuda_graph=False)
+        self.model = torch.nn.Linear(1, 1)
+
+    @classmethod
+    def run_plan(cls, hp, shape: scaling.RunShape) -> scaling.RunPlan:
+        return scaling.RunPlan(shape, 0.1, 0, tuple(shape.lines()), lambda step: 1.0)
+
+    def training_step(self, batch, batch_idx):
+        return self.model(batch[0]).sum()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=self.fit_plan().lr)
+
+
+class _FiveSamples(pl.LightningDataModule):
+    batch_size = 2
+
+    def __init__(self, drop_last: bool) -> None:
+        super().__init__()
+        self.drop_last = drop_last
+
+    def train_dataloader(self):
+        data = torch.utils.data.TensorDataset(torch.zeros(5, 1))
+        return torch.utils.data.DataLoader(data, self.batch_size, drop_last=self.drop_last)
+
+
+def test_a_fit_whose_loader_runs_another_length_than_its_plan_stops_naming_both(tmp_path):
+    """5 samples in batches of 2: the plan counts the loader that drops its last partial batch (2 an epoch); one that
+    keeps it runs 3, off the schedule's iterations."""
+    trainer = quiet_trainer(tmp_path, max_epochs=2, limit_val_batches=0)
+    trainer.fit(task := _LinearTask(), _FiveSamples(drop_last=True))
+    assert trainer.global_step == task.planned.shape.total_iterations == 4
+    with pytest.raises(ConfigError, match=r"the training loader gives 3 iterations per epoch and 6 in total, the "
+                       r"plan of 5 samples in batches of 2 on 1 device\(s\) 2 and 4"):  # fmt: skip
+        quiet_trainer(tmp_path, max_epochs=2, limit_val_batches=0).fit(_LinearTask(), _FiveSamples(drop_last=False))
