@@ -19,8 +19,9 @@ import yaml
 from torch import nn
 
 from helpers.commands import run_mabn
+from helpers.fits import stage2_args
 from helpers.marks import default_suite_runs
-from helpers.trainer import BARE, STAGE2_FIT
+from helpers.trainer import BARE
 from mabn.callbacks import MABNCallback, PhaseRule
 from mabn.cli import launch
 from mabn.cli import lightning as cli
@@ -37,19 +38,6 @@ NORM_COUNTS = {"encoder": 104, "ppm": 4, "classifier": 1, "aux": 1}
 
 
 SHALLOW = ("--model.init_args.arch", "resnet18")
-
-
-def _fit_extra(*extra: str) -> list[str]:
-    """Overrides for a 2-step fit (1 step per epoch) with one validation at its end; ``extra`` goes last."""
-    return [
-        *STAGE2_FIT,
-        *extra,
-    ]  # fmt: skip
-
-
-def _fit_args(data: Path, norm: str, *extra: str) -> list[str]:
-    # Stage 2 on real data requires a backbone: these runs train from random weights on purpose.
-    return launch.build_args("cityscapes", data, norm, gpus=0, nodes=1, extra=_fit_extra(*extra), backbone="none")
 
 
 def _cli_error_lines(args: list[str], capsys) -> tuple[int | str | None, list[str]]:
@@ -170,7 +158,7 @@ def test_lr_follows_warmup_then_poly_with_10x_heads(
 ):
     monkeypatch.chdir(tmp_path)
     base = 0.02
-    args = _fit_args(tiny_cityscapes, norm, "--data.init_args.global_batch_size", str(batch), *SHALLOW,
+    args = stage2_args(tiny_cityscapes, norm, "--data.init_args.global_batch_size", str(batch), *SHALLOW,
                      "--model.init_args.base_lr", str(base), "--model.init_args.warmup_epochs", "1",
                      "--model.init_args.norm_batch_size", str(min(batch, 2)))  # fmt: skip
     parsed = cli.run_cli(args[1:], run=False)  # without "fit": build, then fit with this trainer
@@ -197,7 +185,7 @@ def test_lr_follows_warmup_then_poly_with_10x_heads(
 @pytest.mark.parametrize("norm", default_suite_runs(["bn", "gn", "brn", "mabn"], keep=["gn", "mabn"]))
 def test_short_fit_logs_miou_and_saves_checkpoints(tiny_cityscapes, tmp_path, monkeypatch, norm):
     monkeypatch.chdir(tmp_path)
-    cli_obj = cli.run_cli(_fit_args(tiny_cityscapes, norm, *SHALLOW))
+    cli_obj = cli.run_cli(stage2_args(tiny_cityscapes, norm, *SHALLOW))
     trainer = cli_obj.trainer
     assert trainer.state.finished and trainer.global_step == 2
     miou = trainer.callback_metrics["val/miou"].item()
@@ -228,7 +216,7 @@ def test_short_fit_logs_miou_and_saves_checkpoints(tiny_cityscapes, tmp_path, mo
 
 
 def _task_args(data: Path, norm: str, *extra: str) -> list[str]:
-    return _fit_args(data, norm, *extra)[1:]  # without "fit": build, don't run
+    return stage2_args(data, norm, *extra)[1:]  # without "fit": build, don't run
 
 
 @pytest.fixture(scope="session")
@@ -264,7 +252,7 @@ def test_backbone_of_another_norm_names_both(tiny_cityscapes, mabn_backbone, tmp
 
     # The command line reports it as one line and exit code 2.
     code, lines = _cli_error_lines(
-        _fit_args(tiny_cityscapes, "gn", "--model.init_args.backbone", str(mabn_backbone)), capsys
+        stage2_args(tiny_cityscapes, "gn", "--model.init_args.backbone", str(mabn_backbone)), capsys
     )
     assert code == 2
     assert len(lines) == 1 and lines[0].startswith("error: ") and re.search(both, lines[0]), lines
@@ -273,7 +261,7 @@ def test_backbone_of_another_norm_names_both(tiny_cityscapes, mabn_backbone, tmp
 def test_backbone_of_another_arch_is_one_error_line(tiny_cityscapes, mabn_backbone, tmp_path, monkeypatch, capsys):
     """A stage-2 run of ResNet-18 refuses the ResNet-101 backbone before building anything."""
     monkeypatch.chdir(tmp_path)
-    args = _fit_args(tiny_cityscapes, "mabn", *SHALLOW, "--model.init_args.backbone", str(mabn_backbone))
+    args = stage2_args(tiny_cityscapes, "mabn", *SHALLOW, "--model.init_args.backbone", str(mabn_backbone))
     code, lines = _cli_error_lines(args, capsys)
     assert code == 2 and len(lines) == 1, lines
     assert lines[0].startswith(f"error: arch mismatch: backbone {mabn_backbone} is a stage-1 resnet101 file")
@@ -343,7 +331,7 @@ def test_a_misspelt_norm_policy_key_stops_the_command_naming_it(
     tiny_cityscapes, tmp_path, monkeypatch, capsys, override, culprit
 ):
     monkeypatch.chdir(tmp_path)
-    code, lines = _cli_error_lines(_fit_args(tiny_cityscapes, "mabn", *override), capsys)
+    code, lines = _cli_error_lines(stage2_args(tiny_cityscapes, "mabn", *override), capsys)
     assert code == 2
     assert len(lines) == 1 and f".{culprit} (did you mean" in lines[0], lines
     assert not (tmp_path / "runs").exists()  # refused while parsing: no run folder, no data read
@@ -360,7 +348,7 @@ def test_missing_layout_exits_with_one_error_line(tiny_cityscapes, tmp_path, mon
     for folder in present:
         (root / folder).mkdir(parents=True)
     missing = root / ("gtFine" if present else "leftImg8bit") / "train"
-    code, lines = _cli_error_lines(_fit_args(tiny_cityscapes, "bn", "--data.init_args.data_dir", str(root)), capsys)
+    code, lines = _cli_error_lines(stage2_args(tiny_cityscapes, "bn", "--data.init_args.data_dir", str(root)), capsys)
     assert code == 2
     assert len(lines) == 1 and lines[0].startswith("error: "), lines
     assert f"missing Cityscapes folder {missing}" in lines[0]

@@ -16,9 +16,9 @@ import torch
 import yaml
 from torch import nn
 
+from helpers.fits import stage2_args
 from helpers.folding import randomize_affine
 from helpers.marks import default_suite_runs
-from helpers.trainer import STAGE2_FIT
 from mabn.cli import launch
 from mabn.cli import lightning as cli
 from mabn.inference import export
@@ -164,18 +164,13 @@ def backbone(tmp_path_factory) -> Path:
     return save_backbone(tmp_path_factory.mktemp("pretrain") / "resnet18-mabn.pt", model, "mabn", {}, 0.5, ARCH)
 
 
-def _fit_args(data: Path, *extra: str) -> list[str]:
-    """A 2-step fit (one validation at its end) at crop 32, as tests/test_cityscapes_task.py's."""
-    overrides = [*STAGE2_FIT, *SHALLOW, *extra]
-    return launch.build_args("cityscapes", data, "mabn", gpus=0, nodes=1, extra=overrides, backbone="none")
-
-
 @pytest.mark.parametrize(
     "decoder", [d if d in FAST_FITS else pytest.param(d, marks=pytest.mark.slow) for d in DECODERS if d != "pspnet"]
 )
 def test_cli_fit_with_a_backbone_restores_and_folds(decoder, tiny_cityscapes, backbone, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    args = _fit_args(tiny_cityscapes, "--model.init_args.decoder", decoder, "--model.init_args.backbone", str(backbone))
+    extra = ["--model.init_args.decoder", decoder, "--model.init_args.backbone", str(backbone)]
+    args = stage2_args(tiny_cityscapes, "mabn", *SHALLOW, *extra)
     cli_obj = cli.run_cli(args)
     trainer, task = cli_obj.trainer, cli_obj.model
     assert trainer.state.finished and trainer.global_step == 2

@@ -16,7 +16,7 @@ from pathlib import Path
 from filelock import FileLock
 from PIL import Image
 
-from helpers.trainer import fit_flags
+from helpers.trainer import STAGE2_FIT, fit_flags
 
 CROP = 32
 # 2 steps of 4 images (1 per epoch) of PSPNet on ResNet-18 at crop ``CROP``, one validation at the end, the norms'
@@ -28,6 +28,15 @@ TINY = [
     "--model.init_args.arch", "resnet18", "--model.init_args.log_predictions_every_n_epochs", "0",
     "--model.init_args.norm_policy.log_every_n_steps", "1",
 ]  # fmt: skip
+
+
+def stage2_args(data: Path, norm: str, *extra: str) -> list[str]:
+    """The arguments after ``python -m mabn`` (``fit`` first) of a stage-2 launch on ``data`` from random weights
+    (``extra`` may name a backbone, ``--model.init_args.backbone``): 2 steps, one validation at the end
+    (``helpers.trainer.STAGE2_FIT``), then ``extra``."""
+    from mabn.cli import launch
+
+    return launch.build_args("cityscapes", data, norm, gpus=0, nodes=1, extra=[*STAGE2_FIT, *extra], backbone="none")
 
 
 class _Lines(logging.Handler):
