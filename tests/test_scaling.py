@@ -120,9 +120,10 @@ def _pretrain_hparams(**override) -> dict:
 
 
 def _lrs(hp: dict, shape: scaling.RunShape, steps: int) -> list[float]:
-    """The lr the stage-1 schedule gives at each of the first ``steps`` optimizer steps."""
-    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=shape.lr(hp["base_lr"], 256))
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, ClassificationTask.lr_factor(hp, shape))
+    """The lr the stage-1 plan gives at each of the first ``steps`` optimizer steps, set up as its fit sets it up."""
+    plan = ClassificationTask.run_plan(hp, shape)
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=plan.lr)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, plan.lr_factor)
     lrs = []
     for _ in range(steps):
         lrs.append(optimizer.param_groups[0]["lr"])
