@@ -63,7 +63,8 @@ test-slow: $(STAMP)
 # The suite against a second torch, in an environment built as a user's is: a new $(TORCH_VENV) (git-ignored) with
 # torch $(TORCH) and torchvision $(TORCHVISION) installed first, then `pip install ".[dev]"` without constraints.txt,
 # which must keep them (pip's report of what it installed names neither); then the default suite on the checkout's
-# src/, and the install tests (a wheel's stage dry run from another folder, pip keeping that torch). torch===: PyPI's
+# src/, and the install tests with the installed package (a wheel's stage dry run from another folder, which the
+# checkout's src/ on PYTHONPATH would stand in for, and pip keeping that torch). torch===: PyPI's
 # build, not a local "+cpu" file of the same version, beside which PyPI's torchvision cannot load its operators.
 # PYTHON picks the Python (python3.12, ...).
 TORCH       ?= 2.13.0
@@ -78,7 +79,7 @@ test-torch:
 	! grep -E '"name": "(torch|torchvision)"' $(TORCH_VENV)/install.json
 	$(TORCH_VENV)/bin/python -c 'import sys, torch, torchvision; print(sys.version.split()[0], torch.__version__, torchvision.__version__)'
 	PYTHONPATH="$(CURDIR)/src" $(TORCH_VENV)/bin/python -m pytest -q -m "not slow" -n auto --dist loadfile
-	PYTHONPATH="$(CURDIR)/src" $(TORCH_VENV)/bin/python -m pytest -q -m slow tests/test_wheel_install.py
+	$(TORCH_VENV)/bin/python -m pytest -q -m slow tests/test_wheel_install.py
 
 # On a machine with a GPU, the tests marked gpu: the CUDA kernels held to the float64 references, CUDA-graph and
 # compiled training against eager, the host work per MABN layer.
