@@ -27,7 +27,7 @@ from mabn.models import (
     resnet101,
     save_backbone,
 )
-from mabn.models.backbone import STAGE1, Backbone, check_fits
+from mabn.models.backbone import CONVERTED, STAGE1, Backbone, check_fits, converts
 from mabn.norm import BatchRenorm2d, convert_norm
 
 EPS = 1e-5
@@ -137,11 +137,11 @@ def test_stage1_bn_files_of_either_layout_load_into_bn_brn_and_syncbn(bn_model, 
         torch.testing.assert_close(layer.running_std.double(), expected, rtol=1e-6, atol=0)
 
 
-def test_torchvision_file_is_refused_by_centralized_norms_and_gn(tv_file):
-    with pytest.raises(BackboneError, match="mabn centres each conv's weights, which changes what every conv"):
-        check_backbone(tv_file, "mabn")
-    with pytest.raises(BackboneError, match="mbn_emas centres each conv's weights"):
-        check_backbone(tv_file, "mbn_emas")
+def test_torchvision_file_is_converted_for_centring_mabn_norms_and_refused_by_the_others(tv_file):
+    for norm in ("mabn", "mbn_emas"):
+        assert converts(check_backbone(tv_file, norm), norm)
+    with pytest.raises(BackboneError, match="pre-train with that norm .*, and is converted for mabn, mbn, mbn_emas"):
+        check_backbone(tv_file, "mabn_nowc")
     with pytest.raises(BackboneError, match="GroupNorm normalizes each sample by its own statistics"):
         check_backbone(tv_file, "gn")
     for norm in ("bn", "brn", "syncbn"):
@@ -204,9 +204,11 @@ def test_a_file_without_a_key_names_it(bn_model, tmp_path):
         ("syncbn", False, "brn", None),
         ("mabn", True, "mabn", None),
         ("brn", False, "brn", None),
-        ("bn", False, "mabn", "mabn centres each conv's weights"),
+        ("bn", False, "mabn", None),  # converted
+        ("syncbn", False, "mbn", None),
         ("bn", False, "mabn_nowc", "pre-train with that norm"),
         ("mabn_nowc", False, "mabn", "mabn centres each conv's weights"),
+        ("gn", False, "mabn", "or give BN weights (converted to mabn)"),
         ("bn", False, "gn", "GroupNorm normalizes each sample"),
         ("mabn", True, "brn", "pre-train with that norm"),
         ("brn", False, "bn", "pre-train with that norm"),
@@ -229,7 +231,7 @@ def _launch(argv: list[str], capsys) -> tuple[int, str, str]:
     return run_mabn(argv, capsys)
 
 
-def test_stage2_dry_runs_accept_a_bn_backbone_for_brn_and_syncbn_and_refuse_it_for_mabn(
+def test_stage2_dry_runs_accept_a_bn_backbone_for_brn_and_syncbn_and_convert_it_for_mabn(
     bn_model, tmp_path, monkeypatch, capsys
 ):
     monkeypatch.chdir(tmp_path)
@@ -240,9 +242,8 @@ def test_stage2_dry_runs_accept_a_bn_backbone_for_brn_and_syncbn_and_refuse_it_f
         assert code == 0, err
         assert f"--model.init_args.norm {norm} " in out and f"--model.init_args.backbone {bn32}" in out
     code, out, err = _launch(["cityscapes", "--norm", "mabn", "--backbone", str(bn32), "--dry-run"], capsys)
-    lines = err.strip().splitlines()
-    assert code == 2 and lines[-1].startswith("error: norm mismatch") and "centres each conv" in lines[-1]
-    assert not [line for line in lines if line.startswith("error:")][:-1]  # one error line
+    assert code == 0, err
+    assert f"backbone: {bn32} (stage-1 backbone, norm bn at normalization batch n/a, val top-1 n/a), {CONVERTED}" in out
     assert not (tmp_path / "runs").exists()
 
 

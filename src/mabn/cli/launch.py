@@ -28,6 +28,7 @@ import torch
 from ..data.once import generate_once
 from ..distributed import launch_rank, say
 from ..errors import ConfigError, UserErrors
+from ..models.backbone import warm_norm
 from ..norm import check_norm, norm_entry
 from ..recipes import CONFIGS
 from ..tasks.classification import backbone_path
@@ -244,8 +245,19 @@ def stage2_backbone(norm: str, backbone: str | Path | None, demo: bool, pending:
         return [], f"Backbone: none ({path} not found: make pretrain NORM={norm} writes it); random encoder weights"
     raise LaunchError(
         f"no stage-1 backbone {path}: run stage 1 first (make pretrain NORM={norm} DATA=<imagenet>), give one "
-        f"with BACKBONE=<file>, or BACKBONE=none (--backbone none) to train the encoder from random weights"
+        f"with BACKBONE=<file>{_bn_routes(norm)}, or BACKBONE=none (--backbone none) to train the encoder from "
+        "random weights"
     )
+
+
+def _bn_routes(norm: str) -> str:
+    """The missing-backbone error's starts from BN weights a user may have (torchvision's or timm's ResNet)."""
+    weights = "BACKBONE=<a torchvision or timm ResNet state dict, or a stage-1 bn file>"
+    if warm_norm(norm):
+        return f", start from BN weights ({weights}: converted to {norm}; or NORM=bn with them as they are)"
+    if norm_entry(norm).takes_bn_statistics:
+        return f", start from BN weights ({weights}: loaded as they are)"
+    return f", start from BN weights with NORM=bn ({weights})"
 
 
 def check_warm_start(stage: str, name: str, preset: Stage1Preset | None, init: str | Path) -> bool:

@@ -5,7 +5,11 @@ A backbone file is one of (see docs/backbones.md):
 - a stage-1 file of plain BatchNorm (``bn`` or ``syncbn``, any normalization batch: the norms whose entry holds
   ``bn_statistics``) for a ``bn``, ``brn`` or ``syncbn`` encoder (``takes_bn_statistics``): the paper's Cityscapes
   baselines BN, BRN and SyncBN all start from one BN ResNet-101;
-- torchvision's ResNet-101 ``state_dict()`` saved with ``torch.save`` (a BN network), for the same encoders.
+- torchvision's ResNet-101 ``state_dict()`` saved with ``torch.save`` (a BN network), for the same encoders; timm's
+  ``resnet50``/``resnet101`` state dicts have torchvision's keys and shapes, and read as one;
+- any of these BN networks for a centring MABN encoder (``mabn``, ``mbn``, ...: ``warm_norm``), converted as stage 1's
+  warm start converts it (``mabn.models.warm_start.seed_from_bn``): convs centred, BN's affine kept, MABN's
+  statistics seeded from BN's running variance (``converts``).
 Any other pairing is refused with the reason, before training (``check_backbone``) and at loading. So is a file
 of another ResNet depth than the encoder's (the ``arch`` model option, default resnet101), and any file for an
 encoder that is not a ResNet (stage 2 takes any smp encoder; stage 1 trains ResNets only).
@@ -21,7 +25,7 @@ import torch
 from torch import nn
 
 from ..errors import ConfigError
-from ..norm import BatchRenorm2d, check_norm, norm_entry
+from ..norm import NORM_PRESETS, BatchRenorm2d, check_norm, norm_entry
 from ..norm.factory import norms_where
 from ..run import load_weights_file, write_atomic
 from .resnet import ARCHS, DEFAULT_ARCH, check_arch
@@ -34,6 +38,7 @@ LAYERS = ("layer1", "layer2", "layer3", "layer4")
 ARCH_BLOCKS = dict(zip(ARCHS, [(2, 2, 2, 2), (3, 4, 6, 3), (3, 4, 6, 3), (3, 4, 23, 3), (3, 8, 36, 3)]))
 BASIC_BLOCKS = ("resnet18", "resnet34")
 BN_EPS = 1e-5  # torch's BatchNorm2d default: torchvision's and this project's unless norm_options set eps
+CONVERTED = "converted to MABN: convs centred, BN's affine kept, MABN's statistics seeded from BN's running variance"
 
 
 class BackboneError(ConfigError):
@@ -143,7 +148,7 @@ def read_backbone(path: str | Path, arch: str = DEFAULT_ARCH) -> Backbone:
         return Backbone(path, TORCHVISION, "bn", False, BN_EPS, state, {}, arch, head)
     if not isinstance(payload, dict) or payload.get("format") != FORMAT:
         raise BackboneError(
-            f"{path} is neither a {FORMAT} file (pretrain/README.md) nor a torchvision ResNet-101 state dict"
+            f"{path} is neither a {FORMAT} file (pretrain/README.md) nor a torchvision or timm ResNet state dict"
         )
     if payload.get("version") != VERSION:
         raise BackboneError(f"{path} has format version {payload.get('version')}, this code reads {VERSION}")
@@ -158,15 +163,32 @@ def read_backbone(path: str | Path, arch: str = DEFAULT_ARCH) -> Backbone:
     return Backbone(path, STAGE1, norm, centralized, _stage1_eps(payload), state, info, payload["arch"])
 
 
+def warm_norm(norm: str) -> bool:
+    """Whether ``norm`` is a centring MABN preset, the norms a BN network is converted to (``mabn``, ``mbn``, ...)."""
+    preset = NORM_PRESETS.get(norm)
+    return preset is not None and preset.kind == "mabn" and preset.centre_weights
+
+
+def converts(backbone: Backbone, norm: str) -> bool:
+    """Whether ``backbone`` starts an encoder of ``norm`` converted rather than as it is: a BN network (torchvision's,
+    or a stage-1 file of a norm that holds BN statistics) for a centring MABN norm."""
+    return backbone.norm != norm and norm_entry(backbone.norm).bn_statistics and warm_norm(norm)
+
+
+def conversion_line(backbone: Backbone) -> str:
+    """The line a run and its dry run say when ``backbone`` is converted to MABN."""
+    return f"backbone: {backbone.path} ({backbone.describe()}), {CONVERTED}"
+
+
 def _refusal(backbone: Backbone, norm: str) -> str | None:
     """Why ``backbone`` cannot start an encoder built with ``norm`` and what would, or None when it can."""
     target, source = norm_entry(norm), norm_entry(backbone.norm)
-    if backbone.norm == norm:
+    if backbone.norm == norm or converts(backbone, norm):
         return None
     if check_norm(norm).centre_weights and not backbone.centralized:
         return (
             f"{norm} centres each conv's weights, which changes what every conv computes, so uncentred weights do "
-            f"not carry over; pre-train with make pretrain NORM={norm}"
+            f"not carry over; pre-train with make pretrain NORM={norm}, or give BN weights (converted to {norm})"
         )
     if source.bn_statistics and target.takes_bn_statistics:
         return None
@@ -176,7 +198,11 @@ def _refusal(backbone: Backbone, norm: str) -> str | None:
             f"and affine do not give the same function; pre-train with make pretrain NORM={norm}"
         )
     fits = ", ".join(norms_where(lambda entry: entry.takes_bn_statistics))
-    return f"pre-train with that norm or pick a matching backbone (a BN backbone fits {fits})"
+    converted = ", ".join(name for name in NORM_PRESETS if warm_norm(name))
+    return (
+        f"pre-train with that norm or pick a matching backbone (a BN backbone fits {fits}, and is converted for "
+        f"{converted})"
+    )
 
 
 def check_fits(backbone: Backbone, norm: str) -> None:
@@ -265,15 +291,24 @@ def _key_mismatch(expected: dict[str, torch.Tensor], given: dict[str, torch.Tens
 
 def load_backbone_into(encoder: nn.Module, path: str | Path, norm: str, arch: str = DEFAULT_ARCH) -> dict[str, Any]:
     """Load a backbone file into a ResNet encoder (``arch``, default ResNet-101) built with ``norm``, with strict
-    key checking.
+    key checking; a BN network for a centring MABN ``norm`` is converted (``converts``).
 
-    Returns what to report: ``norm`` and ``source`` of the file, ``description``, and for stage-1 files the
-    payload without weights (``val_top1``, ``config``, ...).
+    Returns what to report: ``norm`` and ``source`` of the file, ``description``, ``converted`` (with the line that
+    says so, ``conversion``), and for stage-1 files the payload without weights (``val_top1``, ``config``, ...).
     """
     backbone = check_backbone(path, norm, arch)
+    info = {**backbone.info, "norm": backbone.norm, "source": backbone.source, "description": backbone.describe()}
+    if converts(backbone, norm):
+        from .warm_start import seed_from_bn  # warm_start reads its files with this module
+
+        try:
+            seed_from_bn(encoder, backbone.state_dict, backbone.eps)
+        except BackboneError as err:
+            raise BackboneError(f"{backbone.path} does not fit the {norm} {arch_title(arch)} encoder: {err}") from err
+        return {**info, "converted": True, "conversion": conversion_line(backbone)}
     state = adapt_statistics(backbone.state_dict, encoder, backbone.eps)
     mismatch = _key_mismatch(encoder.state_dict(), state)
     if mismatch:
         raise BackboneError(f"{backbone.path} does not fit the {norm} {arch_title(arch)} encoder: {mismatch}")
     encoder.load_state_dict(state, strict=True)
-    return {**backbone.info, "norm": backbone.norm, "source": backbone.source, "description": backbone.describe()}
+    return {**info, "converted": False}

@@ -1,11 +1,12 @@
 """A MABN network started from a BN network's weights (beyond the paper; docs/backbones.md, "Warm start").
 
 ``make pretrain NORM=mabn INIT=<file>`` re-pretrains briefly from a BN ResNet (torchvision's state dict, or a
-stage-1 ``bn`` / ``bn32`` file) instead of for the recipe's 120 epochs from random weights. The copy:
+stage-1 ``bn`` / ``bn32`` file) instead of for the recipe's 120 epochs from random weights; stage 2 converts a BN
+backbone for a MABN encoder the same way and fine-tunes it (``backbone.converts``). The copy:
 
 - convs: each filter minus its mean over (in_channels, kH, kW), the weights a centred conv (``CenConv2d``) computes
-  with anyway, stored centred. Centring changes what every conv computes, which is why the network is re-trained
-  and not just converted (``backbone._refusal`` refuses the plain load for that reason);
+  with anyway, stored centred. Centring changes what every conv computes, which is why the network is trained after
+  the copy, never used as it is;
 - norms: BN's gamma and beta become MABN's weight and bias; MABN's forward statistics, estimates of the second
   moment chi^2 = E[x^2] of the conv's output, are seeded with BN's running variance: the EMA (``running_var``)
   and every slot of the SMA's ring buffer (``buffer_x2``), whose count says it is full. The variance, not
@@ -26,14 +27,8 @@ from torch import Tensor, nn
 
 from ..norm import NORM_PRESETS, CenConv2d, MABN2d, norm_entry
 from ..norm.factory import norms_where
-from .backbone import STAGE1, Backbone, BackboneError, arch_title, read_backbone
+from .backbone import STAGE1, Backbone, BackboneError, arch_title, read_backbone, warm_norm
 from .resnet import DEFAULT_ARCH
-
-
-def warm_norm(norm: str) -> bool:
-    """Whether ``norm`` is a centring MABN preset, the norms a warm start seeds (``mabn``, ``mbn``, ...)."""
-    preset = NORM_PRESETS.get(norm)
-    return preset is not None and preset.kind == "mabn" and preset.centre_weights
 
 
 def check_init(path: str | Path, norm: str, arch: str = DEFAULT_ARCH) -> Backbone:

@@ -28,6 +28,7 @@ from ..models import (
     check_encoder,
     load_backbone_into,
 )
+from ..models.backbone import conversion_line, converts
 from ..run import RunPlan, RunShape, device_batch, device_batch_reason
 from . import losses, memory, schedules
 from .base import NormTask, require
@@ -135,7 +136,8 @@ class SegmentationTask(NormTask):
         )
         if backbone:
             info = load_backbone_into(self.model.encoder, backbone, hp.norm, hp.arch)
-            rank_zero_info(f"Encoder loaded from {backbone} ({info['description']}) into norm {hp.norm}")
+            if not info["converted"]:  # a conversion is the plan's backbone line, in the fit and its dry run alike
+                rank_zero_info(f"Encoder loaded from {backbone} ({info['description']}) into norm {hp.norm}")
         else:
             rank_zero_warn("No backbone given (BACKBONE=...): the encoder starts from random weights.")
         # Weights from the data (classes.yaml's, counts) are known at fit's setup, which makes the loss again.
@@ -200,6 +202,9 @@ class SegmentationTask(NormTask):
             model = [
                 f"model: {spec.title} decoder (smp) on {hp.get('arch', DEFAULT_ARCH)}, output stride {stride}, {aux}"
             ]
+        if hp.get("backbone"):  # BN weights for a MABN encoder: say that they are converted, and how
+            backbone = check_backbone(hp["backbone"], hp["norm"], hp.get("arch", DEFAULT_ARCH))
+            model += [conversion_line(backbone)] if converts(backbone, hp["norm"]) else []
         lines = (
             *model,
             *shape.lines()[:1],

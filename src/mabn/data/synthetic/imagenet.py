@@ -47,6 +47,12 @@ def _shape_mask(shape: str, u: np.ndarray, v: np.ndarray, radius: float) -> np.n
 
 def render(label: int, size: int, rng: np.random.Generator) -> np.ndarray:
     """One HxWx3 uint8 image of class ``label``."""
+    return render_with_mask(label, size, rng)[0]
+
+
+def render_with_mask(label: int, size: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    """One HxWx3 uint8 image of class ``label`` and the HxW bool mask of its shape's pixels (the ablation's
+    segmentation set, ``mabn.tools.ablation.segment``)."""
     y, x = np.mgrid[0:size, 0:size].astype(np.float32)
     radius = rng.uniform(0.22, 0.36) * size
     cx, cy = rng.uniform(radius + 1, size - radius - 1, 2)
@@ -63,7 +69,7 @@ def render(label: int, size: int, rng: np.random.Generator) -> np.ndarray:
     stripes = (np.sin(2 * np.pi * (x * np.cos(angle) + y * np.sin(angle)) / period) > 0)[..., None]
     background = bg + rng.uniform(0.0, 0.15) * (stripes - 0.5)
     image = np.where(mask, fg, background) + rng.normal(0, 0.04, (size, size, 3))
-    return (np.clip(image, 0, 1) * 255).astype(np.uint8)
+    return (np.clip(image, 0, 1) * 255).astype(np.uint8), mask[..., 0]
 
 
 def generate(root: str | Path, n_train: int = 200, n_val: int = 30, size: int = 36, seed: int = 0) -> Path:

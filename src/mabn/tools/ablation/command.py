@@ -8,8 +8,12 @@ the final errors to <out>/curves.png, the per-step statistics of layer1.0.bn1 to
 the paper's Figures 2, 5 and 6 to <out>/*.png. By default the key rows of Table 2 (--rows all: Tables 2
 and 6 in full). --warm-start (beyond the paper) trains BN(32) and MABN(2) from scratch per seed, then MABN(2)
 started from that seed's BN(32) network for each given number of steps, and writes their table against MABN(2)
-from scratch to <out>/ablation.md (default out: runs/ablation-warm). --dry-run checks the options and the
-dataset, prints the runs and the files they would write, and trains, generates and writes nothing.
+from scratch to <out>/ablation.md (default out: runs/ablation-warm). --segment-start (beyond the paper) trains
+BN(32) per seed, then fine-tunes segmentation networks from it on a generated segmentation set of the same shapes
+(``segment``): MABN(2) with the BN(32) encoder converted as stage 2 converts BN weights, BN(32) with it as it is,
+and MABN(2) from random weights, and writes their validation mIoU with the paired differences to the converted
+start to <out>/ablation.md (default out: runs/ablation-segment). --dry-run checks the options and the dataset,
+prints the runs and the files they would write, and trains, generates and writes nothing.
 """
 
 from __future__ import annotations
@@ -19,16 +23,17 @@ import shlex
 import time
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from ...cli.help import PROG, HelpFormatter, positive
 from ...data.imagenet import ImageFolderDataModule
 from ...errors import ConfigError
-from . import figures, report, shapes
+from . import figures, report, segment, shapes
 from .model import BLOCKS, WIDTHS
-from .rows import ALL, DEFAULT_WARM_STEPS, KEY_ROWS, ROWS, WARM_SOURCE, Row, select, warm_rows
-from .runner import Task, available_cores, default_workers, run_all
+from .rows import ALL, DEFAULT_WARM_STEPS, KEY_ROWS, ROWS, ROWS_BY_KEY, WARM_SOURCE, Row, select, warm_rows
+from .runner import Runnable, Task, available_cores, default_workers, run_all
 from .train import RunResult, TrainConfig, open_data, run_steps
 
 GENERATED_DATA = Path("data/ablation-shapes")
@@ -40,6 +45,7 @@ DEFAULT_STEPS = 600
 DEFAULT_SEEDS = 8
 DEFAULT_OUT = Path("runs/ablation")
 DEFAULT_WARM_OUT = Path("runs/ablation-warm")
+DEFAULT_SEGMENT_OUT = Path("runs/ablation-segment")
 
 
 def _step_counts(text: str) -> list[int]:
@@ -91,9 +97,20 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         f"{','.join(map(str, DEFAULT_WARM_STEPS))}); the table compares them with MABN(2) from scratch",
     )
     parser.add_argument(
+        "--segment-start",
+        type=positive,
+        nargs="?",
+        const=segment.DEFAULT_SEGMENT_STEPS,
+        metavar="STEPS",
+        help="beyond the paper: BN(32) per seed (--steps), then segmentation fine-tunes of this many steps (default: "
+        f"{segment.DEFAULT_SEGMENT_STEPS}) from it: MABN(2) converted from BN(32), BN(32) as it is, and MABN(2) "
+        "from random weights",
+    )
+    parser.add_argument(
         "--out",
         type=Path,
-        help=f"output folder (default: {DEFAULT_OUT}; with --warm-start {DEFAULT_WARM_OUT})",
+        help=f"output folder (default: {DEFAULT_OUT}; with --warm-start {DEFAULT_WARM_OUT}, with --segment-start "
+        f"{DEFAULT_SEGMENT_OUT})",
     )
     parser.add_argument("--image-size", type=positive, default=32, help="square training crop in pixels (default: 32)")
     parser.add_argument(
@@ -143,7 +160,9 @@ def _check_out(out: Path) -> None:
 
 def outputs(out: Path, rows: list[Row], probe: bool = True) -> list[Path]:
     """The files a run of ``rows`` writes under ``out`` (the statistics and their figures: seed 0's probed rows,
-    where ``probe``)."""
+    where ``probe``; --segment-start's rows: the table and the results alone)."""
+    if rows == list(segment.SEGMENT_ROWS):
+        return [out / "ablation.md", out / "results.json"]
     probed = {row.key for row in rows if row.key in figures.PROBED_ROWS} if probe else set()
     files = [out / "ablation.md", out / "results.json", out / "curves.png"]
     files += [out / "stats" / f"{row.key}-seed0.csv" for row in rows if row.key in probed]
@@ -169,6 +188,8 @@ def plan(
             f"data: {config.data}: {data.num_classes} classes, {len(data.train_set)} training and "
             f"{len(data.val_set)} validation images, {config.image_size} px crops"
         )
+    if args.segment_start:
+        return lines + segment_plan(args, config, workers)
     lines.append(f"rows: {', '.join(f'{row.label} ({row.key}: {row.preset})' for row in rows)}")
     counts = [run_steps(row, config) for row in rows]
     steps = str(counts[0]) if len(set(counts)) == 1 else f"{', '.join(map(str, counts))} (in row order)"
@@ -199,13 +220,73 @@ def _train(rows: list[Row], seeds: range, config: TrainConfig, workers: int, war
     return results
 
 
+def segment_plan(args: argparse.Namespace, config: TrainConfig, workers: int) -> list[str]:
+    """--segment-start's part of the dry run: the two phases and the files."""
+    source = ROWS_BY_KEY[segment.SOURCE]
+    rows = ", ".join(f"{row.label} ({row.key}: {row.preset})" for row in segment.SEGMENT_ROWS)
+    return [
+        f"pre-training: {source.label} ({source.key}) x {args.seeds} seeds = {args.seeds} runs of {config.steps} "
+        f"steps, peak lr {config.lr}",
+        f"fine-tunes: {rows} x {args.seeds} seeds = {len(segment.SEGMENT_ROWS) * args.seeds} runs of "
+        f"{args.segment_start} steps on the generated segmentation set ({segment.TRAIN_IMAGES} training and "
+        f"{segment.VAL_IMAGES} validation images of {config.image_size} px, {segment.NUM_CLASSES} classes), "
+        f"encoder lr {segment.SEGMENT_LR}, heads x {segment.HEAD_LR_MULT:g}",
+        f"{workers} runs at a time ({config.threads} thread(s) each), on {config.device}",
+        *(f"writes {path}" for path in outputs(args.out, list(segment.SEGMENT_ROWS))),
+    ]
+
+
+def _segment_runs(seeds: range, steps: int, config: TrainConfig, workers: int) -> list[RunResult]:
+    """BN(32) per seed, then every fine-tune from that seed's network (--segment-start)."""
+    source = ROWS_BY_KEY[segment.SOURCE]
+    pretrained = run_all([Task(source, s, False, keep_state=True) for s in seeds], config, workers)
+    states = {r.seed: r.state for r in pretrained}
+    tasks: list[Runnable] = [
+        segment.FinetuneTask(row, s, steps, states[s] if segment.STARTS[row.key] != segment.RANDOM else None)
+        for s in seeds
+        for row in segment.SEGMENT_ROWS
+    ]
+    results = pretrained + run_all(tasks, config, workers)
+    for result in results:
+        result.state = None  # the weights were for the fine-tunes only
+    return results
+
+
+def _setting(
+    argv: list[str], config: TrainConfig, data: ImageFolderDataModule, seeds: range, workers: int, wall: float
+) -> dict[str, Any]:
+    """What every run of the command shared, for the table's header and the results."""
+    return {
+        "command": shlex.join([*PROG.split(), "ablation", *argv]),
+        "data": str(config.data),
+        "classes": data.num_classes,
+        "train_images": len(data.train_set),
+        "val_images": len(data.val_set),
+        "model": f"SmallResNet widths {WIDTHS}, blocks {BLOCKS}",
+        "config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(config).items()},
+        "seeds": list(seeds),
+        "workers": workers,
+        "wall_seconds": round(wall, 1),
+        "torch": torch.__version__,
+    }
+
+
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
-    args.out = args.out or (DEFAULT_WARM_OUT if args.warm_start else DEFAULT_OUT)
+    default_out = DEFAULT_WARM_OUT if args.warm_start else DEFAULT_SEGMENT_OUT if args.segment_start else DEFAULT_OUT
+    args.out = args.out or default_out
     _check_out(args.out)
     if args.warm_start and args.rows is not None:
         raise ConfigError("--warm-start trains its own rows (BN(32), MABN(2) and the warm starts): drop --rows")
-    rows = warm_rows(args.warm_start) if args.warm_start else select(args.rows)
+    if args.segment_start and (args.rows is not None or args.warm_start):
+        raise ConfigError(
+            "--segment-start trains its own rows (BN(32), then the segmentation fine-tunes): drop --rows and "
+            "--warm-start"
+        )
+    if args.segment_start:
+        rows = list(segment.SEGMENT_ROWS)
+    else:
+        rows = warm_rows(args.warm_start) if args.warm_start else select(args.rows)
     config = TrainConfig(
         data=_data_root(args.data, args.dry_run),
         steps=args.steps,
@@ -222,6 +303,8 @@ def main(argv: list[str]) -> int:
     if args.dry_run:
         print("\n".join(plan(args, rows, config, data, workers, argv)))
         return 0
+    if args.segment_start:
+        return segment_main(args, argv, config, data, workers)
     seeds = range(args.seeds)
     own = " (warm starts: their own)" if args.warm_start else ""
     print(
@@ -234,19 +317,7 @@ def main(argv: list[str]) -> int:
     wall = time.perf_counter() - start
 
     out = args.out
-    setting = {
-        "command": shlex.join([*PROG.split(), "ablation", *argv]),
-        "data": str(config.data),
-        "classes": data.num_classes,
-        "train_images": len(data.train_set),
-        "val_images": len(data.val_set),
-        "model": f"SmallResNet widths {WIDTHS}, blocks {BLOCKS}",
-        "config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(config).items()},
-        "seeds": list(seeds),
-        "workers": workers,
-        "wall_seconds": round(wall, 1),
-        "torch": torch.__version__,
-    }
+    setting = _setting(argv, config, data, seeds, workers, wall)
     summaries = report.summarize(rows, results)
     stats = {r.row: r.stats for r in results if r.stats}
     losses = {
@@ -275,6 +346,35 @@ def main(argv: list[str]) -> int:
             figures.figure56(stats, layer, out / "fig5-6-chi2-psi.png"),
         )
         if p is not None
+    ]
+    print()
+    print(render(summaries))
+    for path in written:
+        print(f"wrote {path}")
+    return 0
+
+
+def segment_main(
+    args: argparse.Namespace, argv: list[str], config: TrainConfig, data: ImageFolderDataModule, workers: int
+) -> int:
+    """--segment-start: train, then write the table and the results."""
+    seeds = range(args.seeds)
+    print(
+        f"{args.seeds} BN(32) runs of {args.steps} steps, then {len(segment.SEGMENT_ROWS) * args.seeds} fine-tunes "
+        f"of {args.segment_start} steps, {workers} at a time ({args.threads} thread(s) each, {available_cores()} "
+        f"cores available), on {config.device}",
+        flush=True,
+    )
+    start = time.perf_counter()
+    results = _segment_runs(seeds, args.segment_start, config, workers)
+    wall = time.perf_counter() - start
+    setting = {**_setting(argv, config, data, seeds, workers, wall), "segment_steps": args.segment_start}
+    summaries = report.summarize(list(segment.SEGMENT_ROWS), results)
+    (pretrained,) = report.summarize([ROWS_BY_KEY[segment.SOURCE]], results)
+    render = partial(report.segment_table, steps=args.segment_start)
+    written = [
+        report.write_markdown(args.out / "ablation.md", summaries, report.segment_header(setting, pretrained), render),
+        report.write_results(args.out / "results.json", setting, results),
     ]
     print()
     print(render(summaries))

@@ -50,8 +50,12 @@ class SmallResNet(nn.Module):
                 nn.init.ones_(m.weight)
                 nn.init.zeros_(m.bias)
 
-    def forward(self, x: Tensor) -> Tensor:
+    def features(self, x: Tensor) -> Tensor:
+        """The last stage's feature map (stride 4 with the default three stages): what a segmentation head reads."""
         x = self.relu(self.bn1(self.conv1(x)))
         for i in range(1, self.num_stages + 1):
             x = getattr(self, f"layer{i}")(x)
-        return self.fc(self.avgpool(x).flatten(1))
+        return x
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.fc(self.avgpool(self.features(x)).flatten(1))

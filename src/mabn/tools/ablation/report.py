@@ -1,6 +1,7 @@
 """The ablation's outputs: the markdown table (per row the error over seeds and the paired difference to
 BN(32) with its confidence interval and p-value, beside the paper's numbers; with --warm-start the warm starts'
-table against MABN(2) from scratch), the results JSON and the raw per-step statistics as CSV, every file written
+table against MABN(2) from scratch; with --segment-start the fine-tunes' mIoU against the converted start), the
+results JSON and the raw per-step statistics as CSV, every file written
 atomically."""
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from ...run import write_atomic, write_text_atomic
+from . import segment
 from .rows import GRADIENT_BATCH, ROWS_BY_KEY, SMALL_BATCH, WARM_TARGET, Row
 from .stats import Paired, paired_test
 from .train import RunResult, TrainConfig, run_steps
@@ -27,7 +29,8 @@ MARKS = ((0.01, "**"), (0.05, "*"))
 
 @dataclass(frozen=True)
 class Summary:
-    """A row's validation errors over its seeds (diverged seeds left out of the mean)."""
+    """A row's validation errors over its seeds (diverged seeds left out of the mean); a fine-tune's
+    (--segment-start) validation mIoU."""
 
     row: Row
     errors: tuple[float, ...]  # one per seed, NaN for a diverged seed
@@ -140,6 +143,29 @@ def warm_table(summaries: list[Summary], config: TrainConfig) -> str:
     return "\n".join(lines) + "\n"
 
 
+def segment_table(summaries: list[Summary], steps: int) -> str:
+    """The --segment-start table: per fine-tune where its encoder started, its validation mIoU, and its paired
+    difference to MABN(2) converted from BN(32)."""
+    reference = next((s for s in summaries if s.row.key == segment.REFERENCE), None)
+    label = reference.row.label if reference is not None else segment.REFERENCE
+    starts = {
+        segment.CONVERTED: f"{ROWS_BY_KEY[segment.SOURCE].label}'s weights, converted",
+        segment.AS_IS: f"{ROWS_BY_KEY[segment.SOURCE].label}'s weights, as they are",
+        segment.RANDOM: "random weights",
+    }
+    lines = [
+        f"| row | encoder starts from | fine-tune steps | mIoU % (mean ± std) | per seed | Δ vs {label}, paired "
+        f"[{CONFIDENCE:.0%} CI] | p (paired t) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for s in summaries:
+        lines.append(
+            f"| {s.row.label} | {starts[segment.STARTS[s.row.key]]} | {steps} | {_error_cell(s)} | {_seeds_cell(s)} | "
+            f"{_paired_cells(s, reference)} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
 def _setting_line(setting: dict[str, Any]) -> str:
     """The command and the setting every row shared, in one paragraph."""
     c = setting["config"]
@@ -185,6 +211,26 @@ def warm_header(setting: dict[str, Any]) -> list[str]:
         "validation split after the last step; mean ± sample std over the seeds. Δ is the paired difference to "
         "MABN(2) from scratch (same seed) with its confidence interval from Student's t; p is the two-sided paired "
         "t-test's (" + ", ".join(f"{m} p < {a}" for a, m in MARKS) + ").",
+    ]
+
+
+def segment_header(setting: dict[str, Any], pretrained: Summary) -> list[str]:
+    """The lines above the --segment-start table: the setting, the BN(32) networks the fine-tunes start from, and
+    what the rows are."""
+    return [
+        "# Stage 2's start from BN weights at small scale (beyond the paper)",
+        "",
+        _setting_line(setting),
+        "",
+        f"The BN(32) networks after {setting['config']['steps']} steps: top-1 error {_error_cell(pretrained)} % "
+        f"({_seeds_cell(pretrained)}). Each then starts segmentation fine-tunes of {setting['segment_steps']} steps "
+        f"(mabn.tools.ablation.segment: {segment.TRAIN_IMAGES} training and {segment.VAL_IMAGES} validation images "
+        f"of one shape each, {segment.NUM_CLASSES} classes with the background; encoder lr {segment.SEGMENT_LR}, "
+        f"heads x {segment.HEAD_LR_MULT:g}, warm-up then poly {segment.POLY_POWER}). mIoU on the validation split "
+        "after the last step; mean ± sample std over the seeds. Δ is the paired difference to MABN(2) converted from "
+        "BN(32) (same seed) with its confidence interval from Student's t; p is the two-sided paired t-test's ("
+        + ", ".join(f"{m} p < {a}" for a, m in MARKS)
+        + ").",
     ]
 
 

@@ -8,6 +8,7 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -23,6 +24,15 @@ class Task:
     init: dict[str, torch.Tensor] | None = None  # a warm-start row's BN network
     keep_state: bool = False  # return the trained weights (a warm start's source)
 
+    def run(self, config: TrainConfig) -> RunResult:
+        return train_run(self.row, self.seed, config, self.probe, self.init, self.keep_state)
+
+
+class Runnable(Protocol):
+    """A run of ``run_all``: a ``Task``, or another kind of run (``segment.FinetuneTask``)."""
+
+    def run(self, config: TrainConfig) -> RunResult: ...
+
 
 def available_cores() -> int:
     """CPU cores this process may run on (the affinity mask where the OS has one)."""
@@ -34,19 +44,15 @@ def default_workers(threads: int) -> int:
     return max(1, available_cores() // threads)
 
 
-def _run(task: Task, config: TrainConfig) -> RunResult:
-    return train_run(task.row, task.seed, config, task.probe, task.init, task.keep_state)
-
-
-def _outcomes(tasks: list[Task], config: TrainConfig, workers: int) -> Iterator[RunResult]:
+def _outcomes(tasks: list[Runnable], config: TrainConfig, workers: int) -> Iterator[RunResult]:
     """Results in order of completion; one worker runs in this process (no start-up cost)."""
     if workers == 1:
         for task in tasks:
-            yield _run(task, config)
+            yield task.run(config)
         return
     # spawn: a forked child would inherit torch's thread pools and locks from the parent.
     with ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn")) as pool:
-        futures = [pool.submit(_run, task, config) for task in tasks]
+        futures = [pool.submit(task.run, config) for task in tasks]
         try:
             for future in as_completed(futures):
                 yield future.result()
@@ -55,7 +61,7 @@ def _outcomes(tasks: list[Task], config: TrainConfig, workers: int) -> Iterator[
             raise
 
 
-def run_all(tasks: list[Task], config: TrainConfig, workers: int) -> list[RunResult]:
+def run_all(tasks: list[Runnable], config: TrainConfig, workers: int) -> list[RunResult]:
     """Every task's result, printing the overall progress and ETA after each finished run."""
     start = time.perf_counter()
     results = []

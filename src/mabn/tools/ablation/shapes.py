@@ -22,6 +22,8 @@ from ...data.once import generate_once
 from ...data.synthetic.imagenet import CLASSES, render
 
 MARKER = ".complete"
+# The set's image size and degradation, which the segmentation set of --segment-start shares.
+SIZE, FADE, NOISE = 36, 0.4, 0.2
 
 
 def degrade(image: np.ndarray, fade: float, noise: float, rng: np.random.Generator) -> np.ndarray:
@@ -35,9 +37,9 @@ def generate(
     root: str | Path,
     n_train: int = 300,
     n_val: int = 300,
-    size: int = 36,
-    fade: float = 0.4,
-    noise: float = 0.2,
+    size: int = SIZE,
+    fade: float = FADE,
+    noise: float = NOISE,
     seed: int = 20,
 ) -> Path:
     """Write ``root/{train,val}/<class>/*.png`` once (``mabn.data.once.generate_once``: under a lock, into a
