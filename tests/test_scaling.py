@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import math
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -303,3 +305,35 @@ def test_a_fit_whose_loader_runs_another_length_than_its_plan_stops_naming_both(
     with pytest.raises(ConfigError, match=r"the training loader gives 3 iterations per epoch and 6 in total, the "
                        r"plan of 5 samples in batches of 2 on 1 device\(s\) 2 and 4"):  # fmt: skip
         quiet_trainer(tmp_path, max_epochs=2, limit_val_batches=0).fit(_LinearTask(), _FiveSamples(drop_last=False))
+
+
+@pytest.mark.slow  # two DDP processes on the CPU: ~40 s
+def test_two_devices_run_the_plan_their_dry_run_prints(tiny_cityscapes, tmp_path, capsys):
+    """Stage 2 on 2 CPU processes, 1 image each with 3 accumulated, for 3 epochs: the sampler gives each device 2 of
+    the 4 images, so each epoch is 2 batches and one step over its partial window, 3 steps in all. The fit's plan,
+    computed on each device from its Trainer, says the dry run's lines and runs them."""
+    extra = [
+        *("--trainer.max_epochs", "3", "--trainer.accumulate_grad_batches", "3", "--trainer.limit_val_batches", "0"),
+        *("--trainer.num_sanity_val_steps", "0", "--trainer.logger", "false", "--trainer.enable_progress_bar", "false"),
+        *("--data.init_args.global_batch_size", "2", "--data.init_args.num_workers", "0"),
+        *("--data.init_args.crop_size", "32", "--model.init_args.norm_batch_size", "1"),
+        *("--model.init_args.arch", "resnet18", "--model.init_args.warmup_epochs", "1"),
+    ]
+    stage = ["cityscapes", "--data", str(tiny_cityscapes), "--norm", "gn", "--gpus", "2", "--backbone", "none",
+             "--run-dir", str(tmp_path / "run")]  # fmt: skip
+    planned = ["batch: 1 per device x 2 device(s) x 3 accumulated = global batch 6, normalization batches of 1",
+               "iterations: 1 per epoch (4 training samples), 3 in total",
+               "lr: 0.01 x 6 / 16 = 0.00375 for the encoder, x 10 for the heads (linear in the global batch)",
+               "schedule: linear warm-up over 1 epochs (1 iterations), then poly 0.9 to iteration 3"]  # fmt: skip
+    capsys.readouterr()
+    stage_command.main([*stage, "--dry-run", "--", *extra])
+    dry = capsys.readouterr().out.splitlines()
+    fit = subprocess.run([sys.executable, "-m", "mabn", *stage, "--", *extra], cwd=tmp_path, capture_output=True,
+                         text=True, timeout=300)  # fmt: skip
+    assert fit.returncode == 0, fit.stderr[-3000:]
+    said = (fit.stdout + fit.stderr).splitlines()
+    for line in planned:
+        assert line in dry and line in said, line
+    checkpoint = torch.load(tmp_path / "run" / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
+    assert checkpoint["global_step"] == 3
+    assert checkpoint["lr_schedulers"][0]["base_lrs"] == pytest.approx([0.00375, 0.0375], rel=1e-12)
