@@ -235,7 +235,7 @@ def test_ablation_segment_start_dry_run_and_refusals(tiny_imagenet, tmp_path, ca
     code, out, _ = run_mabn([*args, "--segment-start", "--dry-run"], capsys)
     assert code == 0
     assert "pre-training: BN(32) (bn32) x 2 seeds = 2 runs of 8 steps" in out
-    assert "x 2 seeds = 6 runs of 300 steps on the generated segmentation set" in out
+    assert "x 2 seeds = 6 runs of 150 steps on the generated segmentation set" in out
     assert f"writes {tmp_path / 'o' / 'ablation.md'}" in out and not (tmp_path / "o").exists()
     code, _, err = run_mabn([*args, "--segment-start", "5", "--warm-start", "--dry-run"], capsys)
     assert code == 2 and err.startswith("error: --segment-start trains its own rows")

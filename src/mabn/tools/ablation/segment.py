@@ -49,7 +49,7 @@ HEAD_LR_MULT = 10.0  # stage 2's head_lr_mult
 SEGMENT_LR = 0.02  # stage 2's base_lr 0.01 per global batch 16, at the gradient batch of 32
 WARMUP_SHARE = 3 / 200  # stage 2's 3 warm-up epochs of 200
 POLY_POWER = 0.9
-DEFAULT_SEGMENT_STEPS = 300
+DEFAULT_SEGMENT_STEPS = 150  # the measured run of docs/ablation/segment-start.md
 
 # How each row's encoder starts: BN(32)'s trained weights converted to MABN, loaded as they are, or random.
 CONVERTED, AS_IS, RANDOM = "converted", "as is", "random"
