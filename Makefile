@@ -109,8 +109,8 @@ gpu-wheels: $(STAMP)
 	PYTHON=$(PY) scripts/gpu/wheels.sh
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check src tests
-	$(VENV)/bin/ruff format --check src tests
+	$(VENV)/bin/ruff check src tests scripts
+	$(VENV)/bin/ruff format --check src tests scripts
 
 pretrain: $(STAMP)
 	$(PY) -m mabn pretrain $(STAGE_ARGS)
@@ -130,7 +130,8 @@ slurm: $(STAMP)
 		scripts/slurm/submit.sh $(if $(DRY_RUN),--dry-run) $(STAGE) \
 		$(NORM_ARGS) -- $(ARGS)
 
-# A trained checkpoint -> folded TorchScript and ONNX models beside it (checked before they are written).
+# A trained checkpoint -> the folded model beside it as TorchScript, a torch.export program and ONNX (each checked
+# before it is written).
 export: $(STAMP)
 	@test -n "$(CKPT)" || { echo "usage: make export CKPT=runs/cityscapes/mabn/checkpoints/<file>.ckpt [ARGS=...]"; exit 2; }
 	$(PY) -m mabn export "$(CKPT)" $(ARGS)
