@@ -661,8 +661,8 @@ def _make_n(case: Case, stdout: str) -> int:
         while words and re.match(r"^[A-Z_]+=", words[0]):
             key, value = words.pop(0).split("=", 1)
             env[key] = value
-        if words[:1] == [".venv/bin/ruff"] and words[1:] in (["check", "src", "tests", "scripts"],
-                                                            ["format", "--check", "src", "tests", "scripts"]):  # fmt: skip
+        linted = ["src", "tests", "scripts"]
+        if words[:1] == [".venv/bin/ruff"] and words[1:] in (["check", *linted], ["format", "--check", *linted]):
             continue
         gpu = "test-gpu" in command_targets(case)
         # make test-gpu PY=python: the GPU machine's own Python, with the checkout's src/ on its path.

@@ -8,7 +8,7 @@ A backbone file is one of (see docs/backbones.md):
 - torchvision's ResNet-101 ``state_dict()`` saved with ``torch.save`` (a BN network), for the same encoders; timm's
   ``resnet50``/``resnet101`` state dicts have torchvision's keys and shapes, and read as one;
 - any of these BN networks for a centring MABN encoder (``mabn``, ``mbn``, ...: ``warm_norm``), converted as stage 1's
-  warm start converts it (``mabn.models.warm_start.seed_from_bn``): convs centred, BN's affine kept, MABN's
+  warm start converts it (``seed_from_bn``): convs centred, BN's affine kept, MABN's
   statistics seeded from BN's running variance (``converts``).
 Any other pairing is refused with the reason, before training (``check_backbone``) and at loading. So is a file
 of another ResNet depth than the encoder's (the ``arch`` model option, default resnet101), and any file for an
@@ -17,15 +17,16 @@ encoder that is not a ResNet (stage 2 takes any smp encoder; stage 1 trains ResN
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from ..errors import ConfigError
-from ..norm import NORM_PRESETS, BatchRenorm2d, check_norm, norm_entry
+from ..norm import NORM_PRESETS, BatchRenorm2d, CenConv2d, MABN2d, check_norm, norm_entry
 from ..norm.factory import norms_where
 from ..run import load_weights_file, write_atomic
 from .resnet import ARCHS, DEFAULT_ARCH, check_arch
@@ -289,6 +290,62 @@ def _key_mismatch(expected: dict[str, torch.Tensor], given: dict[str, torch.Tens
     return None
 
 
+def _take(state: Mapping[str, Tensor], key: str, like: Tensor) -> Tensor:
+    """``state[key]`` in ``like``'s dtype; ``BackboneError`` when it is missing or of another shape."""
+    if key not in state:
+        raise BackboneError(f"the BN network has no {key}: it is not the network being warm-started")
+    value = state[key]
+    if value.shape != like.shape:
+        raise BackboneError(f"the BN network's {key} is {tuple(value.shape)}, the network's {tuple(like.shape)}")
+    return value.to(like.dtype)
+
+
+def bn_variance(state: Mapping[str, Tensor], prefix: str, eps: float, like: Tensor) -> Tensor:
+    """The BN layer ``prefix``'s running variance in ``like``'s dtype: ``running_var`` (BatchNorm), or
+    ``running_std`` ** 2 - ``eps`` (BatchRenorm2d and ghost-batch BN keep the std with the source's eps inside)."""
+    if f"{prefix}running_var" not in state and f"{prefix}running_std" in state:
+        std = _take(state, f"{prefix}running_std", like).double()
+        return (std.square() - eps).clamp_min(0.0).to(like.dtype)  # clamp: a std rounded below sqrt(eps)
+    return _take(state, f"{prefix}running_var", like)
+
+
+@torch.no_grad()
+def seed_from_bn(model: nn.Module, state: Mapping[str, Tensor], eps: float) -> list[str]:
+    """Copy the BN network ``state`` (its layers' keys as ``model``'s; BN's ``eps``) into ``model``, whose norms are
+    MABN2d and whose convs feeding them are centred (see the module's description). Returns what was not copied, as
+    lines to report (a classifier of another shape)."""
+    notes = []
+    for name, module in model.named_modules():
+        prefix = f"{name}." if name else ""
+        if isinstance(module, MABN2d):
+            var = bn_variance(state, prefix, eps, module.running_var)
+            module.reset_stream(reset_ema=True)  # psi's streams start empty; the chi^2 streams take the seed
+            module.weight.copy_(_take(state, f"{prefix}weight", module.weight))
+            module.bias.copy_(_take(state, f"{prefix}bias", module.bias))
+            module.running_var.copy_(var)
+            module.buffer_x2.copy_(var.expand_as(module.buffer_x2))
+            module.count_x2.fill_(module.buffer_size)  # the SMA counts as full: moving statistics from step 1
+        elif isinstance(module, nn.Conv2d):
+            weight = _take(state, f"{prefix}weight", module.weight)
+            if isinstance(module, CenConv2d):
+                weight = weight - weight.mean(dim=(1, 2, 3), keepdim=True)  # the filter CenConv2d convolves with
+            module.weight.copy_(weight)
+            if module.bias is not None:
+                module.bias.copy_(_take(state, f"{prefix}bias", module.bias))
+        elif isinstance(module, nn.Linear):
+            key = f"{prefix}weight"
+            if key in state and state[key].shape == module.weight.shape:
+                module.weight.copy_(state[key])
+                module.bias.copy_(_take(state, f"{prefix}bias", module.bias))
+            else:
+                found = f"of shape {tuple(state[key].shape)}" if key in state else "none"
+                notes.append(
+                    f"classifier {name or 'fc'}: the file's is {found}, the network's {tuple(module.weight.shape)}; "
+                    "it starts from random weights"
+                )
+    return notes
+
+
 def load_backbone_into(encoder: nn.Module, path: str | Path, norm: str, arch: str = DEFAULT_ARCH) -> dict[str, Any]:
     """Load a backbone file into a ResNet encoder (``arch``, default ResNet-101) built with ``norm``, with strict
     key checking; a BN network for a centring MABN ``norm`` is converted (``converts``).
@@ -299,8 +356,6 @@ def load_backbone_into(encoder: nn.Module, path: str | Path, norm: str, arch: st
     backbone = check_backbone(path, norm, arch)
     info = {**backbone.info, "norm": backbone.norm, "source": backbone.source, "description": backbone.describe()}
     if converts(backbone, norm):
-        from .warm_start import seed_from_bn  # warm_start reads its files with this module
-
         try:
             seed_from_bn(encoder, backbone.state_dict, backbone.eps)
         except BackboneError as err:

@@ -3,7 +3,7 @@ scale.
 
 Per seed the ablation's BN(32) row trains on the ablation's classification set, then three segmentation networks
 fine-tune on a generated segmentation set of the same shapes: MABN(2) with the BN(32) encoder converted as stage 2
-converts a BN backbone (``mabn.models.warm_start.seed_from_bn``, then the streams reset as the norm policy's
+converts a BN backbone (``mabn.models.backbone.seed_from_bn``, then the streams reset as the norm policy's
 ``reset_from_pretrained`` does: warm-up again, BN's variance kept as the EMA), BN(32) with the same encoder loaded
 as it is, and MABN(2) from random weights. The segmentation network is the ablation's SmallResNet (its classifier
 dropped) under a head of one 3x3 conv, its norm and a 1x1 classifier, upsampled to the input, its norms those of
@@ -28,8 +28,7 @@ from torch import Tensor, nn
 
 from ...data.images import IMAGENET_MEAN, IMAGENET_STD
 from ...data.synthetic.imagenet import CLASSES, render_with_mask
-from ...models.backbone import BN_EPS
-from ...models.warm_start import seed_from_bn
+from ...models.backbone import BN_EPS, seed_from_bn
 from ...norm import MABN2d, convert_norm
 from ...tasks.metrics import SegmentationMetric
 from ...tasks.schedules import warmup_poly

@@ -24,8 +24,7 @@ from torch.utils.data import DataLoader
 from ...data.errors import DatasetError
 from ...data.imagenet import ImageFolderDataModule
 from ...data.loading import start_worker
-from ...models.backbone import BN_EPS
-from ...models.warm_start import seed_from_bn
+from ...models.backbone import BN_EPS, seed_from_bn
 from ...norm import convert_norm
 from .model import SmallResNet
 from .probes import make_probe
@@ -137,7 +136,7 @@ def initial_model(
 ) -> nn.Module:
     """The row's network at its start: the plain network is drawn first from ``seed``, so the layers
     every row shares (convs, linear, norm affine) start equal across rows. A warm-start row then takes the
-    weights and statistics of the BN network ``init`` (``mabn.models.warm_start.seed_from_bn``)."""
+    weights and statistics of the BN network ``init`` (``mabn.models.backbone.seed_from_bn``)."""
     torch.manual_seed(seed)
     model = build_model(row, num_classes, steps)
     if row.warm_from:
