@@ -112,10 +112,15 @@ class PSPNet(nn.Module):
         return nn.ModuleList([self.ppm, self.classifier, self.aux])
 
     def forward(self, x: Tensor) -> Tensor | tuple[Tensor, Tensor]:
-        size = x.shape[-2:]
         features = self.encoder(x)
-        out = F.interpolate(self.classifier(self.ppm(features[-1])), size, mode="bilinear", align_corners=False)
+        return self.decode(features[-1], features[-2], size=x.shape[-2:])
+
+    def decode(self, last: Tensor, before: Tensor, size: torch.Size) -> Tensor | tuple[Tensor, Tensor]:
+        """The heads on the encoder's last feature map and the one before it (layer4's and layer3's), their logits
+        at the input's spatial ``size``: the forward after the encoder, which a segmented CUDA-graph capture
+        (``mabn.tasks.cudagraph``) runs as a segment of its own."""
+        out = F.interpolate(self.classifier(self.ppm(last)), size, mode="bilinear", align_corners=False)
         if not self.training:
             return out
-        aux = F.interpolate(self.aux(features[-2]), size, mode="bilinear", align_corners=False)
+        aux = F.interpolate(self.aux(before), size, mode="bilinear", align_corners=False)
         return out, aux

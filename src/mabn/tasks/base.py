@@ -18,7 +18,15 @@ from ..models import DEFAULT_ARCH
 from ..norm import check_norm
 from ..norm.cenconv import SGDCentring, keep_centred
 from ..run import RunPlan, RunShape, iterations_per_epoch, plan_shape
-from .cudagraph import check_capturable, drop_graph_gradients, release_graphs, training_call, why_not_capturable
+from .cudagraph import (
+    GRAPH_SEGMENTS,
+    check_capturable,
+    check_segments,
+    drop_graph_gradients,
+    release_graphs,
+    training_call,
+    why_not_capturable,
+)
 
 
 def require(ok: bool, name: str, value: Any, wanted: str) -> None:
@@ -49,7 +57,7 @@ class NormTask(pl.LightningModule):
     - ``norm_policy``: how MABNCallback drives MABN2d/BatchRenorm2d (phases per module group, resets, statistics
       logging), a ``mabn.callbacks.NormPolicy``; unset: its defaults;
     - ``momentum``, ``weight_decay``: SGD's;
-    - ``cuda_graph`` (true, false or auto), ``compile``: as above;
+    - ``cuda_graph`` (true, false or auto), ``graph_segments``, ``compile``: as above;
     - ``arch``: the encoder (default resnet101, the paper's): a ResNet depth of ``mabn.models.ARCHS`` for stage 1,
       any smp encoder name or ``tu-<timm model>`` for stage 2.
 
@@ -67,6 +75,10 @@ class NormTask(pl.LightningModule):
         weight_decay: SGD's weight decay (L2 factor), applied to every parameter; >= 0.
         cuda_graph: run the training forward and backward as CUDA graphs captured at the first training batch:
             true (stop with an error where they cannot be), false (eager), auto (where possible, else eager).
+        graph_segments: how ``cuda_graph`` captures the step: ``whole`` (one graph per direction) or ``stages``
+            (one per ResNet stage and one for the heads, so that DDP's all-reduce of a segment's gradients
+            overlaps the earlier segments' backward; stage 1's ResNet and PSPNet on a ResNet encoder, any other
+            model is an error).
         compile: ``torch.compile`` the training forward and backward at the first training batch: true (the default
             mode), a mode name such as ``reduce-overhead``, or false (eager).
         arch: the encoder: stage 1 a ResNet depth of ``mabn.models.ARCHS`` (``resnet18`` to ``resnet152``), stage 2
@@ -89,6 +101,7 @@ class NormTask(pl.LightningModule):
         momentum: float = 0.9,
         weight_decay: float = 1e-4,
         cuda_graph: bool | Literal["auto"] = "auto",
+        graph_segments: Literal["whole", "stages"] = "whole",
         compile: bool | str = False,
         arch: str = DEFAULT_ARCH,
     ) -> None:
@@ -119,6 +132,8 @@ class NormTask(pl.LightningModule):
         graph = hp.get("cuda_graph", "auto")
         # isinstance, not `in (True, False, "auto")`: 1 == True would let 0 and 1 through.
         require(isinstance(graph, bool) or graph == "auto", "cuda_graph", graph, "choose true, false or auto")
+        segments = hp.get("graph_segments", "whole")
+        require(segments in GRAPH_SEGMENTS, "graph_segments", segments, f"choose {' or '.join(GRAPH_SEGMENTS)}")
 
     @property
     def cuda_graph(self) -> bool:
@@ -130,6 +145,11 @@ class NormTask(pl.LightningModule):
         return self._graphed_fit
 
     @property
+    def graph_segments(self) -> str:
+        """How ``cuda_graph`` captures the training step: ``whole`` or ``stages`` (``graph_training_forward``)."""
+        return self.hparams.get("graph_segments", "whole")
+
+    @property
     def compile_mode(self) -> str | None:
         """The ``torch.compile`` mode of the training forward and backward, or None (eager)."""
         value = self.hparams.get("compile", False)
@@ -139,6 +159,8 @@ class NormTask(pl.LightningModule):
         # Graphs of an earlier fit read that fit's tensors (MABNCallback's loss scale, freed with it, or none): this
         # fit captures its own at its first training batch, or trains eagerly.
         release_graphs(self.model)
+        # Whether or not this fit captures: a model the setting cannot split is an error wherever it trains.
+        check_segments(self.model, self.graph_segments)
         # Here, not in __init__: only now are the device and the process group (which decides whether a
         # synchronized norm communicates) known.
         self._graphed_fit = self._resolve_cuda_graph()
@@ -194,7 +216,7 @@ class NormTask(pl.LightningModule):
         at the first call with ``compile``."""
         if self.compile_mode:
             return self._compiled_model(images)
-        return training_call(self.model, images, self.cuda_graph)
+        return training_call(self.model, images, self.cuda_graph, self.graph_segments)
 
     def optimizer_step(self, *args: Any, **kwargs: Any) -> None:
         super().optimizer_step(*args, **kwargs)

@@ -2,8 +2,10 @@
 
 At the small per-device batches MABN is made for, a GPU training step is bound by the host issuing kernels
 rather than by the GPU running them, and MABN2d issues more of them than BN's one cuDNN call per direction.
-Captured once, the whole forward and the whole backward each replay as one graph launch. The loss, DDP's
-gradient all-reduce and the optimizer step stay eager.
+Captured once, the whole forward and the whole backward each replay as one graph launch, or as one launch per
+segment (``graph_segments: stages``: each ResNet stage and the heads), whose backward nodes let DDP all-reduce a
+segment's gradients while the earlier segments' backward replays. The loss, DDP's gradient all-reduce and the
+optimizer step stay eager.
 
 Replays run exactly the captured kernels on the captured addresses, so the model must not read the device
 from the host during its forward or backward, and its training inputs must keep one shape:
@@ -35,17 +37,20 @@ held buffers after each optimizer step, which has used them, so the usual step c
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import inspect
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import Tensor, nn
+from torchvision.models import ResNet
 
 from ..compat import tree_leaves
 from ..distributed import has_process_group, sync_group
 from ..errors import ConfigError
+from ..models.pspnet import PSPNet
 from ..norm import BatchRenorm2d, MABN2d
 from ..norm.managed import managed_norms
 
@@ -119,14 +124,72 @@ def _without_autocast_cache(device_type: str) -> Iterator[None]:
         yield
 
 
-def graph_training_forward(model: nn.Module, sample: Tensor, warmup_iters: int = 3) -> None:
+GRAPH_SEGMENTS = ("whole", "stages")
+
+
+def _resnet(model: nn.Module) -> ResNet | None:
+    """The ResNet whose stages split ``model``: stage 1's torchvision ResNet itself, or a PSPNet's ResNet encoder
+    (smp's ResNet encoders are torchvision ResNets); None for any other model."""
+    if isinstance(model, PSPNet):
+        return model.encoder if isinstance(model.encoder, ResNet) else None
+    return model if isinstance(model, ResNet) else None
+
+
+def check_segments(model: nn.Module, segments: str) -> None:
+    """A ``ConfigError`` unless ``model``'s training forward can be captured as ``segments`` (``GRAPH_SEGMENTS``)."""
+    if segments not in GRAPH_SEGMENTS:
+        raise ConfigError(f"graph_segments={segments!r}: choose {' or '.join(GRAPH_SEGMENTS)}")
+    if segments == "stages" and _resnet(model) is None:
+        decoder, encoder = getattr(model, "decoder_name", None), getattr(model, "encoder", None)
+        details = [f"decoder {decoder}"] * bool(decoder) + [f"encoder {type(encoder).__name__}"] * (encoder is not None)
+        name = type(model).__name__ + (f" ({', '.join(details)})" if details else "")
+        raise ConfigError(
+            f"graph_segments=stages: the model {name} has no split into stages (stage 1's ResNet and PSPNet on a "
+            "ResNet encoder have); set graph_segments: whole"
+        )
+
+
+def _split(model: nn.Module, size: torch.Size) -> tuple[tuple[nn.Module, ...], tuple[tuple[int, ...], ...]]:
+    """``model``'s training forward for images of spatial ``size`` as segments, each a module of its own over the
+    model's layers (their parameters are the segment's), and what each is called on: 0 names the image, k the
+    output of segment k. The ResNet's stem with layer1, then each later stage, then the heads."""
+    net = _resnet(model)
+    stages = (
+        nn.Sequential(net.conv1, net.bn1, net.relu, net.maxpool, net.layer1),
+        *(nn.Sequential(layer) for layer in (net.layer2, net.layer3, net.layer4)),
+    )  # new containers: capture replaces the forward of the modules it is given, which the eager path still calls
+    if isinstance(model, PSPNet):
+        heads = _Heads(functools.partial(model.decode, size=size[-2:]), model.ppm, model.classifier, model.aux)
+        return (*stages, heads), ((0,), (1,), (2,), (3,), (4, 3))  # the auxiliary head reads layer3's output
+    return (*stages, nn.Sequential(net.avgpool, nn.Flatten(1), net.fc)), ((0,), (1,), (2,), (3,), (4,))
+
+
+class _Heads(nn.Module):
+    """``decode`` as a module over the layers whose parameters it uses."""
+
+    def __init__(self, decode: Callable[..., object], *layers: nn.Module) -> None:
+        super().__init__()
+        self.decode = decode
+        self.layers = nn.ModuleList(layers)
+
+    def forward(self, *features: Tensor) -> object:
+        return self.decode(*features)
+
+
+def graph_training_forward(model: nn.Module, sample: Tensor, warmup_iters: int = 3, segments: str = "whole") -> None:
     """Capture ``model``'s training forward and backward for inputs like ``sample`` (shape, dtype, device).
 
     Afterwards ``model(x)`` replays the graphs for such inputs in training mode with gradients on, and runs
     the model eagerly otherwise. Call it with the model on its GPU, in training mode, with every buffer
     and parameter in place (the graphs hold their addresses): DDP may wrap it afterwards.
+
+    ``segments`` ``whole`` captures the model as one graph per direction; ``stages`` as one per ResNet stage and
+    one for the heads (``_split``), captured together by one ``make_graphed_callables`` call: each segment's
+    backward is an autograd node of its own, so the gradient hooks of its parameters (DDP's) fire when it ends,
+    while the earlier segments' backward is still to run.
     """
     check_capturable(model, sample.device)
+    check_segments(model, segments)
     if not model.training:
         raise ValueError("CUDA-graph capture of the training step needs the model in training mode")
     eager = model.forward
@@ -141,35 +204,77 @@ def graph_training_forward(model: nn.Module, sample: Tensor, warmup_iters: int =
     # The graphs' input is a tensor of their own: each replay copies the batch into it. Parameters the
     # training forward does not use get no gradient, as in eager training.
     with _without_autocast_cache(sample.device.type), torch.random.fork_rng(rng_devices, device_type="cuda"):
-        torch.cuda.make_graphed_callables(
-            model, (sample.clone(),), num_warmup_iters=warmup_iters, allow_unused_input=True, **options
-        )
-    graphed = model.forward
+        if segments == "whole":
+            parts, inputs = (model,), ((0,),)
+            torch.cuda.make_graphed_callables(
+                model, (sample.clone(),), num_warmup_iters=warmup_iters, allow_unused_input=True, **options
+            )
+        else:
+            parts, inputs = _split(model, sample.shape)
+            torch.cuda.make_graphed_callables(
+                parts, _samples(parts, inputs, sample), warmup_iters, allow_unused_input=True, **options
+            )
+    replays = tuple(_Segment(part.forward, wanted, tuple(part.parameters())) for part, wanted in zip(parts, inputs))
     with torch.no_grad():
         for name, buf in model.named_buffers():
             buf.copy_(buffers[name])
         for layer in managed_norms(model).values():
             layer.nonfinite_flags(sample.device).zero_()
     shape, dtype, device = sample.shape, sample.dtype, sample.device
-    gradients = _GraphGradients(tuple(model.parameters()))
-    pending = _PendingBackward()
 
     def forward(x: Tensor) -> object:
         if model.training and torch.is_grad_enabled() and x.shape == shape and x.dtype == dtype and x.device == device:
-            pending.check()
-            gradients.release()
-            out = graphed(x)
-            node = next((t.grad_fn for t in tree_leaves(out) if t.grad_fn is not None), None)
-            if node is not None:  # no parameter trains: no backward to wait for
-                gradients.watch(node)
-                pending.watch(node)
-            return out
+            # Every segment's replay overwrites its activations: none may run while a backward is still to come.
+            for replay in replays:
+                replay.pending.check()
+            for replay in replays:
+                replay.gradients.release()
+            values = [x]
+            for replay in replays:
+                values.append(replay(*(values[i] for i in replay.inputs)))
+            return values[-1]
         return eager(x)
 
     forward.graphed_input = (shape, dtype, device)  # marks the model as captured (``is_graphed``)
-    forward.gradients = gradients
+    forward.segments = replays
     forward.own_forward = own_forward
     model.forward = forward
+
+
+def _samples(
+    parts: tuple[nn.Module, ...], inputs: tuple[tuple[int, ...], ...], sample: Tensor
+) -> tuple[tuple[Tensor, ...], ...]:
+    """The sample arguments of each segment: the image's clone, and the outputs of the segments before, as an
+    eager forward computes them (the caller restores the buffers it changes), each requiring a gradient: every
+    segment returns its input's gradient to the one before."""
+    values = [sample.clone()]
+    with torch.no_grad():
+        for part, wanted in zip(parts[:-1], inputs):
+            values.append(part(*(values[i] for i in wanted)))
+    return tuple(
+        # Clones: each segment's static inputs are memory of its own (layer3's output is two segments' input).
+        tuple(values[i] if i == 0 else values[i].clone().requires_grad_() for i in wanted)
+        for wanted in inputs
+    )
+
+
+class _Segment:
+    """One captured graph pair of the step (the whole model, or one segment): ``call`` replays it on the values
+    ``inputs`` names; its static gradient buffers (``_GraphGradients``) and its pending backward
+    (``_PendingBackward``) are its own."""
+
+    def __init__(self, call: Callable[..., object], inputs: tuple[int, ...], params: tuple[nn.Parameter, ...]) -> None:
+        self.call, self.inputs = call, inputs
+        self.gradients = _GraphGradients(params)
+        self.pending = _PendingBackward()
+
+    def __call__(self, *args: Tensor) -> object:
+        out = self.call(*args)
+        node = next((t.grad_fn for t in tree_leaves(out) if t.grad_fn is not None), None)
+        if node is not None:  # no parameter trains: no backward to wait for
+            self.gradients.watch(node)
+            self.pending.watch(node)
+        return out
 
 
 class _Backward:
@@ -223,7 +328,7 @@ class _GraphGradients:
             handle = None
 
             def learn(grad_inputs: tuple[Tensor | None, ...], grad_outputs: tuple[Tensor | None, ...]) -> None:
-                # The node's inputs are the graph's input followed by the model's parameters.
+                # The node's inputs are the graph's inputs followed by its module's parameters.
                 grads = grad_inputs[len(grad_inputs) - len(self.params) :]
                 self.static = [None if g is None else g.data_ptr() for g in grads]
                 handle.remove()
@@ -254,9 +359,8 @@ class _GraphGradients:
 def drop_graph_gradients(model: nn.Module) -> None:
     """After an optimizer step of a graphed ``model``: its gradients held in the graphs' static buffers are set to
     None (see ``_GraphGradients``); nothing for a model that is not graphed."""
-    gradients = getattr(model.forward, "gradients", None)
-    if gradients is not None:
-        gradients.drop()
+    for replay in getattr(model.forward, "segments", ()):
+        replay.gradients.drop()
 
 
 def is_graphed(model: nn.Module) -> bool:
@@ -280,9 +384,9 @@ def release_graphs(model: nn.Module) -> None:
     gc.collect()
 
 
-def training_call(model: nn.Module, x: Tensor, cuda_graph: bool) -> object:
+def training_call(model: nn.Module, x: Tensor, cuda_graph: bool, segments: str = "whole") -> object:
     """``model(x)`` in a training step; with ``cuda_graph`` the first call captures the model's graphs for
-    inputs like ``x``, and later calls replay them."""
+    inputs like ``x`` (as ``segments``, see ``graph_training_forward``), and later calls replay them."""
     if cuda_graph and not is_graphed(model):
-        graph_training_forward(model, x)
+        graph_training_forward(model, x, segments=segments)
     return model(x)

@@ -1,0 +1,226 @@
+"""The training step captured in segments (``graph_segments: stages``): one graph pair per ResNet stage and one for
+the heads, whose backward nodes let DDP's gradient hooks fire segment by segment. On the CPU through stand-ins of
+``torch.cuda.make_graphed_callables``: conftest's ``GraphStandIn`` for one module (``whole``), ``SegmentsStandIn``
+below for a tuple of them."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+from torchvision.models.resnet import BasicBlock, ResNet
+
+from mabn.errors import ConfigError
+from mabn.models.decoders import build_segmentation_model
+from mabn.models.pspnet import PSPNet
+from mabn.tasks.base import NormTask
+from mabn.tasks.cudagraph import SecondForwardError, drop_graph_gradients, graph_training_forward, release_graphs
+from mabn.tasks.segmentation import SegmentationTask
+
+
+class SegmentsStandIn:
+    """``torch.cuda.make_graphed_callables`` on a tuple of modules as a CPU can act it out (one module goes to
+    conftest's ``GraphStandIn``, which hands back no input gradient). As torch: ``num_warmup_iters`` real forwards
+    and backwards per module (of NaN output gradients, torch's uninitialised ones), then each module's forward
+    replaced by an autograd function over (its inputs, its parameters) whose backward returns the gradients of
+    both from static buffers; a forward replay writes static outputs and NaN into those buffers (the pool's
+    temporaries may share their memory), and each module's replays share one set of saved activations: a backward
+    reads what the module's latest forward replay wrote."""
+
+    def __init__(self, whole) -> None:
+        self.whole = whole
+
+    def __call__(self, callables, sample_args, num_warmup_iters=3, allow_unused_input=False, **options):
+        if not isinstance(callables, tuple):
+            return self.whole(callables, sample_args, num_warmup_iters, allow_unused_input, **options)
+        for part, args in zip(callables, sample_args):
+            surface = [*(a for a in args if a.requires_grad), *(p for p in part.parameters() if p.requires_grad)]
+            for _ in range(num_warmup_iters):
+                outs = [o for o in torch.utils._pytree.tree_leaves(part(*args)) if o.requires_grad]
+                nan = [torch.full_like(o, float("nan")) for o in outs]
+                torch.autograd.grad(outs, surface, nan, allow_unused=allow_unused_input)
+        for part, args in zip(callables, sample_args):
+            self._replace(part, args)
+        return callables
+
+    @staticmethod
+    def _replace(part: nn.Module, static_inputs: tuple[torch.Tensor, ...]) -> None:
+        params = tuple(part.parameters())
+        surface = (*static_inputs, *params)
+        eager = part.forward
+        flat, spec = torch.utils._pytree.tree_flatten(eager(*static_inputs))
+        static_outputs = [o.detach().clone() for o in flat]
+        static_grads = [torch.zeros_like(t) if t.requires_grad else None for t in surface]
+        latest: list[torch.Tensor] = []
+
+        class Replay(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, *inputs):
+                for static, x in zip(static_inputs, inputs):
+                    static.copy_(x)
+                for buf in static_grads:
+                    if buf is not None:
+                        buf.fill_(float("nan"))
+                with torch.enable_grad():
+                    latest[:] = torch.utils._pytree.tree_leaves(eager(*static_inputs))
+                for buf, o in zip(static_outputs, latest):
+                    buf.copy_(o.detach())
+                return tuple(o.detach() for o in static_outputs)
+
+            @staticmethod
+            @torch.autograd.function.once_differentiable
+            def backward(ctx, *grads):
+                outs = [(o, g) for o, g in zip(latest, grads) if o.requires_grad]
+                wanted = [t for t, buf in zip(surface, static_grads) if buf is not None]
+                computed = torch.autograd.grad(
+                    [o for o, _ in outs], wanted, [g for _, g in outs], allow_unused=True, retain_graph=True
+                )
+                for buf, g in zip((b for b in static_grads if b is not None), computed):
+                    buf.copy_(g) if g is not None else buf.zero_()
+                return tuple(None if buf is None else buf.detach() for buf in static_grads)
+
+        def replay(*inputs):
+            return torch.utils._pytree.tree_unflatten(list(Replay.apply(*inputs, *params)), spec)
+
+        part.forward = replay
+
+
+@pytest.fixture
+def stand_in(graph_stand_in, monkeypatch) -> SegmentsStandIn:
+    segments = SegmentsStandIn(graph_stand_in)
+    monkeypatch.setattr(torch.cuda, "make_graphed_callables", segments)
+    return segments
+
+
+def tiny_resnet() -> nn.Module:
+    """Stage 1's network, one block per stage (float64)."""
+    return ResNet(BasicBlock, [1, 1, 1, 1], num_classes=5).double()
+
+
+def tiny_pspnet() -> nn.Module:
+    """Stage 2's network on ResNet-18 cut to one block per stage, two pyramid bins and no dropout (float64)."""
+    net = PSPNet(num_classes=3, norm="bn", arch="resnet18", bins=(1, 2), dropout=0.0).double()
+    for name in ("layer1", "layer2", "layer3", "layer4"):
+        setattr(net.encoder, name, getattr(net.encoder, name)[:1])
+    return net
+
+
+def _loss(out, weights) -> torch.Tensor:
+    """A loss whose gradient differs at every output element: a weighted sum of each output."""
+    outs = out if isinstance(out, tuple) else (out,)
+    return sum((o * w).sum() for o, w in zip(outs, weights))
+
+
+@pytest.mark.parametrize("build, size", [(tiny_resnet, 32), (tiny_pspnet, 16)])
+def test_segmented_step_equals_whole_capture_and_eager(stand_in, build, size):
+    """Two accumulated micro-batches: the loss, every parameter's gradient and every buffer are eager training's,
+    captured whole or in stages (the second replay moves the first's gradients out of the static buffers)."""
+    gen = torch.Generator().manual_seed(1)
+    images = [torch.randn(2, 3, size, size, generator=gen, dtype=torch.float64) for _ in range(3)]
+    eager = build().train()
+    shapes = [o.shape for o in (lambda o: o if isinstance(o, tuple) else (o,))(eager(images[0]))]
+    weights = [torch.randn(s, generator=gen, dtype=torch.float64) for s in shapes]
+    whole, stages = copy.deepcopy(eager), copy.deepcopy(eager)
+    graph_training_forward(whole, images[2], warmup_iters=1)
+    graph_training_forward(stages, images[2], warmup_iters=1, segments="stages")
+    assert len(stages.forward.segments) == 5
+    for model in (eager, whole, stages):
+        model.losses = [_loss(model(x), weights) for x in images[:1]]
+        model.losses[0].backward()
+        model.losses.append(_loss(model(images[1]), weights))
+        model.losses[1].backward()
+    for model in (whole, stages):
+        torch.testing.assert_close(torch.stack(model.losses), torch.stack(eager.losses), rtol=1e-12, atol=0)
+        for (name, p), q in zip(model.named_parameters(), eager.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-10, atol=1e-12, msg=name)
+        for (name, b), c in zip(model.named_buffers(), eager.buffers()):
+            torch.testing.assert_close(b, c, rtol=1e-12, atol=0, msg=name)
+
+
+def test_drop_lets_go_of_every_segments_gradients(stand_in):
+    model = tiny_resnet().train()
+    x = torch.randn(2, 3, 32, 32, dtype=torch.float64)
+    graph_training_forward(model, x, warmup_iters=1, segments="stages")
+    model(x).sum().backward()
+    drop_graph_gradients(model)
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_second_forward_before_the_backward_is_refused(stand_in):
+    model = tiny_resnet().train()
+    x = torch.randn(2, 3, 32, 32, dtype=torch.float64)
+    graph_training_forward(model, x, warmup_iters=1, segments="stages")
+    out = model(x)
+    with pytest.raises(SecondForwardError, match="second CUDA-graphed training forward"):
+        model(x)
+    out.sum().backward()
+    model(x).sum().backward()  # after the backward: allowed
+    with torch.no_grad():
+        model(x)  # no backward to come: eager, allowed
+
+
+def test_release_graphs_runs_the_model_eagerly_again(stand_in):
+    model = tiny_resnet().train()
+    x = torch.randn(2, 3, 32, 32, dtype=torch.float64)
+    graph_training_forward(model, x, warmup_iters=1, segments="stages")
+    release_graphs(model)
+    assert not hasattr(model.forward, "segments")
+    out = model(x)
+    model(x)  # eager: a second forward before the backward is fine
+    out.sum().backward()
+
+
+@pytest.mark.parametrize(
+    "model, name",
+    [
+        (lambda: build_segmentation_model("unet", 3, "bn", arch="resnet18"), r"DecoderNet \(decoder unet, encoder "),
+        (lambda: PSPNet(num_classes=3, norm="bn", arch="efficientnet-b0"), r"PSPNet \(encoder EfficientNetEncoder\)"),
+    ],
+)
+def test_stages_of_a_model_without_a_split_are_refused(stand_in, model, name):
+    with pytest.raises(ConfigError, match=rf"graph_segments=stages: the model {name}.*set graph_segments: whole$"):
+        graph_training_forward(model().train(), torch.randn(2, 3, 32, 32), warmup_iters=1, segments="stages")
+
+
+@pytest.mark.parametrize("segments", ["whole", "stages"])
+def test_heads_gradient_hooks_fire_before_layer1s_backward_only_in_stages(stand_in, segments):
+    """DDP all-reduces a bucket once the hooks of its parameters' gradient accumulators fired: captured in stages,
+    those of the heads (fc) fire before layer1's backward has run; captured whole, all fire after the whole
+    backward, layer1's included."""
+    model = tiny_resnet().train()
+    x = torch.randn(2, 3, 32, 32, dtype=torch.float64)
+    graph_training_forward(model, x, warmup_iters=1, segments=segments)
+    events: list[str] = []
+    for name, p in model.named_parameters():
+        p.register_post_accumulate_grad_hook(lambda p, name=name: events.append(name))
+
+    def mark_layer1s_backward(module: nn.Module, args: tuple[torch.Tensor]) -> None:
+        # layer1's input's gradient is computed once layer1's backward has run (the stand-ins run the Python forward).
+        args[0].register_hook(lambda grad: events.append("layer1"))
+
+    model.layer1.register_forward_pre_hook(mark_layer1s_backward)
+    model(x).sum().backward()
+    heads = [events.index(name) for name in ("fc.weight", "fc.bias")]
+    if segments == "stages":
+        assert max(heads) < events.index("layer1") < events.index("layer1.0.conv1.weight")
+    else:
+        assert min(heads) > events.index("layer1")
+
+
+@pytest.mark.parametrize("value", ["blocks", "Stages", True, None])
+def test_graph_segments_refuses_anything_but_whole_or_stages(value):
+    for ok in ("whole", "stages"):
+        NormTask.check_hparams({"norm": "bn", "graph_segments": ok})
+    with pytest.raises(ConfigError) as err:
+        NormTask.check_hparams({"norm": "bn", "graph_segments": value})
+    assert str(err.value) == f"graph_segments={value!r}: choose whole or stages"
+
+
+def test_fit_of_stages_on_a_model_without_a_split_stops_at_its_start():
+    """On any device, whether or not the fit captures: the setting is wrong for the model, not for the machine."""
+    task = SegmentationTask(num_classes=3, decoder="unet", norm="bn", arch="resnet18", graph_segments="stages")
+    with pytest.raises(ConfigError, match=r"^graph_segments=stages: the model DecoderNet \(decoder unet"):
+        task.on_fit_start()
+    SegmentationTask(num_classes=3, norm="bn", arch="resnet18", graph_segments="stages").on_fit_start()
