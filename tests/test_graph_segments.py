@@ -15,6 +15,7 @@ from torchvision.models.resnet import BasicBlock, ResNet
 from mabn.errors import ConfigError
 from mabn.models.decoders import build_segmentation_model
 from mabn.models.pspnet import PSPNet
+from mabn.norm import convert_norm
 from mabn.tasks.base import NormTask
 from mabn.tasks.cudagraph import SecondForwardError, drop_graph_gradients, graph_training_forward, release_graphs
 from mabn.tasks.segmentation import SegmentationTask
@@ -99,6 +100,13 @@ def tiny_resnet() -> nn.Module:
     return ResNet(BasicBlock, [1, 1, 1, 1], num_classes=5).double()
 
 
+def tiny_mabn_resnet() -> nn.Module:
+    """The same with stage 1's norm, MABN (ghost batches of 2, a short buffer)."""
+    return convert_norm(
+        ResNet(BasicBlock, [1, 1, 1, 1], num_classes=5), "mabn", norm_batch_size=2, buffer_size=3
+    ).double()
+
+
 def tiny_pspnet() -> nn.Module:
     """Stage 2's network on ResNet-18 cut to one block per stage, two pyramid bins and no dropout (float64)."""
     net = PSPNet(num_classes=3, norm="bn", arch="resnet18", bins=(1, 2), dropout=0.0).double()
@@ -113,7 +121,7 @@ def _loss(out, weights) -> torch.Tensor:
     return sum((o * w).sum() for o, w in zip(outs, weights))
 
 
-@pytest.mark.parametrize("build, size", [(tiny_resnet, 32), (tiny_pspnet, 16)])
+@pytest.mark.parametrize("build, size", [(tiny_resnet, 32), (tiny_mabn_resnet, 32), (tiny_pspnet, 16)])
 def test_segmented_step_equals_whole_capture_and_eager(stand_in, build, size):
     """Two accumulated micro-batches: the loss, every parameter's gradient and every buffer are eager training's,
     captured whole or in stages (the second replay moves the first's gradients out of the static buffers)."""

@@ -212,7 +212,11 @@ def graph_training_forward(model: nn.Module, sample: Tensor, warmup_iters: int =
         else:
             parts, inputs = _split(model, sample.shape)
             torch.cuda.make_graphed_callables(
-                parts, _samples(parts, inputs, sample), warmup_iters, allow_unused_input=True, **options
+                parts,
+                _samples(parts, inputs, sample),
+                num_warmup_iters=warmup_iters,
+                allow_unused_input=True,
+                **options,
             )
     replays = tuple(_Segment(part.forward, wanted, tuple(part.parameters())) for part, wanted in zip(parts, inputs))
     with torch.no_grad():
