@@ -115,10 +115,9 @@ def tiny_pspnet() -> nn.Module:
     return net
 
 
-def _loss(out, weights) -> torch.Tensor:
-    """A loss whose gradient differs at every output element: a weighted sum of each output."""
-    outs = out if isinstance(out, tuple) else (out,)
-    return sum((o * w).sum() for o, w in zip(outs, weights))
+def _outputs(out) -> tuple[torch.Tensor, ...]:
+    """A training forward's outputs: PSPNet's (main, auxiliary) logits, or the one tensor."""
+    return out if isinstance(out, tuple) else (out,)
 
 
 @pytest.mark.parametrize("build, size", [(tiny_resnet, 32), (tiny_mabn_resnet, 32), (tiny_pspnet, 16)])
@@ -128,19 +127,22 @@ def test_segmented_step_equals_whole_capture_and_eager(stand_in, build, size):
     gen = torch.Generator().manual_seed(1)
     images = [torch.randn(2, 3, size, size, generator=gen, dtype=torch.float64) for _ in range(3)]
     eager = build().train()
-    shapes = [o.shape for o in (lambda o: o if isinstance(o, tuple) else (o,))(eager(images[0]))]
-    weights = [torch.randn(s, generator=gen, dtype=torch.float64) for s in shapes]
     whole, stages = copy.deepcopy(eager), copy.deepcopy(eager)
     graph_training_forward(whole, images[2], warmup_iters=1)
     graph_training_forward(stages, images[2], warmup_iters=1, segments="stages")
     assert len(stages.forward.segments) == 5
+    weights = None  # per output, a weight for every element: a gradient that differs everywhere
+    losses = {}
     for model in (eager, whole, stages):
-        model.losses = [_loss(model(x), weights) for x in images[:1]]
-        model.losses[0].backward()
-        model.losses.append(_loss(model(images[1]), weights))
-        model.losses[1].backward()
+        losses[model] = []
+        for x in images[:2]:
+            outs = _outputs(model(x))
+            weights = weights or [torch.randn(o.shape, generator=gen, dtype=torch.float64) for o in outs]
+            loss = sum((o * w).sum() for o, w in zip(outs, weights))
+            loss.backward()
+            losses[model].append(loss.detach())
     for model in (whole, stages):
-        torch.testing.assert_close(torch.stack(model.losses), torch.stack(eager.losses), rtol=1e-12, atol=0)
+        torch.testing.assert_close(losses[model], losses[eager], rtol=1e-12, atol=0)
         for (name, p), q in zip(model.named_parameters(), eager.parameters()):
             torch.testing.assert_close(p.grad, q.grad, rtol=1e-10, atol=1e-12, msg=name)
         for (name, b), c in zip(model.named_buffers(), eager.buffers()):
