@@ -139,11 +139,13 @@ class GraphStandIn:
       (``.item()``, ``bool()`` or ``float()`` of a tensor, ``torch.equal``, ``nonzero``) raises, as on a GPU; it
       records each direction's operators and the tensors it reads (``_Trace``); its outputs and gradients are the
       static output and gradient buffers, as in torch;
-    - then the model's forward replaced by a "replay", an autograd Function over (input, *parameters) as torch's
-      ``Graphed``: its forward copies the input into the static input, runs the eager forward and copies its
+    - then the model's forward replaced by a "replay", an autograd Function over (*inputs, *parameters) as torch's
+      ``Graphed``: its forward copies the inputs into the static ones, runs the eager forward and copies its
       outputs into the static ones, whose detached views it returns; its backward copies the incoming gradients
-      into static buffers, and returns detached views of the static gradient buffers, which autograd may adopt as
-      ``.grad``;
+      into static buffers, and returns detached views of the static gradient buffers (of the inputs that require
+      grad, a segment's after the image, and of the parameters), which autograd may adopt as ``.grad``;
+    - a tuple of modules (``graph_segments: stages``) is warmed up whole before each is captured, as in torch,
+      and each gets a replay of its own, with its own static buffers and saved tensors;
     - each replay runs the capture's operators on the tensors the capture read, or raises: another path through
       the Python code, or a tensor put in the place of a captured one (a new loss scale, buffer or flag), would
       not reach a GPU's graph;
@@ -182,47 +184,63 @@ class GraphStandIn:
                 "trainable. All buffers must have ``requires_grad=False``."
             )
 
-    def __call__(self, model, sample_args, num_warmup_iters, allow_unused_input, **options):
-        self._refuse_as_torch(model, sample_args)
+    def __call__(self, callables, sample_args, num_warmup_iters=3, allow_unused_input=False, **options):
+        """One module and its sample arguments, or a tuple of modules and a tuple of their sample arguments (a
+        segmented capture), as torch takes them: every module is warmed up before any is captured."""
+        single = not isinstance(callables, tuple)
+        models, samples = ((callables,), (sample_args,)) if single else (callables, sample_args)
+        for model, args in zip(models, samples, strict=True):
+            self._refuse_as_torch(model, args)
+        for model, args in zip(models, samples):
+            surface = [*(a for a in args if a.requires_grad), *(p for p in model.parameters() if p.requires_grad)]
+            for _ in range(num_warmup_iters):
+                outs = [o for o in torch.utils._pytree.tree_leaves(model(*args)) if o.requires_grad]
+                nan = [torch.full_like(o, float("nan")) for o in outs]
+                torch.autograd.grad(outs, surface, nan, allow_unused=allow_unused_input)
+        for model, args in zip(models, samples):
+            self._graph(model, tuple(args))
+        return callables
+
+    def _graph(self, model, static_inputs: tuple[torch.Tensor, ...]) -> None:
+        """Capture ``model`` at ``static_inputs`` and replace its forward by the replay."""
         leaves = torch.utils._pytree.tree_leaves
-        params = tuple(model.parameters())
-        trainable = [p for p in params if p.requires_grad]
-        for _ in range(num_warmup_iters):
-            outs = [o for o in leaves(model(*sample_args)) if o.requires_grad]
-            nan = [torch.full_like(o, float("nan")) for o in outs]
-            torch.autograd.grad(outs, trainable, nan, allow_unused=allow_unused_input)
-        self.captured.append(tuple(sample_args[0].shape))
-        eager, stand_in, static_input = model.forward, self, sample_args[0]
+        self.captured.append(tuple(static_inputs[0].shape))
+        eager, stand_in, params = model.forward, self, tuple(model.parameters())
+        # What the backward differentiates: the inputs that require grad (a segment's, after the image), then the
+        # trainable parameters; the gradient of each is returned from a static buffer.
+        surface = (*static_inputs, *params)
+        wanted = [t for t in surface if t.requires_grad]
 
         def backward_through(outs, capturing=False):
-            """The parameters' gradients (by parameter) of the static output gradients through ``outs``, traced."""
+            """The gradients (by tensor) of the static output gradients through ``outs``, traced."""
             with _Trace(model, capturing) as trace:
                 grads = torch.autograd.grad(
                     [o for o in outs if o.requires_grad],
-                    trainable,
+                    wanted,
                     [g for g in static_grad_outputs if g is not None],
                     allow_unused=True,
                     retain_graph=True,  # a GPU's backward graph may replay again on the same activations
                 )
-            return dict(zip(map(id, trainable), grads)), trace
+            return dict(zip(map(id, wanted), grads)), trace
 
         with _Trace(model, capturing=True) as forward_capture:
-            outs, spec = torch.utils._pytree.tree_flatten(eager(static_input))
+            outs, spec = torch.utils._pytree.tree_flatten(eager(*static_inputs))
         static_outputs = [o.detach() for o in outs]
         static_grad_outputs = [torch.full_like(o, float("nan")) if o.requires_grad else None for o in outs]
-        by_param, backward_capture = backward_through(outs, capturing=True)
-        static_grads = [by_param.get(id(p)) for p in params]
+        by_tensor, backward_capture = backward_through(outs, capturing=True)
+        static_grads = [by_tensor.get(id(t)) for t in surface]
         latest: list[torch.Tensor] = []  # the last replay's outputs, and through them its autograd graph
 
         class Replay(torch.autograd.Function):
             @staticmethod
-            def forward(ctx, x, *inputs):
-                static_input.copy_(x)
+            def forward(ctx, *inputs):
+                for static, x in zip(static_inputs, inputs):
+                    static.copy_(x)
                 for buf in static_grads:
                     if buf is not None:
                         buf.fill_(float("nan"))
                 with torch.enable_grad(), _Trace(model) as trace:
-                    flat = leaves(eager(static_input))
+                    flat = leaves(eager(*static_inputs))
                 trace.check_against(forward_capture, "forward")
                 for buf, o in zip(static_outputs, flat):
                     buf.copy_(o.detach())
@@ -235,20 +253,20 @@ class GraphStandIn:
                 for buf, g in zip(static_grad_outputs, grads):
                     if buf is not None:
                         buf.copy_(g)
-                by_param, trace = backward_through(latest)
+                by_tensor, trace = backward_through(latest)
                 trace.check_against(backward_capture, "backward")
-                for buf, p in zip(static_grads, params):
+                for buf, t in zip(static_grads, surface):
                     if buf is not None:
-                        buf.copy_(by_param[id(p)])
-                return (None, *(None if buf is None else buf.detach() for buf in static_grads))
+                        grad = by_tensor[id(t)]
+                        buf.copy_(grad) if grad is not None else buf.zero_()
+                return tuple(None if buf is None else buf.detach() for buf in static_grads)
 
-        def replay(x):
-            stand_in.replayed.append(tuple(x.shape))
-            out = Replay.apply(x, *params)
+        def replay(*inputs):
+            stand_in.replayed.append(tuple(inputs[0].shape))
+            out = Replay.apply(*inputs, *params)
             return torch.utils._pytree.tree_unflatten(list(out), spec)
 
         model.forward = replay
-        return model
 
 
 @pytest.fixture

@@ -1,7 +1,7 @@
 """The training step captured in segments (``graph_segments: stages``): one graph pair per ResNet stage and one for
-the heads, whose backward nodes let DDP's gradient hooks fire segment by segment. On the CPU through stand-ins of
-``torch.cuda.make_graphed_callables``: conftest's ``GraphStandIn`` for one module (``whole``), ``SegmentsStandIn``
-below for a tuple of them."""
+the heads, whose backward nodes let DDP's gradient hooks fire segment by segment. On the CPU through conftest's
+stand-in of ``torch.cuda.make_graphed_callables`` (``GraphStandIn``), which takes one module (``whole``) or a tuple
+of them."""
 
 from __future__ import annotations
 
@@ -19,80 +19,6 @@ from mabn.norm import convert_norm
 from mabn.tasks.base import NormTask
 from mabn.tasks.cudagraph import SecondForwardError, drop_graph_gradients, graph_training_forward, release_graphs
 from mabn.tasks.segmentation import SegmentationTask
-
-
-class SegmentsStandIn:
-    """``torch.cuda.make_graphed_callables`` on a tuple of modules as a CPU can act it out (one module goes to
-    conftest's ``GraphStandIn``, which hands back no input gradient). As torch: ``num_warmup_iters`` real forwards
-    and backwards per module (of NaN output gradients, torch's uninitialised ones), then each module's forward
-    replaced by an autograd function over (its inputs, its parameters) whose backward returns the gradients of
-    both from static buffers; a forward replay writes static outputs and NaN into those buffers (the pool's
-    temporaries may share their memory), and each module's replays share one set of saved activations: a backward
-    reads what the module's latest forward replay wrote."""
-
-    def __init__(self, whole) -> None:
-        self.whole = whole
-
-    def __call__(self, callables, sample_args, num_warmup_iters=3, allow_unused_input=False, **options):
-        if not isinstance(callables, tuple):
-            return self.whole(callables, sample_args, num_warmup_iters, allow_unused_input, **options)
-        for part, args in zip(callables, sample_args):
-            surface = [*(a for a in args if a.requires_grad), *(p for p in part.parameters() if p.requires_grad)]
-            for _ in range(num_warmup_iters):
-                outs = [o for o in torch.utils._pytree.tree_leaves(part(*args)) if o.requires_grad]
-                nan = [torch.full_like(o, float("nan")) for o in outs]
-                torch.autograd.grad(outs, surface, nan, allow_unused=allow_unused_input)
-        for part, args in zip(callables, sample_args):
-            self._replace(part, args)
-        return callables
-
-    @staticmethod
-    def _replace(part: nn.Module, static_inputs: tuple[torch.Tensor, ...]) -> None:
-        params = tuple(part.parameters())
-        surface = (*static_inputs, *params)
-        eager = part.forward
-        flat, spec = torch.utils._pytree.tree_flatten(eager(*static_inputs))
-        static_outputs = [o.detach().clone() for o in flat]
-        static_grads = [torch.zeros_like(t) if t.requires_grad else None for t in surface]
-        latest: list[torch.Tensor] = []
-
-        class Replay(torch.autograd.Function):
-            @staticmethod
-            def forward(ctx, *inputs):
-                for static, x in zip(static_inputs, inputs):
-                    static.copy_(x)
-                for buf in static_grads:
-                    if buf is not None:
-                        buf.fill_(float("nan"))
-                with torch.enable_grad():
-                    latest[:] = torch.utils._pytree.tree_leaves(eager(*static_inputs))
-                for buf, o in zip(static_outputs, latest):
-                    buf.copy_(o.detach())
-                return tuple(o.detach() for o in static_outputs)
-
-            @staticmethod
-            @torch.autograd.function.once_differentiable
-            def backward(ctx, *grads):
-                outs = [(o, g) for o, g in zip(latest, grads) if o.requires_grad]
-                wanted = [t for t, buf in zip(surface, static_grads) if buf is not None]
-                computed = torch.autograd.grad(
-                    [o for o, _ in outs], wanted, [g for _, g in outs], allow_unused=True, retain_graph=True
-                )
-                for buf, g in zip((b for b in static_grads if b is not None), computed):
-                    buf.copy_(g) if g is not None else buf.zero_()
-                return tuple(None if buf is None else buf.detach() for buf in static_grads)
-
-        def replay(*inputs):
-            return torch.utils._pytree.tree_unflatten(list(Replay.apply(*inputs, *params)), spec)
-
-        part.forward = replay
-
-
-@pytest.fixture
-def stand_in(graph_stand_in, monkeypatch) -> SegmentsStandIn:
-    segments = SegmentsStandIn(graph_stand_in)
-    monkeypatch.setattr(torch.cuda, "make_graphed_callables", segments)
-    return segments
 
 
 def tiny_resnet() -> nn.Module:
@@ -121,7 +47,7 @@ def _outputs(out) -> tuple[torch.Tensor, ...]:
 
 
 @pytest.mark.parametrize("build, size", [(tiny_resnet, 32), (tiny_mabn_resnet, 32), (tiny_pspnet, 16)])
-def test_segmented_step_equals_whole_capture_and_eager(stand_in, build, size):
+def test_segmented_step_equals_whole_capture_and_eager(graph_stand_in, build, size):
     """Two accumulated micro-batches: the loss, every parameter's gradient and every buffer are eager training's,
     captured whole or in stages (the second replay moves the first's gradients out of the static buffers)."""
     gen = torch.Generator().manual_seed(1)
@@ -149,7 +75,7 @@ def test_segmented_step_equals_whole_capture_and_eager(stand_in, build, size):
             torch.testing.assert_close(b, c, rtol=1e-12, atol=0, msg=name)
 
 
-def test_drop_lets_go_of_every_segments_gradients(stand_in):
+def test_drop_lets_go_of_every_segments_gradients(graph_stand_in):
     model = tiny_resnet().train()
     x = torch.randn(2, 3, 32, 32, dtype=torch.float64)
     graph_training_forward(model, x, warmup_iters=1, segments="stages")
@@ -158,7 +84,7 @@ def test_drop_lets_go_of_every_segments_gradients(stand_in):
     assert all(p.grad is None for p in model.parameters())
 
 
-def test_second_forward_before_the_backward_is_refused(stand_in):
+def test_second_forward_before_the_backward_is_refused(graph_stand_in):
     model = tiny_resnet().train()
     x = torch.randn(2, 3, 32, 32, dtype=torch.float64)
     graph_training_forward(model, x, warmup_iters=1, segments="stages")
@@ -171,7 +97,7 @@ def test_second_forward_before_the_backward_is_refused(stand_in):
         model(x)  # no backward to come: eager, allowed
 
 
-def test_release_graphs_runs_the_model_eagerly_again(stand_in):
+def test_release_graphs_runs_the_model_eagerly_again(graph_stand_in):
     model = tiny_resnet().train()
     x = torch.randn(2, 3, 32, 32, dtype=torch.float64)
     graph_training_forward(model, x, warmup_iters=1, segments="stages")
@@ -189,13 +115,13 @@ def test_release_graphs_runs_the_model_eagerly_again(stand_in):
         (lambda: PSPNet(num_classes=3, norm="bn", arch="efficientnet-b0"), r"PSPNet \(encoder EfficientNetEncoder\)"),
     ],
 )
-def test_stages_of_a_model_without_a_split_are_refused(stand_in, model, name):
+def test_stages_of_a_model_without_a_split_are_refused(graph_stand_in, model, name):
     with pytest.raises(ConfigError, match=rf"graph_segments=stages: the model {name}.*set graph_segments: whole$"):
         graph_training_forward(model().train(), torch.randn(2, 3, 32, 32), warmup_iters=1, segments="stages")
 
 
 @pytest.mark.parametrize("segments", ["whole", "stages"])
-def test_heads_gradient_hooks_fire_before_layer1s_backward_only_in_stages(stand_in, segments):
+def test_heads_gradient_hooks_fire_before_layer1s_backward_only_in_stages(graph_stand_in, segments):
     """DDP all-reduces a bucket once the hooks of its parameters' gradient accumulators fired: captured in stages,
     those of the heads (fc) fire before layer1's backward has run; captured whole, all fire after the whole
     backward, layer1's included."""
