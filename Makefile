@@ -50,15 +50,16 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m pip install --quiet -c constraints.txt -e ".[dev]"
 	touch $(STAMP)
 
-# The default suite: lint, then every test not marked slow, one pytest-xdist worker per core (about two minutes
+# The default suite: lint, then every test not marked slow, one pytest-xdist worker per core (under two minutes
 # on 2 CPU cores); each module runs in one worker, so that its fixtures are built once. CI runs both.
 test: lint
 	$(PY) -m pytest -q -m "not slow" -n auto --dist loadfile
 
-# The tests too long for the default suite (multi-process failure and timing cases, inductor compiles,
-# GPU-sized benchmarks).
+# The tests too long for the default suite (variants of its runs, multi-process failure and timing cases, inductor
+# compiles, GPU-sized benchmarks), one worker per core taking the next test as it finishes one: its modules are
+# few tests of very different lengths.
 test-slow: $(STAMP)
-	$(PY) -m pytest -q -m slow
+	$(PY) -m pytest -q -m slow -n auto --dist worksteal
 
 # The suite against a second torch, in an environment built as a user's is: a new $(TORCH_VENV) (git-ignored) with
 # torch $(TORCH) and torchvision $(TORCHVISION) installed first, then `pip install ".[dev]"` without constraints.txt,

@@ -44,6 +44,7 @@ def _error(capsys, argv: list[str]) -> str:
     return lines[0]
 
 
+@pytest.mark.slow  # python -m mabn in a subprocess; the in-process cases below check the same lines
 def test_a_misspelt_argument_is_one_line_with_the_close_match_and_the_help_to_read(tmp_path):
     run = _python_m_mabn("fit", "--config", CONFIG, "--trainer.max_epocs", "3", cwd=tmp_path)
     lines = run.stderr.strip().splitlines()

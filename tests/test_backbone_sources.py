@@ -65,6 +65,7 @@ def _bn_layers(module: nn.Module) -> dict[str, nn.Module]:
     return {n: m for n, m in module.named_modules() if isinstance(m, nn.BatchNorm2d | BatchRenorm2d)}
 
 
+@pytest.mark.slow  # builds ResNet-101 twice
 def test_torchvision_bn_statistics_become_brn_running_std_with_eps(bn_model, tmp_path):
     state = {k: v.clone() for k, v in bn_model.state_dict().items()}  # the module's model stays as built
     # Tiny variances, where sqrt(var + eps) and sqrt(var) differ by a factor of 3 or more.
@@ -87,6 +88,7 @@ def test_torchvision_bn_statistics_become_brn_running_std_with_eps(bn_model, tmp
     assert (tiny > 3 * state["layer1.0.bn1.running_var"][:8].double().sqrt()).all()
 
 
+@pytest.mark.slow  # builds three ResNet-101 encoders
 def test_bn_backbone_gives_bn_brn_and_syncbn_encoders_the_same_eval_function(tv_file):
     # bn at normalization batch 2 is ghost-batch BN, a BatchRenorm2d layer keeping running_std.
     encoders = {
@@ -109,6 +111,7 @@ def test_bn_backbone_gives_bn_brn_and_syncbn_encoders_the_same_eval_function(tv_
         torch.testing.assert_close(out, reference, rtol=1e-4, atol=1e-4 * reference.abs().max().item(), msg=name)
 
 
+@pytest.mark.slow  # builds and loads three ResNet-101 encoders
 def test_stage1_bn_files_of_either_layout_load_into_bn_brn_and_syncbn(bn_model, tmp_path):
     # Ghost-batch BN at batch 2 (stage 1's bn) keeps running_std; BN over the device batch (bn32) running_var.
     ghost = resnet101("bn", num_classes=10, norm_batch_size=2)
@@ -231,6 +234,7 @@ def _launch(argv: list[str], capsys) -> tuple[int, str, str]:
     return run_mabn(argv, capsys)
 
 
+@pytest.mark.slow  # three stage-2 dry runs; tests/test_segment_start.py dry-runs the conversion
 def test_stage2_dry_runs_accept_a_bn_backbone_for_brn_and_syncbn_and_convert_it_for_mabn(
     bn_model, tmp_path, monkeypatch, capsys
 ):
@@ -247,6 +251,7 @@ def test_stage2_dry_runs_accept_a_bn_backbone_for_brn_and_syncbn_and_convert_it_
     assert not (tmp_path / "runs").exists()
 
 
+@pytest.mark.slow  # a stage-2 fit
 def test_stage2_brn_run_starts_from_a_bn32_backbone(bn_model, tmp_path, monkeypatch, caplog):
     # What make cityscapes NORM=brn BACKBONE=pretrain/bn32/resnet101-bn.pt builds, up to the first step.
     monkeypatch.chdir(tmp_path)
@@ -276,6 +281,7 @@ def test_bn32_preset_trains_bn_over_the_device_batch_into_its_own_folders(tmp_pa
         launch.build_args("cityscapes", None, "bn32", 0, 1, [])
 
 
+@pytest.mark.slow  # a stage-1 fit
 def test_bn32_short_fit_exports_a_bn_backbone_that_starts_brn(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     data = demo_imagenet.generate(tmp_path / "cls", n_train=4, n_val=2, size=40)

@@ -19,6 +19,7 @@ import pytest
 import torch
 from PIL import Image
 
+from helpers.marks import default_suite_runs
 from helpers.trainer import fit_flags
 from mabn.cli import launch
 from mabn.cli.commands import stage
@@ -189,7 +190,20 @@ def _main(entry: str) -> Callable[[list[str]], object]:
     return lambda argv: sys.exit(main([entry, *argv]))
 
 
-@pytest.mark.parametrize(("entry", "argv", "setup", "expected"), [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+# The cases refused before anything is read run in the default suite, with one case per kind of bad data file; the
+# other data files (each a scan of its dataset, ~0.7 s) run in the slow suite, and tests/test_dataset_check.py holds
+# the dataset check's lines in the default suite.
+SLOW_CASES = {"truncated-png", "label-ids-outside-the-table", "label-of-another-size", "empty-split",
+              "own-mask-of-another-size", "own-mask-colour-of-no-class", "own-image-without-mask",
+              "empty-class-folder", "unknown-norm-dry-run"}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("entry", "argv", "setup", "expected"),
+    default_suite_runs(
+        [c[1:] for c in CASES], keep=[c[1:] for c in CASES if c[0] not in SLOW_CASES], ids=[c[0] for c in CASES]
+    ),  # fmt: skip
+)
 def test_bad_input_is_one_error_line_and_changes_nothing_else(work, capsys, entry, argv, setup, expected):
     if setup is not None:
         setup(work)
@@ -211,6 +225,7 @@ def test_bad_input_is_one_error_line_and_changes_nothing_else(work, capsys, entr
     assert not (work / "data").exists()
 
 
+@pytest.mark.slow  # a fit; tests/test_image_modes.py's fit reads each image as displayed in the default suite
 def test_grayscale_and_rgba_images_train(work, capsys):
     city = work / "cityscapes/leftImg8bit"
     gray, rgba = sorted(city.rglob("*.png"))[:2]

@@ -34,7 +34,7 @@ def pspnet_on(arch: str):
         yield
 
 
-@pytest.fixture(scope="session", params=["resnet18", pytest.param("resnet101", marks=pytest.mark.slow)])
+@pytest.fixture(scope="session", params=[pytest.param(a, marks=pytest.mark.slow) for a in ("resnet18", "resnet101")])
 def measured(request):
     """(encoder arch, step rows, inference rows) of the PSPNet tables at small sizes (crop 32: 4x4 features)."""
     with pspnet_on(request.param):
@@ -150,6 +150,7 @@ def test_the_gpu_check_is_no_bench_command(what, capsys):
     assert re.search(rf"invalid choice: '{what}' \(choose from '?{choices}'?\)", capsys.readouterr().err)
 
 
+@pytest.mark.slow  # times training steps of every norm
 def test_step_measures_the_rows_asked_for_against_their_bn():
     """``rows`` (what make gpu-check times): bn and mabn alone, in the bench's order; a row without the BN it is
     compared with is refused."""

@@ -55,7 +55,7 @@ def _norms(module: nn.Module) -> list[nn.Module]:
 # 1. PSPNet structure
 
 
-@pytest.mark.parametrize("norm", ["bn", "gn", "brn", "mabn"])
+@pytest.mark.parametrize("norm", default_suite_runs(["bn", "gn", "brn", "mabn"], keep=["gn", "mabn"]))
 def test_every_norm_of_pspnet_is_the_requested_one(norm):
     model = PSPNet(norm=norm)
     for part, count in NORM_COUNTS.items():
@@ -150,7 +150,8 @@ def _expected_lrs(base: float, batches: int, accumulate: int, epochs: int, warmu
     ("norm", "batch", "accumulate", "epochs"),
     [
         ("bn", 2, 1, 3),  # 2 steps an epoch: warm-up over steps 0-1, poly over 2-5
-        ("gn", 1, 3, 2),  # 4 batches an epoch, accumulated 3 + 1: still 2 optimizer steps an epoch
+        # 4 batches an epoch, accumulated 3 + 1: still 2 optimizer steps an epoch
+        pytest.param("gn", 1, 3, 2, marks=pytest.mark.slow),
     ],
 )
 def test_lr_follows_warmup_then_poly_with_10x_heads(
@@ -182,7 +183,7 @@ def test_lr_follows_warmup_then_poly_with_10x_heads(
 # 3. Short fits
 
 
-@pytest.mark.parametrize("norm", default_suite_runs(["bn", "gn", "brn", "mabn"], keep=["gn", "mabn"]))
+@pytest.mark.parametrize("norm", default_suite_runs(["bn", "gn", "brn", "mabn"], keep=["mabn"]))
 def test_short_fit_logs_miou_and_saves_checkpoints(tiny_cityscapes, tmp_path, monkeypatch, norm):
     monkeypatch.chdir(tmp_path)
     cli_obj = cli.run_cli(stage2_args(tiny_cityscapes, norm, *SHALLOW))
@@ -271,6 +272,7 @@ def test_backbone_of_another_arch_is_one_error_line(tiny_cityscapes, mabn_backbo
     assert not (tmp_path / "runs").exists()
 
 
+@pytest.mark.slow  # a stage-2 fit
 def test_no_backbone_warns_random_encoder(tiny_cityscapes, mabn_backbone, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     with pytest.warns(UserWarning, match="encoder starts from random weights"):
@@ -340,7 +342,9 @@ def test_a_misspelt_norm_policy_key_stops_the_command_naming_it(
 # 7. Bad input
 
 
-@pytest.mark.parametrize("present", [(), ("leftImg8bit/train", "leftImg8bit/val")])
+@pytest.mark.parametrize(
+    "present", [(), pytest.param(("leftImg8bit/train", "leftImg8bit/val"), marks=pytest.mark.slow)]
+)
 def test_missing_layout_exits_with_one_error_line(tiny_cityscapes, tmp_path, monkeypatch, capsys, present):
     monkeypatch.chdir(tmp_path)
     root = tmp_path / "not_cityscapes"

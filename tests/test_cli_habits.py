@@ -59,6 +59,7 @@ def test_ckpt_path_last_is_the_runs_last_ckpt(tmp_path):
     assert runs.plan(tmp_path, "last", identity, say=print).resume.path == last
 
 
+@pytest.mark.slow  # a stage-2 fit
 def test_a_fit_without_loggers_trains_and_says_only_the_products_lines(data, tmp_path, capsys, caplog):
     """``--trainer.logger false`` (the recipes' LearningRateMonitor refused a Trainer without a logger); the
     explicit ``--backbone none`` is said once, by the launch; Lightning's pytree deprecation and its

@@ -19,7 +19,6 @@ from torch._dynamo.backends.debugging import aot_eager, boxed_nop
 from torch.utils.data import DataLoader, TensorDataset
 
 import mabn.norm.mabn as mabn_module
-from helpers.marks import default_suite_runs
 from helpers.trainer import BARE
 from mabn.norm import MABN2d, convert_norm, mabn_ops
 from mabn.norm.managed import ManagedNorm, raise_if_any_nonfinite
@@ -53,7 +52,8 @@ def _images(seed: int) -> torch.Tensor:
     return torch.randn(4, 3, 8, 8, generator=torch.Generator().manual_seed(seed))
 
 
-@pytest.mark.parametrize("norm", default_suite_runs(["mabn", "brn", "bn"], keep=["mabn"]))
+@pytest.mark.slow  # an inductor compile of each norm's step
+@pytest.mark.parametrize("norm", ["mabn", "brn", "bn"])
 def test_training_step_is_one_graph(norm):
     """Forward, loss and backward of a training step (centred convs included for mabn) trace without a graph
     break; eval forwards too."""
@@ -91,6 +91,7 @@ def _calls(graph: fx.GraphModule) -> list[str]:
     return [str(n.args[0] if "auto_functionalized" in str(n.target) else n.target) for n in calls]
 
 
+@pytest.mark.slow  # inductor compiles both directions
 def test_compiled_statistic_steps_are_one_operator_per_direction(monkeypatch, device):
     """Inside a compiled step each MABN2d calls its Triton statistic step as one operator per direction (on the
     CPU through Triton's interpreter, as on CUDA), where the torch-op steps are dozens of operations that the
@@ -221,6 +222,7 @@ def _fit(task: _Task, tmp_path) -> pl.Trainer:
     return trainer
 
 
+@pytest.mark.slow  # an inductor compile of a fit
 def test_compile_option_trains_through_one_graph(monkeypatch, tmp_path):
     """``compile: true`` sends the training forward and backward through ``torch.compile(fullgraph=True)`` in the
     default mode: one graph for the whole fit while MABNCallback switches phases and logs statistics, and the first

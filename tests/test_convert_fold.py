@@ -33,7 +33,7 @@ def _pspnet():
 @pytest.mark.parametrize(
     "builder", [lambda: torchvision.models.resnet101(weights=None), _pspnet], ids=["resnet101", "smp-pspnet"]
 )
-@pytest.mark.parametrize("norm", sorted(NORM_TYPES))
+@pytest.mark.parametrize("norm", default_suite_runs(sorted(NORM_TYPES), keep=["mabn"]))
 def test_convert_replaces_every_batchnorm_and_keeps_conv_weights(builder, norm):
     model = builder()
     n_bn = sum(isinstance(m, nn.BatchNorm2d) for m in model.modules())
@@ -55,6 +55,7 @@ def test_convert_replaces_every_batchnorm_and_keeps_conv_weights(builder, norm):
         assert all(m.num_groups == 32 for m in norms)
 
 
+@pytest.mark.slow  # a training step of smp's PSPNet-101
 def test_mabn_converted_pspnet_trains_a_step():
     model = convert_norm(_pspnet(), "mabn", norm_batch_size=2, warmup_iters=1, renorm_warmup_iters=1)
     x = torch.randn(4, 3, 64, 64)
@@ -117,7 +118,8 @@ def _rel(a, b):
     return ((a.double() - b.double()).abs().max() / b.double().abs().max()).item()
 
 
-@pytest.mark.parametrize("norm", default_suite_runs(["bn", "syncbn", "brn", "mabn"], keep=["mabn"]))
+@pytest.mark.slow  # ResNet-101 in float64; test_decoders.py and test_export.py fold in the default suite
+@pytest.mark.parametrize("norm", ["bn", "syncbn", "brn", "mabn"])
 def test_fold_matches_unfolded_resnet101(norm):
     model = _trained_like(norm).double()
     folded = fold_norms(model)

@@ -10,6 +10,7 @@ import pytest
 import torch
 import yaml
 
+from helpers.marks import default_suite_runs
 from mabn.data.cityscapes import CityscapesDataModule
 from mabn.data.classes import IGNORE_INDEX, ClassTable
 from mabn.data.folder import FolderDataModule, FolderDataset, train_transform
@@ -28,7 +29,7 @@ def _check_sizes(model: PSPNet, height: int, width: int) -> None:
         assert model.eval()(x[:1]).shape == (1, 19, height, width)
 
 
-@pytest.mark.parametrize("norm", ["bn", "mabn"])
+@pytest.mark.parametrize("norm", default_suite_runs(["bn", "mabn"], keep=["mabn"]))
 def test_sizes_one_above_a_multiple_of_8_give_logits_of_the_input_size(norm):
     # 713 = 8 * 89 + 1; 41 and 57 leave the same remainder at a fraction of the cost, non-square.
     _check_sizes(PSPNet(norm=norm, norm_batch_size=None), 41, 57)

@@ -62,6 +62,7 @@ def _as_one_batch(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(WORLD, G, B, *t.shape[2:]).transpose(0, 1).reshape(G * WORLD * B, *t.shape[2:])
 
 
+@pytest.mark.slow  # two DDP processes
 def test_sync_stats_normalizes_two_devices_as_one_batch(tmp_path):
     """Ghost group k of both devices is one normalization batch: output, input gradient, the devices'
     summed affine gradients and every buffer equal one process normalizing the joined groups (float64)."""

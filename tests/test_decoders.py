@@ -32,7 +32,6 @@ ARCH = "resnet18"
 SHALLOW = ("--model.init_args.arch", ARCH)
 BATCH_NORMS = (nn.BatchNorm2d, nn.SyncBatchNorm, nn.GroupNorm, BatchRenorm2d, MABN2d)
 KIND_TYPES = {"bn": nn.BatchNorm2d, "syncbn": nn.SyncBatchNorm, "gn": nn.GroupNorm, "brn": BatchRenorm2d}
-FAST_FITS = ("deeplabv3plus", "unet")  # the CLI fits of the default suite; the others are slow
 
 
 def _build(decoder: str, norm: str = "mabn", norm_batch_size: int | None = 2, **kwargs) -> nn.Module:
@@ -68,7 +67,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 # 1. Every decoder with MABN: structure, groups, folding
 
 
-@pytest.mark.parametrize("decoder", default_suite_runs(DECODERS, keep=["pspnet", "deeplabv3plus", "fpn"]))
+@pytest.mark.parametrize("decoder", default_suite_runs(DECODERS, keep=["pspnet", "deeplabv3plus"]))
 def test_mabn_everywhere_centred_convs_heads_and_exact_folding(decoder):
     model = _build(decoder)
     spec = DECODERS[decoder]
@@ -125,7 +124,7 @@ def test_mabn_everywhere_centred_convs_heads_and_exact_folding(decoder):
         assert _rel(folded(x), model(x)) < 1e-10
 
 
-@pytest.mark.parametrize("decoder", list(DECODERS))
+@pytest.mark.parametrize("decoder", default_suite_runs(DECODERS, keep=["pspnet", "unet", "segformer"]))
 def test_every_norm_kind_converts_encoder_and_decoder_alike(decoder):
     """Built with ``bn`` every norm, smp's included, is a BatchNorm2d (FPN's GroupNorm too), so each other kind
     replaces them all: converting that network is what building with the kind does (the mabn presets: above)."""
@@ -164,9 +163,8 @@ def backbone(tmp_path_factory) -> Path:
     return save_backbone(tmp_path_factory.mktemp("pretrain") / "resnet18-mabn.pt", model, "mabn", {}, 0.5, ARCH)
 
 
-@pytest.mark.parametrize(
-    "decoder", [d if d in FAST_FITS else pytest.param(d, marks=pytest.mark.slow) for d in DECODERS if d != "pspnet"]
-)
+@pytest.mark.parametrize("decoder", [d for d in DECODERS if d != "pspnet"])
+@pytest.mark.slow  # a stage-2 fit per decoder; the default suite fits PSPNet (tests/helpers/fits.py)
 def test_cli_fit_with_a_backbone_restores_and_folds(decoder, tiny_cityscapes, backbone, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     extra = ["--model.init_args.decoder", decoder, "--model.init_args.backbone", str(backbone)]
@@ -223,8 +221,12 @@ def test_export_of_each_decoder_writes_a_folded_model_that_matches(decoder, tmp_
         assert _rel(scripted(x), task.model.eval()(x)) < 2e-3
 
 
-@pytest.mark.parametrize("decoder", ["pspnet", "deeplabv3plus"])
-@pytest.mark.parametrize("classes", [3, 19])
+@pytest.mark.parametrize(
+    ("decoder", "classes"),
+    default_suite_runs(
+        [(d, k) for d in ("pspnet", "deeplabv3plus") for k in (3, 19)], keep=[("pspnet", 19), ("deeplabv3plus", 3)]
+    ),
+)
 def test_first_loss_is_near_ln_k_for_every_norm(decoder, classes):
     """The classifiers start near zero (normal, std 0.01): a fresh model's first cross-entropy on random pixels is
     within 1 of ln K for every norm, main and auxiliary head alike (He's fan-out start, at the class count, began

@@ -57,7 +57,7 @@ def _assert_folds_exactly(model: nn.Module) -> None:
 
 
 # ResNeXt-50, the largest, in the slow suite: grouped convs are timm's RegNet's too.
-@pytest.mark.parametrize("arch", default_suite_runs(FAMILIES, keep=FAMILIES[1:]))
+@pytest.mark.parametrize("arch", default_suite_runs(FAMILIES, keep=["tu-regnetx_002"]))
 def test_mabn_centres_every_conv_before_a_norm_trains_and_folds_exactly(arch):
     model = _build(arch, "mabn")
     assert not any(type(m) is nn.BatchNorm2d or type(m).__name__ == "BatchNormAct2d" for m in model.modules())
@@ -75,7 +75,7 @@ def test_mabn_centres_every_conv_before_a_norm_trains_and_folds_exactly(arch):
     _assert_folds_exactly(model)
 
 
-@pytest.mark.parametrize("arch", default_suite_runs(FAMILIES, keep=FAMILIES[1:]))
+@pytest.mark.parametrize("arch", default_suite_runs(FAMILIES, keep=["tu-regnetx_002"]))
 def test_bn_keeps_plain_convs_trains_and_folds_exactly(arch):
     model = _build(arch, "bn")
     assert not any(isinstance(m, CenConv2d) for m in model.modules())
@@ -173,7 +173,7 @@ def test_an_unknown_encoder_is_one_error_naming_it():
         build_segmentation_model("pspnet", 5, "bn", arch="tu-nothing")
 
 
-@pytest.mark.parametrize("arch", ["vgg11", "tu-vgg11"])
+@pytest.mark.parametrize("arch", default_suite_runs(["vgg11", "tu-vgg11"], keep=["tu-vgg11"]))
 def test_an_encoder_smp_cannot_dilate_is_refused_in_one_line(arch):
     with pytest.raises(ValueError, match=rf"^encoder '{arch}' does not run at output stride 8 \(.*\): pick a decoder"):
         build_segmentation_model("pspnet", 5, "bn", arch=arch)
@@ -195,6 +195,7 @@ def test_the_first_norm_of_an_encoder_without_layer1_is_logged():
     assert logged_norms(names) == ["encoder.features.0.1", "ppm.stages.0.1.1", "classifier.0.1", "aux.0.1"]
 
 
+@pytest.mark.slow  # a stage-2 fit
 def test_cli_fit_on_a_timm_encoder(tiny_cityscapes, tmp_path, capsys):
     arch = ("--model.init_args.arch", "tu-mobilenetv3_small_100", "--model.init_args.decoder", "unet")
     argv = ["cityscapes", "--data", str(tiny_cityscapes), "--backbone", "none", "--run-dir", str(tmp_path / "run")]

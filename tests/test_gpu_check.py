@@ -88,6 +88,7 @@ def test_sections_runs_some_sections_in_the_checks_order(capsys):
             check.main(["--dry-run", "--limits", limits])
 
 
+@pytest.mark.slow  # make and a second Python in subprocesses; the plan's order is checked in-process above
 def test_make_gpu_check_takes_dry_run_sections_and_another_python(tmp_path):
     make = ["make", "-s", "-C", str(ROOT), "gpu-check", f"VENV={tmp_path / 'no-venv'}"]
     run = subprocess.run([*make, "DRY_RUN=1", "SECTIONS=stage2", f"PY={sys.executable}"], capture_output=True,
@@ -230,6 +231,7 @@ def test_a_section_here_runs_in_this_process(monkeypatch):
     assert "| export | exit 1 |" in outcome.markdown
 
 
+@pytest.mark.slow  # times a ResNet-18 PSPNet step per path
 def test_step_sections_measure_every_target_they_declare(monkeypatch):
     """A step section's ratios fill each of its targets, with the stage's hours on 8 GPUs beside each table
     (a ResNet-18 PSPNet at crop 32 on the CPU, eager in float32 and bf16-mixed)."""
@@ -325,6 +327,7 @@ def test_the_profile_section_runs_stage_1s_step_for_each_norm(monkeypatch):
     assert [line.split(":")[0] for line in said] == ["profile bn", "profile mabn"]
 
 
+@pytest.mark.slow  # a pytest subprocess through Triton's interpreter
 def test_the_kernels_section_runs_the_checkouts_kernel_tests(monkeypatch):
     """The kernels section runs pytest on the device named (here the CPU, Triton's interpreter) and fails the check
     when the tests fail or are not there."""
@@ -392,6 +395,7 @@ def _bare(code: str) -> subprocess.CompletedProcess:
                           cwd=Path(__file__).resolve().parents[1], env={**os.environ, "PYTHONPATH": src})  # fmt: skip
 
 
+@pytest.mark.slow  # Python subprocesses importing torch and Triton
 def test_the_kernel_section_runs_where_smp_albumentations_and_jsonargparse_are_absent():
     """The check's plan, and the kernel tests its first section runs, import with torch, Triton and pytest alone:
     on a bare GPU machine the check proves the kernels before anything needs the wheels."""

@@ -46,7 +46,10 @@ def _outputs(out) -> tuple[torch.Tensor, ...]:
     return out if isinstance(out, tuple) else (out,)
 
 
-@pytest.mark.parametrize("build, size", [(tiny_resnet, 32), (tiny_mabn_resnet, 32), (tiny_pspnet, 16)])
+@pytest.mark.parametrize(
+    "build, size",
+    [pytest.param(tiny_resnet, 32, marks=pytest.mark.slow), (tiny_mabn_resnet, 32), (tiny_pspnet, 16)],
+)
 def test_segmented_step_equals_whole_capture_and_eager(graph_stand_in, build, size):
     """Two accumulated micro-batches: the loss, every parameter's gradient and every buffer are eager training's,
     captured whole or in stages (the second replay moves the first's gradients out of the static buffers)."""

@@ -79,6 +79,7 @@ def imagenet_30_steps(tmp_path_factory) -> Path:
     return demo_imagenet.generate(tmp_path_factory.mktemp("data") / "cls", n_train=6, n_val=1, size=32)
 
 
+@pytest.mark.slow  # traces every operator of several fit steps
 def test_steady_state_steps_read_only_the_late_flag_copy(imagenet_30_steps, tmp_path, monkeypatch):
     """A stage-1 fit as ``python -m mabn pretrain`` builds it (ClassificationTask, ResNet-18 with MABN2d, the CLI's
     guards, MABNCallback), statistics logging off: in 20 steady-state steps the project reads the host once a step,

@@ -52,10 +52,11 @@ def _train_side_by_side(reference, model, optimizers, steps: int = 5) -> None:
 @pytest.mark.parametrize(
     "sgd",
     [
-        pytest.param({"momentum": 0.9, "weight_decay": 1e-4}, id="momentum", marks=pytest.mark.slow),
+        pytest.param({"momentum": 0.9, "weight_decay": 1e-4}, id="momentum"),
         pytest.param({"momentum": 0.9, "weight_decay": 1e-4, "nesterov": True}, id="nesterov"),
     ],
 )
+@pytest.mark.slow  # two fits side by side
 def test_keep_centred_trains_as_forward_centring_does(sgd):
     reference, model = _pair()
     optimizers = [torch.optim.SGD(m.parameters(), lr=0.01, **sgd) for m in (reference, model)]
@@ -71,6 +72,7 @@ def test_keep_centred_trains_as_forward_centring_does(sgd):
     assert not any(c.centred_in_place for c in convs)
 
 
+@pytest.mark.slow  # two fits side by side
 def test_keep_centred_with_adam_warns_once_and_keeps_the_forward_centring():
     reference, model = _pair()
     optimizers = [torch.optim.Adam(m.parameters(), lr=1e-3, weight_decay=1e-4) for m in (reference, model)]

@@ -29,7 +29,9 @@ PATHS = [name for name, _ in paths()]
 
 
 @pytest.mark.parametrize("path", PATHS)
-@pytest.mark.parametrize("n, norm_batch_size", [(6, 2), (2, None)], ids=["N6-ghost2", "N2-whole"])
+@pytest.mark.parametrize(
+    "n, norm_batch_size", [(6, 2), pytest.param(2, None, marks=pytest.mark.slow)], ids=["N6-ghost2", "N2-whole"]
+)
 @pytest.mark.parametrize("stats", default_suite_runs(["sma", "ema"], keep=["sma"]))
 def test_scaled_gradients_match_the_unscaled_reference(stats, n, norm_batch_size, path, device, monkeypatch):
     """Gradient S_t * dL/dout in, loss_scale = S_t: the gradients are S_t times the float64 reference's and

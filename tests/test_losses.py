@@ -313,6 +313,7 @@ def _fit(data: Path, run: Path, capsys, *extra: str) -> list[str]:
     return out
 
 
+@pytest.mark.slow  # a stage-2 fit; the losses themselves are held to their formulas above
 def test_a_fit_trains_ohem_and_dice_with_the_weights_of_classes_yaml(tmp_path, capsys):
     data = bands(tmp_path / "d", (40, 64), train=4)
     with (data / "classes.yaml").open("a") as file:

@@ -14,7 +14,7 @@ import torch
 
 from helpers.kernels import kernels, paths, programs_of, take
 from helpers.layer_runs import BATCH_IDS, BATCHES, check_mabn_against_reference
-from helpers.marks import default_suite_runs
+from helpers.marks import default_suite_runs, where_interpreted
 from mabn.norm import MABN2d
 
 pytestmark = pytest.mark.gpu
@@ -42,11 +42,19 @@ FUSED_BATCHES = [
 ]
 
 
-# MABN's own statistics (sma with renormalization) on programs of 2 channels in the default suite; the other
-# variants, whose kernel paths test_fused_equals_torch_ops also holds to the torch-op steps (themselves held to the
-# reference by test_norm_reference), take ~4 s each in Triton's interpreter (~10 s on several programs) and run in
-# the slow suite. One program computes what each of several computes, less the agreement between them.
-@pytest.mark.parametrize("grid", [pytest.param("one-program", marks=pytest.mark.slow), "blocks-of-2"])
+# In Triton's interpreter a case takes ~4 s (~10 s on several programs): all run in the slow suite, where the
+# default suite holds the kernels to the torch-op steps (test_fused_equals_torch_ops, the steps themselves held to
+# the reference by test_norm_reference) and a recipe variant on several programs to the float64 reference
+# (tests/test_recipe_kernels.py). On a GPU, MABN's own statistics (sma with renormalization) on programs of 2
+# channels run in the kernel section. One program computes what each of several computes, less the agreement
+# between them.
+@pytest.mark.parametrize(
+    "grid",
+    [
+        pytest.param("one-program", marks=pytest.mark.slow),
+        pytest.param("blocks-of-2", marks=where_interpreted(pytest.mark.slow)),
+    ],
+)
 @pytest.mark.parametrize("n, norm_batch_size", FUSED_BATCHES)
 @pytest.mark.parametrize(
     "stats, renorm",

@@ -123,6 +123,7 @@ def test_a_budget_below_the_recipes_batch_lowers_the_per_device_batch_and_keeps_
     ), said
 
 
+@pytest.mark.slow  # builds the model at the recipe's crop
 def test_a_run_that_cannot_fit_one_normalization_batch_is_refused_naming_what_to_lower(
     small_images, tmp_path, capsys, monkeypatch
 ):
@@ -175,6 +176,7 @@ def test_resnext50_trains_two_steps_at_the_crop_from_the_data(small_images, tmp_
     assert saved["global_step"] == 2 and saved["datamodule_hyper_parameters"]["crop_size"] == 96
 
 
+@pytest.mark.slow  # measures the peak of real training steps
 def test_the_memory_benchmark_holds_the_estimate_against_the_measured_peak(tmp_path, capsys):
     # One point, one step, a tiny crop: the command's path, not its numbers (docs/bench-memory-cpu.md has those).
     out = tmp_path / "memory.md"

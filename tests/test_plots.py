@@ -36,6 +36,7 @@ def _write_run(save_dir: Path, version: int | None = None, stats: bool = True) -
     return Path(logger.log_dir) / "metrics.csv"
 
 
+@pytest.mark.slow  # draws every panel
 def test_the_latest_version_is_found_from_the_stage_folder(tmp_path, capsys):
     for version in (2, 10, 9):  # 10 is the latest although "version_9" sorts after it as text
         _write_run(tmp_path / "runs" / "cityscapes", version=version)
@@ -128,6 +129,7 @@ def test_unplottable_runs_fail_with_one_line_naming_the_path(tmp_path, capsys, c
     assert not (run / "plots").exists()
 
 
+@pytest.mark.slow  # draws every panel
 def test_plotting_leaves_the_working_directory_alone(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     run = tmp_path / "run"

@@ -51,6 +51,7 @@ def _official(results: Path, data: Path, monkeypatch, tmp_path: Path) -> dict:
     return evaluator.evaluateImgLists(preds, gt, args)
 
 
+@pytest.mark.slow  # the official evaluator over predict's PNGs
 def test_official_evaluator_on_predict_pngs_gives_the_miou_of_test(fitted, tmp_path, monkeypatch, capsys):
     data, ckpt = fitted
     monkeypatch.chdir(tmp_path)

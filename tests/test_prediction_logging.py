@@ -8,6 +8,7 @@ import pytorch_lightning as pl
 import torch
 from PIL import Image
 
+from helpers.marks import default_suite_runs
 from helpers.trainer import BARE
 from helpers.wandb_reader import history, offline_run, wandb_session
 from mabn.data.cityscapes import CLASS_NAMES, CityscapesDataModule
@@ -86,7 +87,9 @@ class _Capture(WandbLogger):
         super().log_metrics(metrics, step)
 
 
-@pytest.mark.parametrize(("every", "expected"), [(2, [0, 2]), (1, [0, 1, 2]), (0, [])])
+@pytest.mark.parametrize(
+    ("every", "expected"), default_suite_runs([(2, [0, 2]), (1, [0, 1, 2]), (0, [])], keep=[(2, [0, 2])])
+)
 def test_every_nth_validation_logs_when_wandb_is_disabled(
     tiny_cityscapes, tmp_path, monkeypatch, request, every, expected
 ):
@@ -107,6 +110,7 @@ def test_every_nth_validation_logs_when_wandb_is_disabled(
         assert len(images) == 2 and all(img._masks.keys() == {"prediction", "ground_truth"} for img in images)
 
 
+@pytest.mark.slow  # a stage-2 fit
 def test_fit_logs_masks_of_the_first_val_images_to_an_offline_run(tiny_cityscapes, tmp_path, monkeypatch, request):
     """A real offline run: the history (read by wandb's own reader) has the samples of validations 1 and 3,
     not of the sanity check, and the stored masks are the labels and the final model's predictions."""

@@ -34,6 +34,7 @@ def _fit(tmp_path: Path, *extra: str) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300)
 
 
+@pytest.mark.slow  # a fit in a subprocess
 def test_without_a_terminal_lines_replace_the_bar(tmp_path):
     result = _fit(
         tmp_path, "--trainer.enable_progress_bar", "true", "--trainer.max_steps", "100", "--trainer.max_epochs", "-1"

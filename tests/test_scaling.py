@@ -15,6 +15,7 @@ import torch
 import yaml
 
 from helpers.commands import run_mabn
+from helpers.marks import default_suite_runs
 from helpers.trainer import quiet_trainer
 from mabn.cli.commands import stage as stage_command
 from mabn.errors import ConfigError
@@ -72,7 +73,12 @@ def _stage2_per_device(devices: int) -> int:
 STAGE2_LAYOUTS = [(d, 1) for d in range(1, 17)] + [(8, 4), (8, 8)]
 
 
-@pytest.mark.parametrize(("gpus", "nodes"), STAGE2_LAYOUTS, ids=[f"{g}x{n}" for g, n in STAGE2_LAYOUTS])
+@pytest.mark.parametrize(
+    ("gpus", "nodes"),
+    default_suite_runs(
+        STAGE2_LAYOUTS, keep=[(1, 1), (5, 1), (8, 1), (16, 1), (8, 8)], ids=[f"{g}x{n}" for g, n in STAGE2_LAYOUTS]
+    ),  # fmt: skip
+)
 def test_stage2_takes_the_most_pairs_within_16_per_device_with_linear_lr_and_its_epochs(gpus, nodes, layouts, capsys):
     lines = _dry_run(capsys, "cityscapes", layouts["cityscapes"], gpus, nodes, "--backbone", "none")
     devices = gpus * nodes

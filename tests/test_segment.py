@@ -141,6 +141,7 @@ def test_one_image_by_predict_by_the_python_api_and_by_test_is_one_class_map(fit
     assert segmenter.predict(np.zeros((20, 100), np.uint8)).shape == (20, 100)  # any size, grey
 
 
+@pytest.mark.slow  # a prediction of its own; the default suite predicts one image three ways above
 def test_predict_takes_a_glob(fitted, tmp_path, monkeypatch, capsys):
     data, ckpt, _ = fitted
     monkeypatch.chdir(tmp_path)
@@ -156,6 +157,7 @@ def test_predict_takes_a_glob(fitted, tmp_path, monkeypatch, capsys):
     assert code == 2 and err == ["error: no .png/.jpg/.jpeg/.bmp/.tif/.tiff/.webp images match nothing/*.png"]
 
 
+@pytest.mark.slow  # a fit and a prediction of their own
 def test_colour_masks_train_and_predict_in_the_class_colours(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     data = demo_segment.generate(tmp_path / "colour", n_train=4, n_val=2, size=(40, 64), seed=5, mask_format="color")

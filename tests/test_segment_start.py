@@ -133,6 +133,7 @@ def _data(tmp_path: Path) -> Path:
     return demo_segment.generate(tmp_path / "my-data", n_train=4, n_val=2, size=(40, 64), seed=5)
 
 
+@pytest.mark.slow  # a stage-2 fit
 def test_segment_fits_two_steps_from_converted_bn_weights(resnet18_file, tmp_path, monkeypatch, capsys, caplog):
     monkeypatch.chdir(tmp_path)
     data, folder = _data(tmp_path), tmp_path / "run"
@@ -241,6 +242,7 @@ def test_ablation_segment_start_dry_run_and_refusals(tiny_imagenet, tmp_path, ca
     assert code == 2 and err.startswith("error: --segment-start trains its own rows")
 
 
+@pytest.mark.slow  # an ablation of three fits
 def test_ablation_segment_start_runs(tiny_imagenet, tmp_path, monkeypatch, capsys):
     """Two BN(32) runs of 4 steps, then each fine-tune for 2 steps on a small segmentation set: the table against
     the converted start, every run in the results."""

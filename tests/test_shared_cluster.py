@@ -25,7 +25,6 @@ import pytest
 import torch
 
 from helpers.commands import run_mabn
-from helpers.marks import default_suite_runs
 from helpers.processes import wait_for
 from helpers.trainer import QUIET, flags
 from helpers.wandb_reader import wandb_session
@@ -141,6 +140,7 @@ def test_two_runs_started_together_on_one_folder_one_trains_and_the_other_stops_
     assert steps == ["0", "1", "2", "3"]
 
 
+@pytest.mark.slow  # two runs in subprocesses, one killed
 def test_a_run_killed_while_it_holds_its_folder_is_resumed_without_clean_up(tmp_path, request, monkeypatch, capsys):
     """A run holds its folder at step 5 (after the step-4 checkpoint): a second run of the same command stops,
     naming it, and a dry run says so without writing anything. Then it is killed with SIGKILL, and the same
@@ -226,6 +226,7 @@ def _held_elsewhere(folder: Path) -> int:
     return fd
 
 
+@pytest.mark.slow  # waits out a lock's lease
 def test_a_requeued_job_retries_a_lock_held_from_another_host_for_the_lease(tmp_path, monkeypatch, capsys):
     """After a requeue the dead predecessor's lock on another host is retried (NFS drops it after its lease):
     the lock is taken once it is gone, with one line saying why the run waits; a lock still held when the lease
@@ -431,7 +432,8 @@ STAGES = {
 }  # fmt: skip
 
 
-@pytest.mark.parametrize("stage", default_suite_runs(sorted(STAGES), keep=["cityscapes"]))
+@pytest.mark.slow  # a fit stopped by the error, then its resume
+@pytest.mark.parametrize("stage", sorted(STAGES))
 def test_cuda_out_of_memory_in_a_training_step_is_one_line_and_the_last_checkpoint_resumes(
     stage, sets, tmp_path, request, monkeypatch, capsys
 ):

@@ -63,6 +63,7 @@ def submitted(env: dict[str, str]) -> list[list[str]]:
     return [call.read_text().splitlines() for call in sorted(Path(env["SBATCH_RECORD"]).iterdir())]
 
 
+@pytest.mark.slow  # make and the sbatch and srun shims in subprocesses
 def test_a_broken_job_submits_nothing_and_names_every_problem(checkout, tmp_path):
     """Device count, the job it waits for, norm, data, backbone and a LightningCLI argument: all of them, one
     ``error:`` line each, exit status 2, and sbatch never called."""
@@ -90,10 +91,11 @@ def test_a_broken_job_submits_nothing_and_names_every_problem(checkout, tmp_path
     assert not (repo / "runs").exists() and not (repo / "data").exists()
 
 
+@pytest.mark.slow  # make and the sbatch and srun shims in subprocesses, then the job's stage
 @pytest.mark.parametrize(
     ("stage_name", "after"),
     [
-        pytest.param("cityscapes", None, id="cityscapes", marks=pytest.mark.slow),  # ~15 s; segment covers the path
+        pytest.param("cityscapes", None, id="cityscapes"),
         pytest.param("segment", "1001", id="segment-after"),
     ],
 )

@@ -156,6 +156,7 @@ def test_checkpoint_rebuilds_without_the_warm_start_file(tmp_path: Path) -> None
     assert torch.equal(restored.task.model.layer1[0].bn1.running_var, task.model.layer1[0].bn1.running_var)
 
 
+@pytest.mark.slow  # a stage-1 fit and its export
 def test_warm_started_fit_runs_its_timeline_and_exports_apart(
     tiny_imagenet: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -237,6 +238,7 @@ def test_ablation_warm_start_dry_run_and_refusals(
     assert code == 2 and "step counts >= 0" in err
 
 
+@pytest.mark.slow  # an ablation of two fits
 def test_ablation_warm_start_runs(tiny_imagenet: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """BN(32), MABN(2) and two warm starts (0 and 2 steps), two seeds: the table against MABN(2) from scratch."""
     out = tmp_path / "warm"
