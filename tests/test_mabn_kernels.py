@@ -51,7 +51,8 @@ FUSED_BATCHES = [
 @pytest.mark.parametrize(
     "grid",
     [
-        pytest.param("one-program", marks=pytest.mark.slow),
+        # In the interpreter the blocks of 2 run the one program's computation and more: one program runs on a GPU.
+        pytest.param("one-program", marks=[pytest.mark.slow, *where_interpreted(pytest.mark.gpu(cuda_only=True))]),
         pytest.param("blocks-of-2", marks=where_interpreted(pytest.mark.slow)),
     ],
 )
