@@ -67,7 +67,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 # 1. Every decoder with MABN: structure, groups, folding
 
 
-@pytest.mark.parametrize("decoder", default_suite_runs(DECODERS, keep=["pspnet", "deeplabv3plus"]))
+@pytest.mark.parametrize("decoder", default_suite_runs(DECODERS, keep=["deeplabv3plus"]))
 def test_mabn_everywhere_centred_convs_heads_and_exact_folding(decoder):
     model = _build(decoder)
     spec = DECODERS[decoder]
@@ -124,7 +124,7 @@ def test_mabn_everywhere_centred_convs_heads_and_exact_folding(decoder):
         assert _rel(folded(x), model(x)) < 1e-10
 
 
-@pytest.mark.parametrize("decoder", default_suite_runs(DECODERS, keep=["pspnet", "unet", "segformer"]))
+@pytest.mark.parametrize("decoder", default_suite_runs(DECODERS, keep=["unet", "segformer"]))
 def test_every_norm_kind_converts_encoder_and_decoder_alike(decoder):
     """Built with ``bn`` every norm, smp's included, is a BatchNorm2d (FPN's GroupNorm too), so each other kind
     replaces them all: converting that network is what building with the kind does (the mabn presets: above)."""
@@ -223,9 +223,7 @@ def test_export_of_each_decoder_writes_a_folded_model_that_matches(decoder, tmp_
 
 @pytest.mark.parametrize(
     ("decoder", "classes"),
-    default_suite_runs(
-        [(d, k) for d in ("pspnet", "deeplabv3plus") for k in (3, 19)], keep=[("pspnet", 19), ("deeplabv3plus", 3)]
-    ),
+    default_suite_runs([(d, k) for d in ("pspnet", "deeplabv3plus") for k in (3, 19)], keep=[("pspnet", 19)]),
 )
 def test_first_loss_is_near_ln_k_for_every_norm(decoder, classes):
     """The classifiers start near zero (normal, std 0.01): a fresh model's first cross-entropy on random pixels is

@@ -1,5 +1,5 @@
 """The training step captured in segments (``graph_segments: stages``): one graph pair per ResNet stage and one for
-the heads, whose backward nodes let DDP's gradient hooks fire segment by segment. On the CPU through conftest's
+the heads, whose backward nodes let DDP's gradient hooks fire segment by segment. On the CPU through the
 stand-in of ``torch.cuda.make_graphed_callables`` (``GraphStandIn``), which takes one module (``whole``) or a tuple
 of them."""
 
@@ -48,7 +48,8 @@ def _outputs(out) -> tuple[torch.Tensor, ...]:
 
 @pytest.mark.parametrize(
     "build, size",
-    [pytest.param(tiny_resnet, 32, marks=pytest.mark.slow), (tiny_mabn_resnet, 32), (tiny_pspnet, 16)],
+    [pytest.param(b, s, marks=pytest.mark.slow) for b, s in ((tiny_resnet, 32), (tiny_mabn_resnet, 32))]
+    + [(tiny_pspnet, 16)],
 )
 def test_segmented_step_equals_whole_capture_and_eager(graph_stand_in, build, size):
     """Two accumulated micro-batches: the loss, every parameter's gradient and every buffer are eager training's,

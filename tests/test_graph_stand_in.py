@@ -1,4 +1,4 @@
-"""The CPU stand-in for ``torch.cuda.make_graphed_callables`` (``GraphStandIn`` in conftest.py) fails what a GPU's
+"""The CPU stand-in for ``torch.cuda.make_graphed_callables`` (``helpers.graphs.GraphStandIn``) fails what a GPU's
 graphs would get wrong: each case is a usage that runs eagerly on the CPU, and that the stand-in must refuse or
 corrupt as torch's capture and replays do."""
 

@@ -44,6 +44,7 @@ def _table(run, row: dict, key: str) -> dict:
     return json.loads((run / "files" / row[f"{key}.path"]).read_text())
 
 
+@pytest.mark.slow  # a stage-2 fit and its test
 def test_validation_and_test_log_macc_and_the_per_class_table(tiny_cityscapes, tmp_path, monkeypatch, request):
     wandb_session(request, monkeypatch, "offline")
     monkeypatch.chdir(tmp_path)

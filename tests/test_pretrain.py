@@ -52,6 +52,7 @@ def test_short_fit_exports_a_backbone_that_loads_into_the_stage2_encoder(tiny_im
     assert info["norm"] == norm
 
 
+@pytest.mark.slow  # a stage-1 fit, then a stage-2 start
 def test_norm_mismatch_names_both_norms(tiny_imagenet, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     cli.run_cli(_fit_args(tiny_imagenet, "bn"))

@@ -56,6 +56,7 @@ def test_online_timeout_is_wandbs_init_timeout(tmp_path):
     assert logger._wandb_init["settings"] == {"init_timeout": 3, "quiet": True}  # wandb settings given win
 
 
+@pytest.mark.slow  # a fit whose wandb start fails
 def test_a_failed_online_start_continues_the_same_run_offline(tmp_path, request, monkeypatch, capsys):
     """wandb.init failing online, as it does without a server (no network here: the failure is stood in for),
     is followed by the same run offline in the same folder, the line said once, logged metrics in the run."""
