@@ -228,6 +228,7 @@ def mabn_backbone(tmp_path_factory) -> Path:
     return save_backbone(path, model, "mabn", config={}, val_top1=0.5)
 
 
+@pytest.mark.slow  # a stage-2 fit from a stage-1 file; test_pretrain.py loads one strictly into the encoder
 def test_backbone_weights_reach_the_encoder(tiny_cityscapes, mabn_backbone, tmp_path, monkeypatch, recwarn):
     monkeypatch.chdir(tmp_path)
     parsed = cli.run_cli(

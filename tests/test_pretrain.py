@@ -179,7 +179,7 @@ def test_unreadable_image_is_named_also_from_a_worker(tiny_imagenet, tmp_path, m
 
 @pytest.mark.parametrize(
     "norm, timeline",
-    [("mabn", (2, 100, "first")), ("mabn-det", (100, 1001, "one"))],
+    [("mabn", (2, 100, "first")), pytest.param("mabn-det", (100, 1001, "one"), marks=pytest.mark.slow)],
     ids=["imagenet-timeline", "detection-timeline"],
 )
 @pytest.mark.parametrize("demo", default_suite_runs([False, True], keep=[False], ids=["recipe", "demo"]))

@@ -103,6 +103,7 @@ def test_converted_encoder_is_the_bn_network_up_to_each_channels_mean_in_float64
         torch.testing.assert_close(layer(out), expected, rtol=1e-10, atol=1e-10, msg=bn)
 
 
+@pytest.mark.slow  # builds timm's ResNets
 def test_timm_resnet_state_dicts_read_as_torchvision_ones(tmp_path):
     """timm's resnet18/50/101 have torchvision's keys and shapes: their state dicts convert as torchvision's."""
     for arch in ("resnet50", "resnet101"):
