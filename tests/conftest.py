@@ -47,12 +47,14 @@ def _one_thread():
 
 @pytest.fixture(autouse=True)
 def _no_wandb_run_left():
-    """A wandb run a test leaves open, and the settings wandb read at its start (the mode among them), would reach
-    the next fit in the same worker (wandb's lines among a failing command's one error line): each test ends both."""
+    """A wandb run a test leaves open, and the settings wandb read once for its session (the mode among them, from
+    an environment the test changed), would reach the next fit in the same worker: wandb's lines among a failing
+    command's one error line. Each test ends both, after its monkeypatched environment is restored."""
     yield
     wandb = sys.modules.get("wandb")
-    if wandb is not None and wandb.run is not None:
-        wandb.finish()
+    if wandb is not None:
+        if wandb.run is not None:
+            wandb.finish()
         wandb.teardown()
 
 
