@@ -1,5 +1,4 @@
 import os
-import sys
 from pathlib import Path
 
 # One thread per process, set before torch is imported so that the processes tests start inherit it: the suite
@@ -43,19 +42,6 @@ def _one_thread():
     import torch
 
     torch.set_num_threads(1)
-
-
-@pytest.fixture(autouse=True)
-def _no_wandb_run_left():
-    """A wandb run a test leaves open, and the settings wandb read once for its session (the mode among them, from
-    an environment the test changed), would reach the next fit in the same worker: wandb's lines among a failing
-    command's one error line. Each test ends both, after its monkeypatched environment is restored."""
-    yield
-    wandb = sys.modules.get("wandb")
-    if wandb is not None:
-        if wandb.run is not None:
-            wandb.finish()
-        wandb.teardown()
 
 
 @pytest.fixture(autouse=True)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import inspect
+import os
 import re
 import signal
 from argparse import ArgumentError
@@ -28,6 +29,9 @@ def test_wandb_init_args_are_what_wandb_init_receives(tmp_path, monkeypatch):
     received = []
     monkeypatch.setattr(wandb, "init", lambda **kwargs: received.append(kwargs) or pl.loggers.logger.DummyExperiment())
     monkeypatch.setattr(wandb, "run", None)
+    # An offline WandbLogger sets WANDB_MODE=dryrun in os.environ at its first run: restored after the test, or every
+    # later fit in this worker would start its wandb run offline and print wandb's lines.
+    monkeypatch.setenv("WANDB_MODE", os.environ.get("WANDB_MODE", "disabled"))
     logger = WandbLogger(save_dir=str(tmp_path), name="n", group="g", offline=True)
     args = compat.wandb_init_args(logger)
     assert (args["name"], args["group"]) == ("n", "g")
