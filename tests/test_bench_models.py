@@ -104,6 +104,31 @@ def test_bench_cli_refuses_cuda_graphs_on_the_cpu(capsys):
     assert "--cuda-graph needs a CUDA device, got --device cpu" in capsys.readouterr().err
 
 
+def test_bench_cli_refuses_graph_segments_without_cuda_graphs(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["step", "--device", "cpu", "--graph-segments", "stages"])
+    assert exit_info.value.code == 2
+    assert "--graph-segments stages needs --cuda-graph" in capsys.readouterr().err
+
+
+def test_bench_cli_plans_the_segmented_capture(capsys):
+    assert main(["step", "--cuda-graph", "--graph-segments", "stages", "--dry-run"]) == 0
+    assert ", CUDA graphs (stages);" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(("segments", "graphs"), [("whole", 1), ("stages", 5)])
+def test_step_bench_trainer_captures_as_graph_segments_says(graph_stand_in, segments, graphs):
+    """The bench's training step hands graph_segments to the capture: stages gives PSPNet's five segments (stem
+    with layer1, layer2, layer3, layer4, heads) one graph each, whole one graph (CPU stand-in capture)."""
+    with pspnet_on("resnet18"):
+        trainer = step._Trainer(step.build("mabn", 4).train())
+    trainer.cuda_graph, trainer.graph_segments = True, segments
+    images, labels = torch.randn(2, 3, 32, 32), torch.randint(0, 4, (2, 32, 32))
+    trainer.step(images, labels)
+    assert len(graph_stand_in.captured) == graphs
+    assert graph_stand_in.captured[0] == (2, 3, 32, 32)
+
+
 @pytest.mark.slow
 def test_graphed_step_bench_captures_at_the_measured_shape(graph_stand_in):
     """With --cuda-graph every row replays graphs captured at the measured crop, not at the small crop of the

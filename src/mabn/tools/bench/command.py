@@ -65,7 +65,13 @@ def plan(
     groups = f"ghost batches of {args.norm_batch}" if args.norm_batch else "the whole batch"
 
     def step_line(crop: int, graphed: bool, compile_mode: str | None, precision: str | None = None) -> str:
-        how = ", CUDA graphs" if graphed else f", eager and compiled ({compile_mode})" if compile_mode else ", eager"
+        how = (
+            f", CUDA graphs ({args.graph_segments})"
+            if graphed
+            else f", eager and compiled ({compile_mode})"
+            if compile_mode
+            else ", eager"
+        )
         how += f", {precision}" if precision else ""
         from . import step  # the step and infer benchmarks build the models: imported where they run
 
@@ -139,6 +145,12 @@ def main(argv: list[str]) -> int:
         "--cuda-graph", action="store_true", help="step: replay each model's forward and backward as CUDA graphs"
     )
     parser.add_argument(
+        "--graph-segments",
+        choices=("whole", "stages"),
+        default="whole",
+        help="step, with --cuda-graph: capture each model whole or per stage (graph_segments) (default: whole)",
+    )
+    parser.add_argument(
         "--size", type=positive, nargs=2, default=[512, 1024], metavar=("H", "W"), help="infer: image size"
     )
     parser.add_argument(
@@ -163,6 +175,8 @@ def main(argv: list[str]) -> int:
     device = torch.device(args.device)
     if args.cuda_graph and device.type != "cuda":
         parser.error(f"--cuda-graph needs a CUDA device, got --device {args.device}")
+    if args.graph_segments != "whole" and not args.cuda_graph:
+        parser.error(f"--graph-segments {args.graph_segments} needs --cuda-graph")
 
     def repeats(what: str) -> int:
         return args.repeats or DEFAULT_REPEATS[what]
@@ -194,8 +208,9 @@ def main(argv: list[str]) -> int:
         sections.append(table if args.what == "norm" else f"### Norm layers alone\n\n{table}")
     if args.what in ("step", "all"):
         workload = {"model": args.model, "norm_batch_size": args.norm_batch, "compile_mode": args.compile}
-        step_rows = step.run(device, repeats("step"), args.crop, args.batch, cuda_graph=args.cuda_graph, **workload)
-        sections.append(step.table(step_rows, repeats("step"), args.crop, args.batch, args.cuda_graph, **workload))
+        graphs = {"cuda_graph": args.cuda_graph, "graph_segments": args.graph_segments}
+        step_rows = step.run(device, repeats("step"), args.crop, args.batch, **graphs, **workload)
+        sections.append(step.table(step_rows, repeats("step"), args.crop, args.batch, **graphs, **workload))
     if args.what == "ops":
         sections.append(ops.run(device, repeats=repeats("ops")))
     if args.what in ("infer", "all"):

@@ -104,6 +104,7 @@ class _Trainer:
     ) -> None:
         self.model = model
         self.cuda_graph = False
+        self.graph_segments = "whole"  # how a capture splits the model: training_call's ``segments``
         self.precision = precision
         self.optimizer = torch.optim.SGD(model.parameters(), **SGD)
         if centred:  # as the tasks train: centred convs kept centred by SGD
@@ -116,7 +117,7 @@ class _Trainer:
             if self.compiled is not None:
                 out = self.compiled(images)
             else:
-                out = training_call(self.model, images, self.cuda_graph)
+                out = training_call(self.model, images, self.cuda_graph, self.graph_segments)
             loss = _loss(out, labels)
         loss.backward()
         self.optimizer.step()
@@ -196,6 +197,7 @@ def run(
     compile_mode: str | None = None,
     precision: str | None = None,
     rows: Sequence[str] | None = None,
+    graph_segments: str = "whole",
     say: Callable[[str], None] = _say,
 ) -> list[StepRow]:
     """Time and peak memory of one training step per norm, all on the same images and labels.
@@ -204,7 +206,8 @@ def run(
     small crop for the eager rows and at the measured one for the compiled rows (it compiles them, and its time
     is reported); then one step per row is measured for peak memory, then ``repeats`` interleaved rounds are
     timed (median reported). With ``cuda_graph`` (CUDA) every eager model's training forward and backward are
-    CUDA graphs: the memory step is the one that captures them, so its peak includes the capture's.
+    CUDA graphs: the memory step is the one that captures them, so its peak includes the capture's;
+    ``graph_segments`` is how each capture splits the model (``training_call``'s ``segments``).
     ``num_classes``: 19 (Cityscapes) for PSPNet-101, 1000 for the ResNets when not given. ``precision``:
     ``bf16-mixed`` runs each forward and loss under bfloat16 autocast, as Lightning's precision of that name.
     ``rows``: the rows to measure, in ``row_names``' order (default: all of them), with the row each is compared
@@ -233,6 +236,7 @@ def run(
             trainers[name] = _Trainer(net, precision=precision, centred=name == PLAIN)
             trainers[name].step(*warmup)
             trainers[name].cuda_graph = cuda_graph
+            trainers[name].graph_segments = graph_segments
             continue
         norm = "mabn" if name == LOGGED else name.removesuffix(" compiled")
         net = build(norm, num_classes, model, norm_batch_size).to(device).train()
@@ -249,6 +253,7 @@ def run(
             trainers[name] = _Trainer(net, precision=precision)
         trainers[name].step(*warmup)
         trainers[name].cuda_graph = cuda_graph  # captured at the measured shape, by the memory step below
+        trainers[name].graph_segments = graph_segments
     if LOGGED in trainers and not trainers[LOGGED].logged:
         raise RuntimeError("MABNCallback logged no statistics: the logging row would measure nothing")
     steps = {name: partial(t.step, images, labels) for name, t in trainers.items()}
@@ -276,6 +281,7 @@ def table(
     norm_batch_size: int | None = NORM_BATCH_SIZE,
     compile_mode: str | None = None,
     precision: str | None = None,
+    graph_segments: str = "whole",
 ) -> str:
     """The markdown section for ``rows``."""
     graphs = ", forward and backward as CUDA graphs" if cuda_graph else ""
@@ -312,6 +318,7 @@ def table(
         lines.append(
             "Every eager model's training forward and backward replay CUDA graphs (`mabn.tasks.cudagraph`). "
             "Peak memory is that of the step which captured the graphs."
+            + (" The graphs are captured per stage (`graph_segments: stages`)." if graph_segments == "stages" else "")
         )
     compiled = [r for r in rows if r.first_step_s is not None]
     if compiled:
