@@ -113,7 +113,9 @@ def test_bench_cli_refuses_graph_segments_without_cuda_graphs(capsys):
 
 def test_bench_cli_plans_the_segmented_capture(capsys):
     assert main(["step", "--cuda-graph", "--graph-segments", "stages", "--dry-run"]) == 0
-    assert ", CUDA graphs (stages);" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert ", CUDA graphs (stages);" in out
+    assert "bench-step-graph-stages-cuda.md" in out  # not the whole capture's report
 
 
 @pytest.mark.parametrize(("segments", "graphs"), [("whole", 1), ("stages", 5)])

@@ -46,7 +46,8 @@ def report_path(args: argparse.Namespace, device: torch.device) -> Path | None:
     if args.what not in ("norm", "ops"):  # these have one report each, whatever the step options
         if args.model != "pspnet101":
             stem += f"-{args.model}-" + (f"ghost{args.norm_batch}" if args.norm_batch else "whole")
-        stem += ("-graph" if args.cuda_graph else "") + ("-compile" if args.compile else "")
+        stem += ("-graph" if args.cuda_graph else "") + ("-stages" if args.graph_segments == "stages" else "")
+        stem += "-compile" if args.compile else ""
     return (args.out or REPORTS) / f"{stem}-{device.type}.md"
 
 
