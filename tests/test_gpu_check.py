@@ -249,9 +249,31 @@ def test_step_sections_measure_every_target_they_declare(monkeypatch):
     assert [r.split("|")[1].strip() for r in rows] == ["bn", "mabn"] * 2
 
 
+def test_the_segmented_step_is_timed_against_the_whole_capture(monkeypatch, graph_stand_in):
+    """The stages path captures each model in PSPNet's five segments and reports MABN's step time over that of the
+    path captured whole (a ResNet-18 PSPNet at crop 32 on the CPU, the stand-in capture of conftest.py)."""
+    monkeypatch.setattr(step, "PSPNet", partial(PSPNet, arch="resnet18"))
+    paths = (check.StepPath("graphs"), check.StepPath("graphs", None, "stages"))
+    work = check.StepWork(2, "pspnet101", 2, 32, paths)
+    job = check.Job(check.Options(device="cpu", repeats=1), time.monotonic() + 60, lambda line: None, lambda md: None)
+    measured = check.measure_steps(work, job)
+    assert set(measured.ratios) == {t.label for t in work.targets()}
+    assert len(graph_stand_in.captured) == 2 * 1 + 2 * 5  # bn and mabn, whole then per stage
+    ratio = measured.ratios[
+        "stage 2, PSPNet-101 batch 2 crop 32, CUDA graphs per stage, float32: MABN step time / captured whole"
+    ]
+    assert ratio > 0
+    assert "The graphs are captured per stage (`graph_segments: stages`)." in measured.markdown
+
+
 def test_the_plans_targets():
-    labels = [t.label for t in check.STAGE2.targets()]
-    assert len(labels) == 8 and "stage 2, PSPNet-101 batch 2 crop 713, CUDA graphs, float32: step time" in labels
+    stage2 = {t.label: t.limit for t in check.STAGE2.targets()}
+    assert len(stage2) == 11 and stage2["stage 2, PSPNet-101 batch 2 crop 713, CUDA graphs, float32: step time"] == 1.05
+    # The segmented capture (graph_segments: stages) costs at most 1 % of the step captured whole.
+    assert (
+        stage2["stage 2, PSPNet-101 batch 2 crop 713, CUDA graphs per stage, float32: MABN step time / captured whole"]
+        == 1.01
+    )
     stage1 = {t.label: t.limit for t in check.STAGE1.targets()}
     assert stage1 == {
         "stage 1, ResNet-101 batch 32 224 px, CUDA graphs, float32: step time": 1.05,
