@@ -9,7 +9,7 @@ the package's benchmarks (``mabn.tools.bench``), imported from the ``src/`` on i
 1. ``chain``: the chain of a real stage-2 run (``chain.py``): fits killed and resumed, graphed against eager, test,
    predict, export, two ranks under bf16-mixed;
 2. ``stage2``: stage 2's training step, PSPNet-101 at batch 2 and crop 713, MABN against BN, CUDA graphs and eager,
-   float32 and bf16-mixed;
+   float32 and bf16-mixed, and MABN's step captured per stage (``graph_segments: stages``) against captured whole;
 3. ``stage1``: stage 1's training step, ResNet-101 at 32 images of 224 px in ghost batches of 2 against BN over
    the 32 (the ``bn32`` backbone), CUDA graphs and eager, with the hours of the recipe on 8 GPUs;
 4. ``profile``: where stage 1's eager step spends its GPU time, kernel by kernel, BN beside MABN
