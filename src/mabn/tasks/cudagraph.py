@@ -45,12 +45,10 @@ from collections.abc import Callable, Iterator
 
 import torch
 from torch import Tensor, nn
-from torchvision.models import ResNet
 
 from ..compat import tree_leaves
 from ..distributed import has_process_group, sync_group
 from ..errors import ConfigError
-from ..models.pspnet import PSPNet
 from ..norm import BatchRenorm2d, MABN2d
 from ..norm.managed import managed_norms
 
@@ -127,9 +125,15 @@ def _without_autocast_cache(device_type: str) -> Iterator[None]:
 GRAPH_SEGMENTS = ("whole", "stages")
 
 
-def _resnet(model: nn.Module) -> ResNet | None:
+def _resnet(model: nn.Module) -> nn.Module | None:
     """The ResNet whose stages split ``model``: stage 1's torchvision ResNet itself, or a PSPNet's ResNet encoder
     (smp's ResNet encoders are torchvision ResNets); None for any other model."""
+    # Here, not at the top: the models import smp, and the GPU check's kernel tests import this module where only
+    # torch, Triton and pytest are installed; only a segmented capture needs them.
+    from torchvision.models import ResNet
+
+    from ..models.pspnet import PSPNet
+
     if isinstance(model, PSPNet):
         return model.encoder if isinstance(model.encoder, ResNet) else None
     return model if isinstance(model, ResNet) else None
@@ -158,7 +162,7 @@ def _split(model: nn.Module, size: torch.Size) -> tuple[tuple[nn.Module, ...], t
         nn.Sequential(net.conv1, net.bn1, net.relu, net.maxpool, net.layer1),
         *(nn.Sequential(layer) for layer in (net.layer2, net.layer3, net.layer4)),
     )  # new containers: capture replaces the forward of the modules it is given, which the eager path still calls
-    if isinstance(model, PSPNet):
+    if net is not model:  # a PSPNet on its ResNet encoder (``_resnet``)
         heads = _Heads(functools.partial(model.decode, size=size[-2:]), model.ppm, model.classifier, model.aux)
         return (*stages, heads), ((0,), (1,), (2,), (3,), (4, 3))  # the auxiliary head reads layer3's output
     return (*stages, nn.Sequential(net.avgpool, nn.Flatten(1), net.fc)), ((0,), (1,), (2,), (3,), (4,))
