@@ -173,7 +173,8 @@ def test_an_unknown_encoder_is_one_error_naming_it():
         build_segmentation_model("pspnet", 5, "bn", arch="tu-nothing")
 
 
-@pytest.mark.parametrize("arch", default_suite_runs(["vgg11", "tu-vgg11"], keep=["tu-vgg11"]))
+@pytest.mark.slow  # builds VGG-11 twice; test_an_unknown_encoder_is_one_error_naming_it refuses in the default suite
+@pytest.mark.parametrize("arch", ["vgg11", "tu-vgg11"])
 def test_an_encoder_smp_cannot_dilate_is_refused_in_one_line(arch):
     with pytest.raises(ValueError, match=rf"^encoder '{arch}' does not run at output stride 8 \(.*\): pick a decoder"):
         build_segmentation_model("pspnet", 5, "bn", arch=arch)

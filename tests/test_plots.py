@@ -76,6 +76,7 @@ def test_every_layer_and_the_training_curves_are_written_by_default_under_the_ru
             assert image.format == "PNG" and min(image.size) > 300
 
 
+@pytest.mark.slow  # draws every panel; the default suite checks the files a run's plots write
 def test_mabn_panels_draw_the_logged_values_over_phase_shading(tmp_path, monkeypatch):
     figs = {}
     monkeypatch.setattr(figures, "_save", lambda fig, path: figs.setdefault(path.name, fig) and path)
