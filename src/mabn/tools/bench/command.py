@@ -25,6 +25,7 @@ import torch
 
 from ...cli.help import PROG, HelpFormatter, positive
 from ...run import write_text_atomic
+from ...tasks.cudagraph import GRAPH_SEGMENTS
 from . import norm, ops, report, workloads
 
 REPORTS = Path("runs/bench")  # where reports go unless --out names another place
@@ -147,7 +148,7 @@ def main(argv: list[str]) -> int:
     )
     parser.add_argument(
         "--graph-segments",
-        choices=("whole", "stages"),
+        choices=GRAPH_SEGMENTS,
         default="whole",
         help="step, with --cuda-graph: capture each model whole or per stage (graph_segments) (default: whole)",
     )
