@@ -64,22 +64,38 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 @pytest.fixture(scope="session")
-def seg_export(tmp_path_factory):
-    """A MABN PSPNet (ResNet-18 encoder) checkpoint of a dataset of one's own (``CLASSES``), its unfolded eval
-    model, and what export wrote for it."""
+def seg_checkpoint(tmp_path_factory):
+    """A MABN PSPNet (ResNet-18 encoder) checkpoint of a dataset of one's own (``CLASSES``), and its unfolded eval
+    model."""
     tmp = tmp_path_factory.mktemp("seg")
     torch.manual_seed(0)
     task = SegmentationTask(norm="mabn", num_classes=5, arch="resnet18")
     _trained_like(task)
     _save(task, tmp / "psp.ckpt", data={"data_dir": "data/mine", "classes": CLASSES.as_dict()})
-    result = export.export(tmp / "psp.ckpt", tmp / "out", SIZE)
-    return task.model, result
+    return task.model, tmp / "psp.ckpt"
+
+
+@pytest.fixture(scope="session")
+def seg_export(seg_checkpoint):
+    """The unfolded eval model and what export wrote for it when asked for TorchScript and the ExportedProgram."""
+    model, checkpoint = seg_checkpoint
+    return model, export.export(checkpoint, checkpoint.parent / "out", SIZE, formats=("torchscript", "pt2"))
+
+
+@pytest.fixture(scope="session")
+def seg_onnx(seg_checkpoint):
+    """The same model and what export wrote for it when asked for the ONNX file alone."""
+    model, checkpoint = seg_checkpoint
+    return model, export.export(checkpoint, checkpoint.parent / "onnx", SIZE, formats=("onnx",))
 
 
 def test_export_writes_a_folded_torchscript_that_matches_the_unfolded_model(seg_export):
     model, result = seg_export
     assert result.task == "SegmentationTask"
     assert result.torchscript.name == "psp.folded.pt" and result.torchscript.is_file()
+    # The formats asked for, and only those: no ONNX file (nor its check) where it was not asked for.
+    assert sorted(p.name for p in result.torchscript.parent.iterdir()) == ["psp.folded.pt", "psp.folded.pt2"]
+    assert result.onnx is None and result.onnxruntime is None
     assert result.folded.relative < 1e-10  # the folding itself is exact algebra (checked in float64)
     scripted = torch.jit.load(str(result.torchscript))
     x = torch.randn(1, 3, *SIZE)
@@ -152,12 +168,13 @@ needs_onnx = pytest.mark.skipif(
 )
 
 
+@pytest.mark.slow  # torch's dynamo ONNX exporter: 10 s for PSPNet-18
 @needs_onnx
-def test_onnx_matches_the_folded_model_under_onnxruntime(seg_export):
+def test_onnx_matches_the_folded_model_under_onnxruntime(seg_onnx):
     import onnx
     import onnxruntime
 
-    model, result = seg_export
+    model, result = seg_onnx
     assert result.onnx is not None and result.onnx.is_file()
     assert result.onnxruntime is not None and result.onnxruntime.relative < 1e-3
     ops = [node.op_type for node in onnx.load(str(result.onnx)).graph.node]
@@ -171,14 +188,15 @@ def test_onnx_matches_the_folded_model_under_onnxruntime(seg_export):
         assert _rel(torch.from_numpy(out), model(x)) < 2e-3
 
 
+@pytest.mark.slow  # torch's dynamo ONNX exporter: 10 s for PSPNet-18
 @needs_onnx
-def test_onnx_takes_any_batch_height_and_width(seg_export):
+def test_onnx_takes_any_batch_height_and_width(seg_onnx):
     """The ONNX graph's input is (batch, 3, height, width), all three symbolic; export checked it at the sample
     and at two images of a second, non-square size, and it matches the PyTorch model at both (and a third)."""
     import onnx
     import onnxruntime
 
-    model, result = seg_export
+    model, result = seg_onnx
     assert result.other_shape == (2, 3, *export.other_size(*SIZE)) == (2, 3, 33, 81)
     assert result.onnxruntime_other is not None and result.onnxruntime_other.relative < 1e-3
     (graph_input,) = onnx.load(str(result.onnx)).graph.input
@@ -210,16 +228,17 @@ def test_torchscript_carries_the_checkpoints_classes_and_input_normalisation(seg
     assert meta["mean"] == [0.485, 0.456, 0.406] and meta["std"] == [0.229, 0.224, 0.225]
 
 
+@pytest.mark.slow  # torch's dynamo ONNX exporter: 10 s for PSPNet-18
 @needs_onnx
-def test_onnx_carries_the_same_metadata_and_an_input_made_by_it_is_the_models(seg_export):
+def test_onnx_carries_the_same_metadata_and_an_input_made_by_it_is_the_models(seg_onnx):
     """metadata_props, read by onnx and by onnxruntime, hold what metadata.json holds; an uint8 image normalised as
     they say gives the logits of the image normalised as training did (``imagenet_normalize``)."""
     import onnx
     import onnxruntime
 
-    model, result = seg_export
+    model, result = seg_onnx
     props = {p.key: json.loads(p.value) for p in onnx.load(str(result.onnx)).metadata_props}
-    assert props == _torchscript_metadata(result.torchscript)
+    assert props == result.metadata  # what metadata.json holds (test_torchscript_carries_...)
     session = onnxruntime.InferenceSession(str(result.onnx), providers=["CPUExecutionProvider"])
     custom = session.get_modelmeta().custom_metadata_map
     assert {key: json.loads(value) for key, value in custom.items()} == props
@@ -407,6 +426,16 @@ def test_bad_checkpoints_give_one_error_line_naming_the_file(tmp_path, capsys):
     torch.save({"state_dict": {"model.head.weight": torch.zeros(1)}, "hyper_parameters": {}}, unknown)
     assert str(unknown) in _error_line(capsys, [str(unknown)])
     assert not list(tmp_path.glob("*.pt")) and not list(tmp_path.glob("*.onnx"))
+
+
+def test_formats_outside_the_three_are_refused_before_the_checkpoint_is_read(tmp_path, capsys):
+    missing = tmp_path / "missing.ckpt"  # a bad format is named first: nothing is read for it
+    with pytest.raises(export.ExportError, match=r"^export formats: gif; choose one or more of torchscript, pt2, onnx"):
+        export.export(missing, formats=["torchscript", "gif"])
+    with pytest.raises(export.ExportError, match=r"^export formats: none;"):
+        export.export(missing, formats=[])
+    code, _, err = run_mabn(["export", str(missing), "--formats", "gif"], capsys)
+    assert code == 2 and "argument --formats: invalid choice: 'gif'" in err
 
 
 def test_python_m_mabn_export_routes_to_the_exporter(tmp_path, capsys):

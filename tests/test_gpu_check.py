@@ -249,6 +249,7 @@ def test_step_sections_measure_every_target_they_declare(monkeypatch):
     assert [r.split("|")[1].strip() for r in rows] == ["bn", "mabn"] * 2
 
 
+@pytest.mark.slow  # a benchmark's run of both captures of two PSPNets; the capture per stage is in test_bench_models
 def test_the_segmented_step_is_timed_against_the_whole_capture(monkeypatch, graph_stand_in):
     """The stages path captures each model in PSPNet's five segments and reports MABN's step time over that of the
     path captured whole (a ResNet-18 PSPNet at crop 32 on the CPU, the stand-in capture of conftest.py)."""

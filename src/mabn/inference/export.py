@@ -1,5 +1,5 @@
 """A trained checkpoint -> the folded inference model, as TorchScript, a torch.export program and ONNX
-(``python -m mabn export CKPT``).
+(``python -m mabn export CKPT``), each of the three unless ``--formats`` names fewer.
 
 Every norm that is linear at inference (BN, BRN, MABN) is folded into the conv before it (``fold_norms``),
 so the exported network costs what a BN network costs; GroupNorm stays. Each output is checked before it
@@ -21,6 +21,7 @@ import json
 import os
 import tempfile
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,6 +33,7 @@ from ..data.images import IMAGENET_MEAN, IMAGENET_STD, MAX_PIXEL_VALUE
 from ..errors import UserError
 from ..norm import fold_norms
 from ..run import first_line, write_atomic
+from . import FORMATS
 from .checkpoint import Restored, load_task
 from .stage2 import recorded_classes
 
@@ -76,9 +78,10 @@ class Exported:
 
     task: str
     metadata: dict[str, Any]  # what every file carries (``metadata``)
-    torchscript: Path
-    program: Path | None  # the torch.export ExportedProgram (.pt2); None: it cannot take the checked sizes (printed)
-    onnx: Path | None  # None: the ONNX exporter's dependencies are missing (the reason is printed)
+    torchscript: Path | None  # None: not among the formats asked for
+    # The torch.export ExportedProgram (.pt2); None: not asked for, or it cannot take the checked sizes (printed).
+    program: Path | None
+    onnx: Path | None  # None: not asked for, or the ONNX exporter's dependencies are missing (the reason is printed)
     folded: Difference  # folded vs unfolded model, both in float64
     program_diff: Difference | None  # the ExportedProgram vs the folded model at the sample size
     program_other: Difference | None  # the same at ``other_shape``
@@ -279,18 +282,24 @@ def _fold(model: nn.Module, sample: Tensor, checkpoint: Path) -> _Folded:
     return _Folded(folded, exact, out, limit, folding)
 
 
-def _write_torchscript(folded: _Folded, sample: Tensor, path: Path, meta: dict[str, Any]) -> None:
+def _written(paths: list[Path]) -> str:
+    """What a refusal says was written before it."""
+    return f"only {' and '.join(map(str, paths))} written" if paths else "nothing written"
+
+
+def _write_torchscript(folded: _Folded, sample: Tensor, path: Path, outcome: str, meta: dict[str, Any]) -> Path:
     """Step 2: the traced folded model, checked, written with its metadata."""
     traced = _trace(folded.model, sample)
     ts_out = traced(sample)
-    _check("the TorchScript module", Difference.between(ts_out, folded.exact), folded.limit, path, "nothing written")
+    _check("the TorchScript module", Difference.between(ts_out, folded.exact), folded.limit, path, outcome)
     extra = {METADATA_FILE: json.dumps(meta, indent=2)}
     write_atomic(path, lambda tmp: traced.save(str(tmp), _extra_files=extra))
     print(f"TorchScript: wrote {path} ({Difference.between(ts_out, folded.out)} to the folded model)")
+    return path
 
 
 def _write_program(
-    folded: _Folded, sample: Tensor, other: Tensor, path: Path, ts_path: Path, meta: dict[str, Any]
+    folded: _Folded, sample: Tensor, other: Tensor, path: Path, outcome: str, meta: dict[str, Any]
 ) -> tuple[Path | None, Difference | None, Difference | None]:
     """Step 3: the folded model as a torch.export ExportedProgram of symbolic batch, height and width, run at the
     sample and at ``other``'s size, written with its metadata once checked; (its path, its difference at each).
@@ -301,7 +310,6 @@ def _write_program(
     multiples of the output stride only, and a feature map of 1 px specialises too (below).
     """
     shown, shown_other = ("x".join(map(str, x.shape)) for x in (sample, other))
-    outcome = f"only {ts_path} written"
     # Dim.DYNAMIC, not a named Dim: torch.export leaves out the sizes at which a feature map would be 1 px (under
     # 9 px for PSPNet's stride-8 features, 33 px for a ResNet's stride-32 ones), which a named Dim's range refuses.
     dims = dict.fromkeys((0, 2, 3), torch.export.Dim.DYNAMIC)
@@ -338,7 +346,7 @@ def _write_program(
 
 
 def _write_onnx(
-    folded: _Folded, sample: Tensor, other: Tensor, path: Path, written: str, meta: dict[str, Any]
+    folded: _Folded, sample: Tensor, other: Tensor, path: Path, outcome: str, meta: dict[str, Any]
 ) -> tuple[Path | None, Difference | None, Difference | None]:
     """Step 4: the ONNX model, run by onnxruntime at the sample and at ``other``'s size where it is installed, moved
     into place once checked; (its path or None, its difference at the sample and at ``other``)."""
@@ -354,15 +362,14 @@ def _write_onnx(
             return None, None, None
         except Exception as err:  # an operator the exporter cannot translate, or a failed graph capture
             reason = f"{type(err).__name__}: {first_line(err)}"
-            raise ExportError(f"{path}: ONNX export failed ({reason}); only {written} written") from err
+            raise ExportError(f"{path}: ONNX export failed ({reason}); {outcome}") from err
         try:
             ort_outs = _run_onnxruntime(scratch_path, sample, other)
         except RuntimeError as err:
-            raise ExportError(f"{path}: onnxruntime cannot run the ONNX model {err}; only {written} written") from err
+            raise ExportError(f"{path}: onnxruntime cannot run the ONNX model {err}; {outcome}") from err
         if ort_outs is None:
             print("onnxruntime is not installed: the ONNX file was not run (`pip install onnxruntime`)")
         else:
-            outcome = f"only {written} written"
             _check("the ONNX model under onnxruntime", Difference.between(ort_outs[0], folded.exact), folded.limit,
                    path, outcome)  # fmt: skip
             ort_diff = Difference.between(ort_outs[0], folded.out)
@@ -378,10 +385,13 @@ def _write_onnx(
 
 
 def export(
-    checkpoint: str | Path, out_dir: str | Path | None = None, input_size: tuple[int, int] | None = None
+    checkpoint: str | Path,
+    out_dir: str | Path | None = None,
+    input_size: tuple[int, int] | None = None,
+    formats: Sequence[str] = FORMATS,
 ) -> Exported:
-    """Fold the checkpoint's model and write ``<stem>.folded.pt`` (TorchScript), ``<stem>.folded.pt2`` (torch.export)
-    and ``<stem>.onnx`` to ``out_dir``.
+    """Fold the checkpoint's model and write, of ``formats``, ``<stem>.folded.pt`` (``torchscript``),
+    ``<stem>.folded.pt2`` (``pt2``, torch.export) and ``<stem>.onnx`` (``onnx``) to ``out_dir``.
 
     ``out_dir`` defaults to the checkpoint's folder, ``input_size`` (H, W) to the task's usual size: the sample
     every output is checked at, in float64 for the folding. The ExportedProgram's and the ONNX graph's inputs have
@@ -389,6 +399,10 @@ def export(
     ``other_size(H, W)``; the traced TorchScript module accepts other sizes too. Every file carries ``metadata`` of
     the checkpoint.
     """
+    unknown = [f for f in formats if f not in FORMATS]
+    if unknown or not formats:
+        given = ", ".join(map(str, unknown)) or "none"
+        raise ExportError(f"export formats: {given}; choose one or more of {', '.join(FORMATS)}")
     checkpoint = Path(checkpoint)
     restored = load_model(checkpoint)
     name, model, meta = restored.name, restored.task.model, metadata(restored)
@@ -407,16 +421,24 @@ def export(
     other = torch.randn(2, 3, *other_size(height, width), generator=gen)
     other_shape = (2, 3, *other.shape[-2:])
 
+    written: list[Path] = []
+    ts_written, pt2_written, onnx_written = None, None, None
+    program_diffs: list[Difference | None] = [None, None]
+    ort_diff, other_diff = None, None
     with torch.no_grad():
         checked = _fold(model, sample, checkpoint)
-        _write_torchscript(checked, sample, ts_path, meta)
-        pt2_written, *program_diffs = _write_program(checked, sample, other, pt2_path, ts_path, meta)
-        written = f"{ts_path} and {pt2_written}" if pt2_written else str(ts_path)
-        onnx_written, ort_diff, other_diff = _write_onnx(checked, sample, other, onnx_path, written, meta)
+        if "torchscript" in formats:
+            ts_written = _write_torchscript(checked, sample, ts_path, _written(written), meta)
+            written.append(ts_written)
+        if "pt2" in formats:
+            pt2_written, *program_diffs = _write_program(checked, sample, other, pt2_path, _written(written), meta)
+            written += [pt2_written] if pt2_written else []
+        if "onnx" in formats:
+            onnx_written, ort_diff, other_diff = _write_onnx(checked, sample, other, onnx_path, _written(written), meta)
     return Exported(
         name,
         meta,
-        ts_path,
+        ts_written,
         pt2_written,
         onnx_written,
         checked.folding,

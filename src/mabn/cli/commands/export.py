@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ...inference import FORMATS
 from ..help import command_parser, positive
 
 
@@ -30,8 +31,16 @@ def main(argv: list[str]) -> int:
         help="sample input size the outputs are checked at (default: 512 1024 for PSPNet, 224 224 for ResNet); "
         "the .pt2 program and the ONNX model take any size",
     )
+    parser.add_argument(
+        "--formats",
+        nargs="+",
+        choices=FORMATS,
+        metavar="FORMAT",
+        default=list(FORMATS),
+        help="the files to write: torchscript (.folded.pt), pt2 (.folded.pt2), onnx (.onnx); default: all three",
+    )
     args = parser.parse_args(argv)
     from ...inference.export import export  # the ONNX exporters and the models: imported once the arguments parse
 
-    export(args.checkpoint, args.out, tuple(args.input_size) if args.input_size else None)
+    export(args.checkpoint, args.out, tuple(args.input_size) if args.input_size else None, args.formats)
     return 0
