@@ -103,10 +103,10 @@ def test_a_stage_launch_passes_the_argument_mistake_on_as_the_same_line(tmp_path
     assert not list(tmp_path.iterdir())  # no demo set, no run folder
 
 
-def test_python_m_mabn_help_lists_every_command(tmp_path):
-    run = _python_m_mabn("--help", cwd=tmp_path)
-    assert run.returncode == 0
-    listed = {line.split()[0] for line in run.stdout.splitlines() if line.startswith("  ")}
+def test_python_m_mabn_help_lists_every_command(capsys):
+    """``python -m mabn --help`` in this process (the interpreter's start: the subprocess case above)."""
+    assert main(["--help"]) == 0
+    listed = {line.split()[0] for line in capsys.readouterr().out.splitlines() if line.startswith("  ")}
     assert listed == set(COMMANDS)
 
 

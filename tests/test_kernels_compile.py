@@ -21,6 +21,7 @@ HELPER = Path(__file__).parent / "helpers" / "compile_kernels.py"
 ROOT = Path(__file__).parents[1]
 
 
+@pytest.mark.slow  # Triton's compiler for sm_90, in another process
 def test_every_kernel_compiles_for_sm90():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")])

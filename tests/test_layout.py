@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import networkx as nx
+import pytest
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 # Bottom to top, as docs/design.md states them; a floor's units may import one another's names without a cycle.
@@ -152,6 +153,7 @@ def test_import_mabn_exposes_its_api_and_its_modules_only():
     assert extra == []
 
 
+@pytest.mark.slow  # a fresh interpreter's imports: another process
 def test_import_mabn_leaves_the_model_libraries_and_lightning_unloaded():
     """``import mabn`` (the norms, ``python -m mabn --help``) loads torch alone: smp, timm and torchvision take
     seconds to import, Lightning more, and a model made of their classes has imported them already."""

@@ -151,6 +151,9 @@ def _run_record(run_dir: Path) -> dict:
     return next(r["run"] for r in records if r["type"] == "run")
 
 
+# A fit with an offline wandb run and its service process; test_the_wandb_identity_of_a_segmentation_run checks the
+# same identity by default.
+@pytest.mark.slow
 def test_a_fit_names_groups_and_tags_its_run(tmp_path, request, monkeypatch, capsys):
     """``python -m mabn fit`` (in this process, wandb offline) with the stage and dataset a stage launch passes:
     the run is ``<stage>-<norm>-<run folder name>``, grouped and tagged by stage, norm and dataset (the tiny
