@@ -303,3 +303,33 @@ def _imagenet_layout(root: Path) -> Path:
     for split in ("train", "val"):
         (root / "imagenet" / split).mkdir(parents=True)
     return root / "imagenet"
+
+
+def test_a_backbone_is_read_once_until_its_file_changes(tmp_path, monkeypatch):
+    """A run checks its backbone, plans with it and loads it: one read while the file stays as it is; a file written
+    anew (a new inode, as every atomic write gives) or rewritten in place to another size is read again."""
+    from mabn.models import backbone as module
+
+    reads = []
+    real = module.load_weights_file
+    monkeypatch.setattr(module, "load_weights_file", lambda path, *a, **k: reads.append(path) or real(path, *a, **k))
+    path = tmp_path / "tv.pth"
+    torch.save({"conv1.weight": torch.ones(2)}, path)  # not a ResNet: the read is refused, and each refusal reads
+    for _ in range(2):
+        with pytest.raises(BackboneError):
+            module.read_backbone(path, "resnet18")
+    assert len(reads) == 2
+
+    with torch.device("meta"):
+        state = torchvision.models.resnet18().state_dict()
+    light = {k: torch.zeros((), dtype=v.dtype).expand(v.shape) for k, v in state.items()}
+    torch.save(light, tmp_path / "new.pth")
+    (tmp_path / "new.pth").replace(path)  # an atomic write: a new inode at the same path
+    first = module.read_backbone(path, "resnet18")
+    assert module.read_backbone(path, "resnet18") is first and len(reads) == 3
+    with pytest.raises(BackboneError, match="ResNet-34 has 3"):  # another arch: another read, and its own answer
+        module.read_backbone(path, "resnet34")
+    assert len(reads) == 4
+
+    torch.save({k: v for k, v in light.items() if not k.startswith("fc.")}, path)  # in place, another size
+    assert "fc.weight" not in module.read_backbone(path, "resnet18").head and len(reads) == 5

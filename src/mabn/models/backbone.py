@@ -17,6 +17,8 @@ encoder that is not a ResNet (stage 2 takes any smp encoder; stage 1 trains ResN
 
 from __future__ import annotations
 
+import functools
+import zipfile
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -139,9 +141,26 @@ def _stage1_eps(payload: dict[str, Any]) -> float:
 
 def read_backbone(path: str | Path, arch: str = DEFAULT_ARCH) -> Backbone:
     """Read a stage-1 file or a torchvision state dict of the ResNet ``arch``; ``BackboneError`` for anything else.
-    (A stage-1 file records its own ``arch``, which ``check_backbone`` compares.)"""
+    (A stage-1 file records its own ``arch``, which ``check_backbone`` compares.)
+
+    A run checks its backbone before it plans and loads it after: a file read before in this process and unchanged
+    since (the same inode, size and modification time) is not read again. Its weights are mapped from the file, not
+    copied into memory, where it is a zip archive (every ``torch.save`` since torch 1.6); callers only read them."""
     path = Path(path)
-    payload = load_weights_file(path, "backbone file", BackboneError)
+    if not path.is_file():
+        return _read_backbone(path, arch)  # the error that names the missing file
+    stat = path.stat()
+    return _read_backbone_once(path, arch, (stat.st_ino, stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns))
+
+
+@functools.lru_cache(maxsize=4)
+def _read_backbone_once(path: Path, arch: str, stamp: tuple[int, ...]) -> Backbone:
+    return _read_backbone(path, arch)
+
+
+def _read_backbone(path: Path, arch: str) -> Backbone:
+    mapped = path.is_file() and zipfile.is_zipfile(path)  # torch.load maps zip archives only
+    payload = load_weights_file(path, "backbone file", BackboneError, mmap=mapped)
     if _is_torchvision(payload):
         state = {k: v for k, v in payload.items() if not k.startswith("fc.")}
         _check_blocks(path, state, check_arch(arch))
@@ -240,7 +259,7 @@ def load_backbone(path: str | Path, norm: str) -> dict[str, Any]:
     backbone = read_backbone(path)
     if backbone.source != STAGE1 or backbone.norm != norm:
         raise BackboneError(f"{backbone.path} is not a stage-1 backbone of norm {norm!r}: {backbone.describe()}")
-    return {**backbone.info, "state_dict": backbone.state_dict}
+    return {**backbone.info, "state_dict": dict(backbone.state_dict)}  # a dict of its own: the read is shared
 
 
 def adapt_statistics(state: dict[str, torch.Tensor], encoder: nn.Module, eps: float) -> dict[str, torch.Tensor]:
