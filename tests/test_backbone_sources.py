@@ -306,30 +306,32 @@ def _imagenet_layout(root: Path) -> Path:
 
 
 def test_a_backbone_is_read_once_until_its_file_changes(tmp_path, monkeypatch):
-    """A run checks its backbone, plans with it and loads it: one read while the file stays as it is; a file written
-    anew (a new inode, as every atomic write gives) or rewritten in place to another size is read again."""
+    """A run checks its backbone, plans with it and loads it: one read while the file stays as it is, under any name;
+    a file written anew (a new inode, as every atomic write gives) or rewritten in place is read again."""
     from mabn.models import backbone as module
 
     reads = []
     real = module.load_weights_file
     monkeypatch.setattr(module, "load_weights_file", lambda path, *a, **k: reads.append(path) or real(path, *a, **k))
     path = tmp_path / "tv.pth"
-    torch.save({"conv1.weight": torch.ones(2)}, path)  # not a ResNet: the read is refused, and each refusal reads
+    torch.save({"conv1.weight": torch.ones(2)}, path)  # not a ResNet: refused at each call, read once
     for _ in range(2):
         with pytest.raises(BackboneError):
             module.read_backbone(path, "resnet18")
-    assert len(reads) == 2
+    assert len(reads) == 1
 
     with torch.device("meta"):
         state = torchvision.models.resnet18().state_dict()
     light = {k: torch.zeros((), dtype=v.dtype).expand(v.shape) for k, v in state.items()}
     torch.save(light, tmp_path / "new.pth")
     (tmp_path / "new.pth").replace(path)  # an atomic write: a new inode at the same path
-    first = module.read_backbone(path, "resnet18")
-    assert module.read_backbone(path, "resnet18") is first and len(reads) == 3
-    with pytest.raises(BackboneError, match="ResNet-34 has 3"):  # another arch: another read, and its own answer
+    assert module.read_backbone(path, "resnet18").source == "torchvision" and len(reads) == 2
+    assert module.read_backbone(path, "resnet18").source == "torchvision" and len(reads) == 2
+    (tmp_path / "link.pth").hardlink_to(path)  # the same file under another name: not read again, named as given
+    assert module.read_backbone(tmp_path / "link.pth", "resnet18").path == tmp_path / "link.pth" and len(reads) == 2
+    with pytest.raises(BackboneError, match="ResNet-34 has 3"):  # another arch: the same read, its own answer
         module.read_backbone(path, "resnet34")
-    assert len(reads) == 4
+    assert len(reads) == 2
 
     torch.save({k: v for k, v in light.items() if not k.startswith("fc.")}, path)  # in place, another size
-    assert "fc.weight" not in module.read_backbone(path, "resnet18").head and len(reads) == 5
+    assert "fc.weight" not in module.read_backbone(path, "resnet18").head and len(reads) == 3

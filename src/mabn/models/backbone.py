@@ -17,7 +17,6 @@ encoder that is not a ResNet (stage 2 takes any smp encoder; stage 1 trains ResN
 
 from __future__ import annotations
 
-import functools
 import zipfile
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -106,6 +105,27 @@ def save_backbone(
     return write_atomic(path, lambda tmp: torch.save(payload, tmp))
 
 
+# The payloads of the last files read, by (device, inode, size, modification time): a file written anew (an atomic
+# write gives a new inode) or rewritten in place is read again; another name of the file (a link) is not.
+_PAYLOADS: dict[tuple[int, ...], Any] = {}
+_KEPT_PAYLOADS = 4
+
+
+def _payload(path: Path) -> Any:
+    """``torch.load`` of the backbone file at ``path``, once per unchanged file (``read_backbone``)."""
+    if not path.is_file():
+        return load_weights_file(path, "backbone file", BackboneError)  # the error that names the missing file
+    stat = path.stat()
+    stamp = (stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns)
+    if stamp not in _PAYLOADS:
+        mapped = zipfile.is_zipfile(path)  # torch.load maps zip archives only
+        payload = load_weights_file(path, "backbone file", BackboneError, mmap=mapped)
+        while len(_PAYLOADS) >= _KEPT_PAYLOADS:
+            _PAYLOADS.pop(next(iter(_PAYLOADS)))
+        _PAYLOADS[stamp] = payload
+    return _PAYLOADS[stamp]
+
+
 def _is_torchvision(payload: Any) -> bool:
     return (
         isinstance(payload, dict)
@@ -144,23 +164,11 @@ def read_backbone(path: str | Path, arch: str = DEFAULT_ARCH) -> Backbone:
     (A stage-1 file records its own ``arch``, which ``check_backbone`` compares.)
 
     A run checks its backbone before it plans and loads it after: a file read before in this process and unchanged
-    since (the same inode, size and modification time) is not read again. Its weights are mapped from the file, not
-    copied into memory, where it is a zip archive (every ``torch.save`` since torch 1.6); callers only read them."""
+    since (the same device, inode, size and modification time, under any of its names) is not read again. Its
+    weights are mapped from the file, not copied into memory, where it is a zip archive (every ``torch.save`` since
+    torch 1.6); callers only read them."""
     path = Path(path)
-    if not path.is_file():
-        return _read_backbone(path, arch)  # the error that names the missing file
-    stat = path.stat()
-    return _read_backbone_once(path, arch, (stat.st_ino, stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns))
-
-
-@functools.lru_cache(maxsize=4)
-def _read_backbone_once(path: Path, arch: str, stamp: tuple[int, ...]) -> Backbone:
-    return _read_backbone(path, arch)
-
-
-def _read_backbone(path: Path, arch: str) -> Backbone:
-    mapped = path.is_file() and zipfile.is_zipfile(path)  # torch.load maps zip archives only
-    payload = load_weights_file(path, "backbone file", BackboneError, mmap=mapped)
+    payload = _payload(path)
     if _is_torchvision(payload):
         state = {k: v for k, v in payload.items() if not k.startswith("fc.")}
         _check_blocks(path, state, check_arch(arch))
