@@ -141,14 +141,12 @@ def test_stage1_bn_files_of_either_layout_load_into_bn_brn_and_syncbn(bn_model, 
         torch.testing.assert_close(layer.running_std.double(), expected, rtol=1e-6, atol=0)
 
 
-def test_torchvision_file_is_converted_for_centring_mabn_norms_and_refused_by_the_others(tv_file):
-    for norm in ("mabn", "mbn_emas"):
+def test_torchvision_file_is_converted_for_mabn_norms_and_refused_by_gn(tv_file):
+    for norm in ("mabn", "mabn_nowc", "mbn_emas"):
         assert converts(check_backbone(tv_file, norm), norm)
-    with pytest.raises(BackboneError, match="pre-train with that norm .*, and is converted for mabn, mbn, mbn_emas"):
-        check_backbone(tv_file, "mabn_nowc")
     with pytest.raises(BackboneError, match="GroupNorm normalizes each sample by its own statistics"):
         check_backbone(tv_file, "gn")
-    for norm in ("bn", "brn", "syncbn"):
+    for norm in ("bn", "brn", "syncbn", "frozenbn"):
         assert check_backbone(tv_file, norm).source == "torchvision"
 
 
@@ -210,7 +208,9 @@ def test_a_file_without_a_key_names_it(bn_model, tmp_path):
         ("brn", False, "brn", None),
         ("bn", False, "mabn", None),  # converted
         ("syncbn", False, "mbn", None),
-        ("bn", False, "mabn_nowc", "pre-train with that norm"),
+        ("bn", False, "mabn_nowc", None),  # converted
+        ("bn", False, "frozenbn", None),
+        ("mabn", True, "frozenbn", "pre-train with that norm"),
         ("mabn_nowc", False, "mabn", "mabn centres each conv's weights"),
         ("gn", False, "mabn", "or give BN weights (converted to mabn)"),
         ("bn", False, "gn", "GroupNorm normalizes each sample"),

@@ -8,9 +8,16 @@ import torch
 from torch import nn
 
 from mabn import convert_norm
-from mabn.norm import NORM_PRESETS, BatchRenorm2d, GhostBatchNorm2d, MABN2d, create_norm
+from mabn.norm import NORM_PRESETS, BatchRenorm2d, FrozenBatchNorm2d, GhostBatchNorm2d, MABN2d, create_norm
 
-LAYERS = {"bn": nn.BatchNorm2d, "syncbn": nn.SyncBatchNorm, "gn": nn.GroupNorm, "brn": BatchRenorm2d, "mabn": MABN2d}
+LAYERS = {
+    "bn": nn.BatchNorm2d,
+    "syncbn": nn.SyncBatchNorm,
+    "gn": nn.GroupNorm,
+    "brn": BatchRenorm2d,
+    "mabn": MABN2d,
+    "frozenbn": FrozenBatchNorm2d,
+}
 
 
 @pytest.mark.parametrize("name", sorted(NORM_PRESETS))

@@ -162,7 +162,7 @@ def test_the_backbone_rules_read_the_entry(toy):
     bn = Backbone(Path("resnet101.pt"), TORCHVISION, "bn", False, 1e-5, {}, {})
     check_fits(bn, "toy")
     own = Backbone(Path("toy.pt"), STAGE1, "toy", False, 1e-5, {}, {})
-    with pytest.raises(BackboneError, match=r"a BN backbone fits bn, syncbn, brn, toy\b"):
+    with pytest.raises(BackboneError, match=r"a BN backbone fits bn, syncbn, brn, frozenbn, toy\b"):
         check_fits(own, "bn")
     assert norm_kwargs_for("toy", 2, {"toy": {"gain": 2.0}}) == {"gain": 2.0, "norm_batch_size": 2}
     net = resnet("toy", num_classes=10, norm_batch_size=2, arch="resnet18")
@@ -197,7 +197,9 @@ def test_the_cost_tables_take_the_registered_norm(toy):
 
 def test_one_membership_check_names_the_known_norms(toy):
     assert check_norm("toy").kind == "toy"
-    with pytest.raises(ValueError, match=r"^unknown norm 'tyo'; choose one of bn, brn, gn, mabn, .*toy, toy_sync$"):
+    with pytest.raises(
+        ValueError, match=r"^unknown norm 'tyo'; choose one of bn, brn, frozenbn, gn, mabn, .*toy, toy_sync$"
+    ):
         create_norm("tyo", 4)
     with pytest.raises(ValueError, match="toy_sync"):
         convert_norm(_net(), "tyo")

@@ -1,7 +1,7 @@
 """Stage 2's start from BN weights (docs/backbones.md, "A MABN encoder from BN weights"): a torchvision or timm ResNet
-state dict, or a stage-1 bn file, converted for a MABN encoder as stage 1's warm start converts it; held to the
-formulas in float64, a 2-step ``segment`` fit from such a file, the dry runs' line, the refusals; and the ablation's
-``--segment-start`` comparison (docs/ablation/segment-start.md)."""
+state dict, or a stage-1 bn file, converted for a MABN encoder so that it keeps BN's function; held to the BN
+encoder and the formulas in float64, a 2-step ``segment`` fit from such a file, the dry runs' line, the refusals;
+and the ablation's ``--segment-start`` comparison (docs/ablation/segment-start.md)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,6 @@ import pytest
 import segmentation_models_pytorch as smp
 import timm
 import torch
-import torch.nn.functional as F
 import torchvision
 from torch import nn
 
@@ -21,16 +20,17 @@ from helpers.backbone_files import Backbones
 from helpers.commands import run_mabn
 from helpers.trainer import STAGE2_FIT
 from mabn.data.synthetic import segment as demo_segment
+from mabn.errors import ConfigError
+from mabn.inference.checkpoint import load_task
 from mabn.models import load_backbone_into, norm_kwargs_for
-from mabn.models.backbone import CONVERTED, check_backbone
-from mabn.norm import CenConv2d, MABN2d, convert_norm
+from mabn.models.backbone import CONVERTED, BackboneError, check_backbone
+from mabn.norm import CenConv2d, FrozenBatchNorm2d, MABN2d, convert_norm
+from mabn.tasks.segmentation import SegmentationTask
 from mabn.tools.ablation import segment
 from mabn.tools.ablation.model import SmallResNet
 
 EPS = 1e-5
 RESNET18 = ["--model.init_args.arch", "resnet18", "--model.init_args.log_predictions_every_n_epochs", "0"]
-# The BN layer each conv of a torchvision ResNet feeds.
-NORM_OF = {"conv1": "bn1", "conv2": "bn2", "conv3": "bn3"}
 
 
 def _trained_like(model: nn.Module) -> nn.Module:
@@ -55,52 +55,71 @@ def resnet18_file(tmp_path_factory) -> Path:
     return path
 
 
-def _mabn_encoder(arch: str = "resnet18") -> nn.Module:
-    """Stage 2's MABN(2) encoder (smp's dilated ResNet at output stride 8)."""
+def _mabn_encoder(arch: str = "resnet18", centred: bool = False) -> nn.Module:
+    """Stage 2's MABN(2) encoder (smp's dilated ResNet at output stride 8), its convs uncentred as a fit from BN
+    weights builds it (``centred``: as from a stage-1 MABN file)."""
     encoder = smp.encoders.get_encoder(arch, weights=None, output_stride=8)
-    return convert_norm(encoder, "mabn", **norm_kwargs_for("mabn", 2))
+    return convert_norm(encoder, "mabn", centred, **norm_kwargs_for("mabn", 2))
 
 
-def _norm_name(conv: str) -> str:
-    if conv.endswith("downsample.0"):
-        return conv.removesuffix("0") + "1"
-    head, _, tail = conv.rpartition(".")
-    return f"{head}.{NORM_OF[tail]}" if head else NORM_OF[tail]
-
-
-def test_converted_encoder_is_the_bn_network_up_to_each_channels_mean_in_float64(resnet18_file, tmp_path):
-    """Every conv computes the BN network's conv minus m_o x (the window's sum of the input), m_o the mean of filter
-    o; its MABN layer holds BN's running variance (EMA and every SMA slot) and affine, so that in eval mode
-    conv + norm = gamma (conv_BN(x) - m_o sum(x)) / sqrt(var + eps) + beta where BN has (conv_BN(x) - mu)."""
-    path = tmp_path / "resnet18-float64.pth"  # the conversion in float64, from a file in float64
-    state = {k: v.double() if v.is_floating_point() else v for k, v in torch.load(resnet18_file).items()}
+@pytest.mark.parametrize("arch", ["resnet18", pytest.param("resnet101", marks=pytest.mark.slow)])
+def test_converted_encoder_computes_the_bn_encoder_in_eval_in_float64(arch, tmp_path):
+    """BN weights with BN statistics away from their start, converted for a MABN encoder: every feature map of the
+    encoder in eval mode is the BN encoder's, in float64; each MABN layer holds BN's second moment var + mean^2 as
+    its EMA and in every SMA slot, gamma sqrt(var + mean^2 + eps) / sqrt(var + eps) as its weight and
+    beta - gamma mean / sqrt(var + eps) as its bias."""
+    torch.manual_seed(0)
+    state = _trained_like(getattr(torchvision.models, arch)()).state_dict()
+    state = {k: v.double() if v.is_floating_point() else v for k, v in state.items()}
+    path = tmp_path / f"{arch}-float64.pth"
     torch.save(state, path)
-    encoder = _mabn_encoder().double()
-    info = load_backbone_into(encoder, path, "mabn", "resnet18")
+    encoder = _mabn_encoder(arch).double()
+    reference = smp.encoders.get_encoder(arch, weights=None, output_stride=8).double()
+    info = load_backbone_into(encoder, path, "mabn", arch)
     assert info["converted"] and info["conversion"].endswith(CONVERTED)
-    encoder.eval()
-    convs = {name: m for name, m in encoder.named_modules() if isinstance(m, CenConv2d)}
-    assert len(convs) == 20  # stem, 2 per block x 8, 3 downsamples
-    generator = torch.Generator().manual_seed(4)
-    for name, conv in convs.items():
-        w = state[f"{name}.weight"]
-        x = torch.randn(2, w.shape[1], 11, 11, generator=generator, dtype=torch.float64)
-        geometry = {"stride": conv.stride, "padding": conv.padding, "dilation": conv.dilation}
-        window_sum = F.conv2d(x, torch.ones(1, *w.shape[1:], dtype=torch.float64), **geometry)
-        filter_mean = w.mean(dim=(1, 2, 3)).view(1, -1, 1, 1)
-        expected_conv = F.conv2d(x, w, **geometry) - filter_mean * window_sum
-        out = conv(x)
-        torch.testing.assert_close(out, expected_conv, rtol=1e-10, atol=1e-10, msg=name)
+    assert not load_backbone_into(reference, path, "bn", arch)["converted"]
+    assert not any(isinstance(m, CenConv2d) for m in encoder.modules())
+    x = torch.randn(2, 3, 48, 48, dtype=torch.float64)
+    with torch.no_grad():
+        features = list(zip(encoder.eval()(x), reference.eval()(x), strict=True))
+    for got, want in features[1:]:  # the first is the input itself
+        assert ((got - want).norm() / want.norm()).item() <= 1e-10
+    for name, layer in encoder.named_modules():
+        if isinstance(layer, MABN2d):
+            mean, var = state[f"{name}.running_mean"], state[f"{name}.running_var"]
+            gamma, beta = state[f"{name}.weight"], state[f"{name}.bias"]
+            second = var + mean**2
+            torch.testing.assert_close(layer.running_var, second, rtol=1e-14, atol=0)
+            assert torch.equal(layer.buffer_x2, layer.running_var.expand(layer.buffer_size, -1))
+            assert int(layer.count_x2) == layer.buffer_size  # the SMA counts as full of the seed
+            torch.testing.assert_close(layer.weight, gamma * (second + EPS).sqrt() / (var + EPS).sqrt())
+            torch.testing.assert_close(layer.bias, beta - gamma * mean / (var + EPS).sqrt())
 
-        bn = _norm_name(name)
-        layer = encoder.get_submodule(bn)
-        assert isinstance(layer, MABN2d)
-        var = state[f"{bn}.running_var"]
-        assert torch.equal(layer.running_var, var) and torch.equal(layer.buffer_x2, var.expand(layer.buffer_size, -1))
-        assert int(layer.count_x2) == layer.buffer_size  # the SMA counts as full of the seed
-        gamma, beta = state[f"{bn}.weight"].view(1, -1, 1, 1), state[f"{bn}.bias"].view(1, -1, 1, 1)
-        expected = gamma * expected_conv / (var.view(1, -1, 1, 1) + EPS).sqrt() + beta
-        torch.testing.assert_close(layer(out), expected, rtol=1e-10, atol=1e-10, msg=bn)
+
+def test_a_centred_encoder_is_refused_and_the_stage1_mabn_route_stays_centred(resnet18_file, backbones, tmp_path):
+    with pytest.raises(BackboneError, match="conv1 is a centred conv: BN's function needs the convs as BN trained"):
+        load_backbone_into(_mabn_encoder(centred=True), resnet18_file, "mabn", "resnet18")
+    own = backbones.stage1("mabn", "resnet18")
+    task = SegmentationTask(norm="mabn", backbone=str(own), arch="resnet18", num_classes=5)
+    assert task.hparams.centre_encoder is None
+    assert sum(isinstance(m, CenConv2d) for m in task.model.encoder.modules()) == 20
+
+
+def test_a_fit_records_the_uncentred_encoder_and_its_checkpoint_rebuilds_it(resnet18_file, tmp_path):
+    task = SegmentationTask(norm="mabn", backbone=str(resnet18_file), arch="resnet18", num_classes=5)
+    assert task.hparams.centre_encoder is False
+    assert not any(isinstance(m, CenConv2d) for m in task.model.encoder.modules())
+    assert any(isinstance(m, CenConv2d) for m in task.model.heads().modules())  # the heads centre as MABN does
+    path = tmp_path / "run.ckpt"
+    hparams = {**dict(task.hparams), "backbone": str(tmp_path / "gone.pth")}  # the backbone file is not read again
+    torch.save({"state_dict": task.state_dict(), "hyper_parameters": hparams, "pytorch-lightning_version": "2.6"}, path)
+    restored = load_task(path).task
+    assert not any(isinstance(m, CenConv2d) for m in restored.model.encoder.modules())
+    x = torch.randn(1, 3, 32, 32)
+    with torch.no_grad():
+        torch.testing.assert_close(restored.model.eval()(x), task.model.eval()(x))
+    with pytest.raises(ConfigError, match="centre_encoder=True: BN weights .* keep BN's function only in uncentred"):
+        SegmentationTask(norm="mabn", backbone=str(resnet18_file), arch="resnet18", centre_encoder=True)
 
 
 @pytest.mark.slow  # builds timm's ResNets
@@ -119,7 +138,8 @@ def test_timm_resnet_state_dicts_read_as_torchvision_ones(tmp_path):
     encoder = _mabn_encoder()
     assert load_backbone_into(encoder, path, "mabn", "resnet18")["converted"]
     source = torch.load(path, weights_only=True)
-    torch.testing.assert_close(encoder.layer4[1].bn2.running_var, source["layer4.1.bn2.running_var"])
+    second = source["layer4.1.bn2.running_var"] + source["layer4.1.bn2.running_mean"] ** 2
+    torch.testing.assert_close(encoder.layer4[1].bn2.running_var, second)
 
 
 def test_stage1_bn_files_convert_and_mabn_files_load_as_they_are(backbones: Backbones):
@@ -127,7 +147,7 @@ def test_stage1_bn_files_convert_and_mabn_files_load_as_they_are(backbones: Back
         path = backbones.stage1("bn", "resnet18", norm_batch_size)
         assert load_backbone_into(_mabn_encoder(), path, "mabn", "resnet18")["converted"]
     own = backbones.stage1("mabn", "resnet18")
-    assert not load_backbone_into(_mabn_encoder(), own, "mabn", "resnet18")["converted"]
+    assert not load_backbone_into(_mabn_encoder(centred=True), own, "mabn", "resnet18")["converted"]
 
 
 def _data(tmp_path: Path) -> Path:
@@ -152,13 +172,15 @@ def test_segment_fits_two_steps_from_converted_bn_weights(resnet18_file, tmp_pat
     assert not any("Encoder loaded from" in text for text in said)
     checkpoint = torch.load(folder / "checkpoints" / "last.ckpt", weights_only=False, map_location="cpu")
     assert checkpoint["global_step"] == 2 and checkpoint["hyper_parameters"]["norm"] == "mabn"
+    assert checkpoint["hyper_parameters"]["centre_encoder"] is False
     trained = checkpoint["state_dict"]["model.encoder.conv1.weight"]
     w = torch.load(resnet18_file, weights_only=True)["conv1.weight"]
     means = w.mean(dim=(1, 2, 3), keepdim=True)
-    # The fit started from the centred filters: two steps at a warm-up lr moved them by far less than the filters'
-    # means the conversion removed, and kept them centred.
-    moved = (trained - (w - means)).abs().max()
-    assert moved < 0.1 * means.abs().max() and trained.mean(dim=(1, 2, 3)).abs().max() < 1e-6, moved
+    # The fit started from BN's filters as they are: two steps at a warm-up lr moved them by far less than their
+    # means, which stay (no centring).
+    moved = (trained - w).abs().max()
+    assert moved < 0.1 * means.abs().max(), moved
+    torch.testing.assert_close(trained.mean(dim=(1, 2, 3), keepdim=True), means, rtol=0.1, atol=1e-3)
 
 
 def test_cityscapes_dry_run_says_the_conversion(tiny_cityscapes, backbones, tmp_path, monkeypatch, capsys):
@@ -205,23 +227,37 @@ def _bn_state(seed: int = 0) -> dict[str, torch.Tensor]:
     return _trained_like(SmallResNet(10)).state_dict()
 
 
-def test_fine_tunes_start_as_stage2_starts_and_share_their_heads():
+def test_fine_tunes_start_as_their_rows_say_and_share_their_heads():
+    """Every start but the centred one and GN's computes BN(32)'s encoder at step 0 (eval); the heads are paired."""
     bn = _bn_state()
+    reference = segment.SegmentNet()
+    reference.encoder.load_state_dict(segment.encoder_state(bn))
+    x = torch.randn(4, 3, 16, 16)
+    with torch.no_grad():
+        want = reference.eval().encoder.features(x)
     models = {row.key: segment.initial_model(row, 7, 20, bn) for row in segment.SEGMENT_ROWS}
-    converted, as_is, random = (models[k] for k in ("mabn2-from-bn", "bn32-from-bn", "mabn2-random"))
-    w = bn["layer2.0.conv1.weight"]
-    assert torch.equal(converted.encoder.layer2[0].conv1.weight, w - w.mean(dim=(1, 2, 3), keepdim=True))
-    layer = converted.encoder.layer2[0].bn1
-    assert torch.equal(layer.running_var, bn["layer2.0.bn1.running_var"]) and torch.equal(
-        layer.weight, bn["layer2.0.bn1.weight"]
-    )
-    assert int(layer.count_x2) == 0 and not layer.buffer_x2.any()  # streams reset as stage 2's policy does
-    for key, value in as_is.encoder.state_dict().items():
-        assert torch.equal(value, bn[key]), key
-    assert not torch.equal(random.encoder.conv1.weight, converted.encoder.conv1.weight)
-    # Paired: one seed, one head start, whatever the norm (centring changes what a conv computes, not its weight).
-    heads = [m.head[-1].weight for m in models.values()]
+    kept = {"mabn2-kept", "bn32-from-bn", "frozenbn-head-bn2", "frozenbn-head-gn", "mabn2-mean-folded", "bn2-from-bn"}
+    for key, model in models.items():
+        with torch.no_grad():
+            got = model.eval().encoder.features(x)
+        off = ((got - want).norm() / want.norm()).item()
+        assert (off < 1e-5) == (key in kept), (key, off)
+    converted = models[segment.REFERENCE].encoder.layer2[0]
+    assert not isinstance(converted.conv1, CenConv2d) and int(converted.bn1.count_x2) == 0  # streams reset
+    assert isinstance(models["mabn2-centred"].encoder.layer2[0].conv1, CenConv2d)
+    assert isinstance(models["frozenbn-head-bn2"].encoder.layer2[0].bn1, FrozenBatchNorm2d)
+    assert isinstance(models["frozenbn-head-gn"].head[1], nn.GroupNorm)
+    heads = [m.head[-1].weight for m in models.values()]  # paired: one seed, one head start, whatever the norm
     assert all(torch.equal(h, heads[0]) for h in heads)
+
+
+def test_the_domain_shift_changes_the_images_not_the_labels():
+    plain, labels = segment.segment_set("val", 16)
+    shifted, shifted_labels = segment.segment_set("val", 16, True)
+    assert torch.equal(labels, shifted_labels)
+    # Lower contrast: every channel's spread shrinks; other colours: the second channel shows the red one inverted.
+    assert (shifted.std(dim=(0, 2, 3)) < 0.8 * plain.std(dim=(0, 2, 3))).all()
+    assert torch.corrcoef(torch.stack([plain[:, 0].flatten(), shifted[:, 1].flatten()]))[0, 1] < -0.5
 
 
 def test_segment_set_labels_the_shapes():
@@ -237,10 +273,17 @@ def test_ablation_segment_start_dry_run_and_refusals(tiny_imagenet, tmp_path, ca
     code, out, _ = run_mabn([*args, "--segment-start", "--dry-run"], capsys)
     assert code == 0
     assert "pre-training: BN(32) (bn32) x 2 seeds = 2 runs of 8 steps" in out
-    assert "x 2 seeds = 6 runs of 150 steps on the generated segmentation set" in out
+    assert "x 2 seeds = 16 runs of 150 steps on the generated segmentation set (" in out
     assert f"writes {tmp_path / 'o' / 'ablation.md'}" in out and not (tmp_path / "o").exists()
+    code, out, _ = run_mabn([*args, "--segment-start", "--domain-shift", "--rows", "mabn2-kept,bn2-from-bn",
+                             "--dry-run"], capsys)  # fmt: skip
+    assert code == 0 and "x 2 seeds = 4 runs of 150 steps on the generated segmentation set, domain-shifted" in out
     code, _, err = run_mabn([*args, "--segment-start", "5", "--warm-start", "--dry-run"], capsys)
     assert code == 2 and err.startswith("error: --segment-start trains its own rows")
+    code, _, err = run_mabn([*args, "--domain-shift", "--dry-run"], capsys)
+    assert code == 2 and err.startswith("error: --domain-shift shifts the fine-tunes' images: it needs --segment-start")
+    code, _, err = run_mabn([*args, "--segment-start", "--rows", "mabn2", "--dry-run"], capsys)
+    assert code == 2 and err.startswith("error: unknown --segment-start rows ['mabn2']; choose from mabn2-kept, ")
 
 
 @pytest.mark.slow  # an ablation of three fits
@@ -253,18 +296,19 @@ def test_ablation_segment_start_runs(tiny_imagenet, tmp_path, monkeypatch, capsy
     out = tmp_path / "seg"
     args = ["ablation", "--data", str(tiny_imagenet), "--seeds", "2", "--steps", "4", "--image-size", "16"]
     try:
-        code, _, err = run_mabn([*args, "--segment-start", "2", "--workers", "1", "--out", str(out)], capsys)
+        rows = ["--rows", "mabn2-kept,frozenbn-head-bn2,mabn2-centred"]
+        code, _, err = run_mabn([*args, "--segment-start", "2", *rows, "--workers", "1", "--out", str(out)], capsys)
     finally:
         segment.segment_set.cache_clear()
     assert code == 0, err
     table = (out / "ablation.md").read_text()
     assert table.startswith("# Stage 2's start from BN weights at small scale (beyond the paper)")
     rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")] for line in table.splitlines()[8:]}
-    assert rows["MABN(2), converted from BN(32)"][2:4] == ["BN(32)'s weights, converted", "2"]
-    assert rows["MABN(2), converted from BN(32)"][6] == "–"  # the reference
-    assert rows["MABN(2), random"][2] == "random weights"
+    assert rows["MABN(2), BN's function kept (stage 2's conversion)"][2:5] == ["keep_bn_function", "MABN(2)", "2"]
+    assert rows["MABN(2), BN's function kept (stage 2's conversion)"][7] == "–"  # the reference
+    assert rows["frozen BN, head BN(2)"][2:4] == ["loaded, then the norm swapped (convert_norm)", "BN(2)"]
     runs = json.loads((out / "results.json").read_text())["runs"]
     assert sorted({(r["row"], len(r["losses"])) for r in runs}) == [
-        ("bn32", 4), ("bn32-from-bn", 2), ("mabn2-from-bn", 2), ("mabn2-random", 2)
+        ("bn32", 4), ("frozenbn-head-bn2", 2), ("mabn2-centred", 2), ("mabn2-kept", 2)
     ]  # fmt: skip
     assert all(0 <= r["val_error"] <= 100 for r in runs)

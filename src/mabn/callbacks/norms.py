@@ -66,11 +66,15 @@ class MABNCallback(pl.Callback):
                 if any(name.startswith(p) for p in rule.prefixes):
                     self._rules[name] = rule
                     break
-        unmatched = [g for g, r in groups.items() if not any(v is r for v in self._rules.values())]
+        # A group over a part whose norms are not managed (frozenbn's encoder, its heads' BN managed) has nothing to
+        # drive; a prefix that names no module at all is a mistake.
+        modules = [name for name, _ in pl_module.named_modules()]
+        unmatched = [
+            g for g, r in groups.items()
+            if not any(name.startswith(p) for name in modules for p in r.prefixes)
+        ]  # fmt: skip
         if self._layers and unmatched:
-            raise ValueError(
-                f"MABNCallback: module groups {unmatched} match no MABN2d/BatchRenorm2d layer by name prefix"
-            )
+            raise ValueError(f"MABNCallback: module groups {unmatched} match no module of the model by name prefix")
         logged = self.policy.log_layers
         self._logging = logged if logged is not None else logged_norms(list(self._layers))
         self._nonfinite = LateNonfiniteCheck(self._layers)

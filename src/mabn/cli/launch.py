@@ -152,12 +152,16 @@ class Stage1Preset:
         return [self.config] + ([f"demo/{self.config}"] if demo and (CONFIGS / "demo" / self.config).is_file() else [])
 
 
+BN_EXPORT = "bn32"  # the stage-1 preset whose BN backbone starts a norm without an export of its own (frozenbn)
 STAGE1_PRESETS = {
     # The paper's BN backbone (its Cityscapes BN, BRN and SyncBN rows all start from it) normalizes over each
     # device's batch of 32: pretrain/bn32/resnet101-bn.pt, never to be taken for the bn backbone at
     # normalization batch 2 (pretrain/resnet101-bn.pt).
     "bn32": Stage1Preset(
-        "bn", "BN over each device's batch of 32", "bn, brn or syncbn", ("--model.init_args.norm_batch_size", "null")
+        "bn",
+        "BN over each device's batch of 32",
+        "bn, brn, syncbn or frozenbn",
+        ("--model.init_args.norm_batch_size", "null"),
     ),
     # MABN on the official detection code's timeline instead of the ImageNet code's (docs/design.md).
     "mabn-det": Stage1Preset(
@@ -235,16 +239,19 @@ def stage2_backbone(norm: str, backbone: str | Path | None, demo: bool, pending:
         if not Path(backbone).is_file():
             raise LaunchError(f"BACKBONE={backbone}: no such file")
         return ["--model.init_args.backbone", str(backbone)], f"Backbone: {backbone} (BACKBONE=...)"
-    path = backbone_path(BACKBONES / DEMO if demo else BACKBONES, norm)
-    source = f"Backbone: {path}, stage 1's export for NORM={norm}"
+    root = BACKBONES / DEMO if demo else BACKBONES
+    # A norm whose layers learn nothing (frozenbn) has no stage-1 export of its own: it starts from the paper's BN one.
+    export = BN_EXPORT if norm_entry(norm).frozen else norm
+    path = backbone_path(root / export, "bn") if export == BN_EXPORT else backbone_path(root, norm)
+    source = f"Backbone: {path}, stage 1's export for NORM={export}"
     if path.is_file():
         return ["--model.init_args.backbone", str(path)], f"{source} (BACKBONE=... picks another)"
     if pending:
         return [], f"{source}, to be written by the stage-1 job this one waits for"
     if demo:
-        return [], f"Backbone: none ({path} not found: make pretrain NORM={norm} writes it); random encoder weights"
+        return [], f"Backbone: none ({path} not found: make pretrain NORM={export} writes it); random encoder weights"
     raise LaunchError(
-        f"no stage-1 backbone {path}: run stage 1 first (make pretrain NORM={norm} DATA=<imagenet>), give one "
+        f"no stage-1 backbone {path}: run stage 1 first (make pretrain NORM={export} DATA=<imagenet>), give one "
         f"with BACKBONE=<file>{_bn_routes(norm)}, or BACKBONE=none (--backbone none) to train the encoder from "
         "random weights"
     )

@@ -7,9 +7,10 @@ A backbone file is one of (see docs/backbones.md):
   baselines BN, BRN and SyncBN all start from one BN ResNet-101;
 - torchvision's ResNet-101 ``state_dict()`` saved with ``torch.save`` (a BN network), for the same encoders; timm's
   ``resnet50``/``resnet101`` state dicts have torchvision's keys and shapes, and read as one;
-- any of these BN networks for a centring MABN encoder (``mabn``, ``mbn``, ...: ``warm_norm``), converted as stage 1's
-  warm start converts it (``seed_from_bn``): convs centred, BN's affine kept, MABN's
-  statistics seeded from BN's running variance (``converts``).
+- any of these BN networks for a MABN encoder (``mabn`` and its ablation presets), converted so that the encoder
+  computes BN's function (``keep_bn_function``): its convs uncentred, BN's mean and scale folded into MABN's affine,
+  MABN's statistics seeded from BN's second moment (``converts``). Stage 1's warm start converts a BN network for
+  a centring MABN norm (``warm_norm``) with centred convs instead (``seed_from_bn``), since it re-pretrains.
 Any other pairing is refused with the reason, before training (``check_backbone``) and at loading. So is a file
 of another ResNet depth than the encoder's (the ``arch`` model option, default resnet101), and any file for an
 encoder that is not a ResNet (stage 2 takes any smp encoder; stage 1 trains ResNets only).
@@ -18,7 +19,7 @@ encoder that is not a ResNet (stage 2 takes any smp encoder; stage 1 trains ResN
 from __future__ import annotations
 
 import zipfile
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,7 +28,7 @@ import torch
 from torch import Tensor, nn
 
 from ..errors import ConfigError
-from ..norm import NORM_PRESETS, BatchRenorm2d, CenConv2d, MABN2d, check_norm, norm_entry
+from ..norm import NORM_PRESETS, BatchRenorm2d, CenConv2d, FrozenBatchNorm2d, MABN2d, check_norm, norm_entry
 from ..norm.factory import norms_where
 from ..run import load_weights_file, write_atomic
 from .resnet import ARCHS, DEFAULT_ARCH, check_arch
@@ -40,7 +41,11 @@ LAYERS = ("layer1", "layer2", "layer3", "layer4")
 ARCH_BLOCKS = dict(zip(ARCHS, [(2, 2, 2, 2), (3, 4, 6, 3), (3, 4, 6, 3), (3, 4, 23, 3), (3, 8, 36, 3)]))
 BASIC_BLOCKS = ("resnet18", "resnet34")
 BN_EPS = 1e-5  # torch's BatchNorm2d default: torchvision's and this project's unless norm_options set eps
-CONVERTED = "converted to MABN: convs centred, BN's affine kept, MABN's statistics seeded from BN's running variance"
+CONVERTED = (
+    "converted to MABN keeping BN's function: the encoder's convs uncentred (centring changes what a conv computes), "
+    "BN's mean and scale folded into MABN's affine, MABN's statistics seeded from BN's second moment (var + mean^2); "
+    "a stage-1 MABN backbone (make pretrain NORM=mabn) starts centred convs"
+)
 
 
 class BackboneError(ConfigError):
@@ -197,10 +202,17 @@ def warm_norm(norm: str) -> bool:
     return preset is not None and preset.kind == "mabn" and preset.centre_weights
 
 
+def mabn_norm(norm: str) -> bool:
+    """Whether ``norm`` is a preset of MABN2d layers (``mabn``, ``mabn_nowc``, ``mbn``, ...)."""
+    preset = NORM_PRESETS.get(norm)
+    return preset is not None and preset.kind == "mabn"
+
+
 def converts(backbone: Backbone, norm: str) -> bool:
     """Whether ``backbone`` starts an encoder of ``norm`` converted rather than as it is: a BN network (torchvision's,
-    or a stage-1 file of a norm that holds BN statistics) for a centring MABN norm."""
-    return backbone.norm != norm and norm_entry(backbone.norm).bn_statistics and warm_norm(norm)
+    or a stage-1 file of a norm that holds BN statistics) for a MABN norm (``keep_bn_function``), whose encoder is
+    then built with uncentred convs (``centre_encoder``)."""
+    return backbone.norm != norm and norm_entry(backbone.norm).bn_statistics and mabn_norm(norm)
 
 
 def conversion_line(backbone: Backbone) -> str:
@@ -226,7 +238,7 @@ def _refusal(backbone: Backbone, norm: str) -> str | None:
             f"and affine do not give the same function; pre-train with make pretrain NORM={norm}"
         )
     fits = ", ".join(norms_where(lambda entry: entry.takes_bn_statistics))
-    converted = ", ".join(name for name in NORM_PRESETS if warm_norm(name))
+    converted = ", ".join(name for name in NORM_PRESETS if mabn_norm(name))
     return (
         f"pre-train with that norm or pick a matching backbone (a BN backbone fits {fits}, and is converted for "
         f"{converted})"
@@ -276,12 +288,19 @@ def adapt_statistics(state: dict[str, torch.Tensor], encoder: nn.Module, eps: fl
     BatchNorm keeps ``running_var`` and divides by sqrt(running_var + eps) at inference; BatchRenorm2d (also
     ghost-batch BN) keeps ``running_std`` with eps inside and divides by it. So running_std = sqrt(running_var +
     ``eps``), the source BN's eps, and running_var = running_std^2 - eps of the target BN: either way the eval
-    output is the source's. A converted layer's ``num_batches_tracked`` starts at 0 (BRN's clipping ramps have
+    output is the source's; FrozenBatchNorm2d keeps BatchNorm's buffers without ``num_batches_tracked``. A converted
+    layer's ``num_batches_tracked`` starts at 0 (BRN's clipping ramps have
     not begun; BN with a momentum does not read it).
     """
     out = dict(state)
     for name, layer in encoder.named_modules():
         prefix = f"{name}." if name else ""
+        if isinstance(layer, FrozenBatchNorm2d):  # BatchNorm's buffers without its counter of batches
+            if f"{prefix}running_std" in out:
+                var = out.pop(f"{prefix}running_std").double().square() - layer.eps
+                out[f"{prefix}running_var"] = var.clamp_min(0.0).float()
+            out.pop(f"{prefix}num_batches_tracked", None)
+            continue
         if isinstance(layer, BatchRenorm2d) and f"{prefix}running_var" in out:
             out[f"{prefix}running_std"] = (out.pop(f"{prefix}running_var").double() + eps).sqrt().float()
         elif isinstance(layer, nn.BatchNorm2d | nn.SyncBatchNorm) and f"{prefix}running_std" in out:
@@ -336,26 +355,55 @@ def bn_variance(state: Mapping[str, Tensor], prefix: str, eps: float, like: Tens
     return _take(state, f"{prefix}running_var", like)
 
 
+def _bn_layer(state: Mapping[str, Tensor], prefix: str, eps: float, like: Tensor) -> tuple[Tensor, ...]:
+    """The BN layer ``prefix``'s (weight, bias, running mean, running variance) in float64."""
+    var = bn_variance(state, prefix, eps, like).double()
+    weight, bias = (_take(state, f"{prefix}{k}", like).double() for k in ("weight", "bias"))
+    return weight, bias, _take(state, f"{prefix}running_mean", like).double(), var
+
+
+def _seed_stream(module: MABN2d, second_moment: Tensor) -> None:
+    """MABN's EMA and chi^2 stream from a BN layer's statistics; psi's streams start empty."""
+    module.reset_stream(reset_ema=True)
+    module.running_var.copy_(second_moment)
+    module.buffer_x2.copy_(second_moment.expand_as(module.buffer_x2))
+    module.count_x2.fill_(module.buffer_size)  # the SMA counts as full: moving statistics from step 1
+
+
+def _seeded_variance(module: MABN2d, state: Mapping[str, Tensor], prefix: str, eps: float) -> None:
+    """``seed_from_bn``'s MABN layer: BN's affine as it is, BN's running variance as the second moment."""
+    weight, bias, _, var = _bn_layer(state, prefix, eps, module.running_var)
+    module.weight.copy_(weight)
+    module.bias.copy_(bias)
+    _seed_stream(module, var.to(module.running_var.dtype))
+
+
+def _kept_function(module: MABN2d, state: Mapping[str, Tensor], prefix: str, eps: float) -> None:
+    """``keep_bn_function``'s MABN layer. BN computes g (x - mu) / s + b with s = sqrt(var + eps); MABN in eval
+    w x / sqrt(m + eps') + b'. With m = var + mu^2, the second moment E[x^2] of BN's input that MABN's statistics
+    measure (so its EMA does not drift off the seed when training starts), w = g sqrt(m + eps') / s and
+    b' = b - g mu / s the two are one function."""
+    weight, bias, mean, var = _bn_layer(state, prefix, eps, module.running_var)
+    second = var + mean.square()
+    scale = weight / (var + eps).sqrt()
+    module.weight.copy_(scale * (second + module.eps).sqrt())
+    module.bias.copy_(bias - scale * mean)
+    _seed_stream(module, second.to(module.running_var.dtype))
+
+
 @torch.no_grad()
-def seed_from_bn(model: nn.Module, state: Mapping[str, Tensor], eps: float) -> list[str]:
-    """Copy the BN network ``state`` (its layers' keys as ``model``'s; BN's ``eps``) into ``model``, whose norms are
-    MABN2d and whose convs feeding them are centred (see the module's description). Returns what was not copied, as
-    lines to report (a classifier of another shape)."""
+def _seed(model: nn.Module, state: Mapping[str, Tensor], eps: float, norm: Callable[..., None]) -> list[str]:
+    """Copy the BN network ``state`` into ``model``, each MABN2d by ``norm``, the convs and the classifier as they
+    are (a CenConv2d's weights centred: the filter it convolves with)."""
     notes = []
     for name, module in model.named_modules():
         prefix = f"{name}." if name else ""
         if isinstance(module, MABN2d):
-            var = bn_variance(state, prefix, eps, module.running_var)
-            module.reset_stream(reset_ema=True)  # psi's streams start empty; the chi^2 streams take the seed
-            module.weight.copy_(_take(state, f"{prefix}weight", module.weight))
-            module.bias.copy_(_take(state, f"{prefix}bias", module.bias))
-            module.running_var.copy_(var)
-            module.buffer_x2.copy_(var.expand_as(module.buffer_x2))
-            module.count_x2.fill_(module.buffer_size)  # the SMA counts as full: moving statistics from step 1
+            norm(module, state, prefix, eps)
         elif isinstance(module, nn.Conv2d):
             weight = _take(state, f"{prefix}weight", module.weight)
             if isinstance(module, CenConv2d):
-                weight = weight - weight.mean(dim=(1, 2, 3), keepdim=True)  # the filter CenConv2d convolves with
+                weight = weight - weight.mean(dim=(1, 2, 3), keepdim=True)
             module.weight.copy_(weight)
             if module.bias is not None:
                 module.bias.copy_(_take(state, f"{prefix}bias", module.bias))
@@ -373,9 +421,29 @@ def seed_from_bn(model: nn.Module, state: Mapping[str, Tensor], eps: float) -> l
     return notes
 
 
+def seed_from_bn(model: nn.Module, state: Mapping[str, Tensor], eps: float) -> list[str]:
+    """Copy the BN network ``state`` (its layers' keys as ``model``'s; BN's ``eps``) into ``model``, whose norms are
+    MABN2d and whose convs feeding them are centred: stage 1's warm start (``mabn.models.warm_start``), which
+    re-pretrains the network, so the function it starts from need not be BN's. Returns what was not copied, as
+    lines to report (a classifier of another shape)."""
+    return _seed(model, state, eps, _seeded_variance)
+
+
+def keep_bn_function(model: nn.Module, state: Mapping[str, Tensor], eps: float) -> list[str]:
+    """Copy the BN network ``state`` into ``model``, whose norms are MABN2d after plain (uncentred) convs, so that
+    ``model`` in eval computes what the BN network computes: each BN's running mean folded into MABN's bias, its
+    scale into MABN's weight, MABN's statistics seeded from BN's second moment, var + mean^2 (``_kept_function``).
+    Stage 2's start from BN weights. A centred conv changes what it computes by its filter's mean times the input's
+    window sum, which no per-channel affine undoes, so centred convs are refused."""
+    centred = next((name for name, m in model.named_modules() if isinstance(m, CenConv2d)), None)
+    if centred is not None:
+        raise BackboneError(f"{centred} is a centred conv: BN's function needs the convs as BN trained them")
+    return _seed(model, state, eps, _kept_function)
+
+
 def load_backbone_into(encoder: nn.Module, path: str | Path, norm: str, arch: str = DEFAULT_ARCH) -> dict[str, Any]:
     """Load a backbone file into a ResNet encoder (``arch``, default ResNet-101) built with ``norm``, with strict
-    key checking; a BN network for a centring MABN ``norm`` is converted (``converts``).
+    key checking; a BN network for a MABN ``norm`` is converted (``converts``), into an encoder of uncentred convs.
 
     Returns what to report: ``norm`` and ``source`` of the file, ``description``, ``converted`` (with the line that
     says so, ``conversion``), and for stage-1 files the payload without weights (``val_top1``, ``config``, ...).
@@ -384,7 +452,7 @@ def load_backbone_into(encoder: nn.Module, path: str | Path, norm: str, arch: st
     info = {**backbone.info, "norm": backbone.norm, "source": backbone.source, "description": backbone.describe()}
     if converts(backbone, norm):
         try:
-            seed_from_bn(encoder, backbone.state_dict, backbone.eps)
+            keep_bn_function(encoder, backbone.state_dict, backbone.eps)
         except BackboneError as err:
             raise BackboneError(f"{backbone.path} does not fit the {norm} {arch_title(arch)} encoder: {err}") from err
         return {**info, "converted": True, "conversion": conversion_line(backbone)}

@@ -35,9 +35,8 @@ import torch.nn.functional as F
 from segmentation_models_pytorch.decoders.deeplabv3.decoder import SeparableConv2d
 from torch import Tensor, nn
 
-from ..norm import convert_norm
-from .pspnet import PSPNet, init_head, seg_head, undilatable
-from .resnet import DEFAULT_ARCH, check_encoder, norm_kwargs_for
+from .pspnet import PSPNet, convert_network_norms, init_head, seg_head, undilatable
+from .resnet import DEFAULT_ARCH, check_encoder
 
 
 @dataclass(frozen=True)
@@ -137,6 +136,8 @@ class DecoderNet(nn.Module):
         dropout: float = 0.1,
         arch: str = DEFAULT_ARCH,
         output_stride: int | None = None,
+        head_norm: str | None = None,
+        centre_encoder: bool | None = None,
     ) -> None:
         super().__init__()
         spec, stride = resolve_decoder(decoder, output_stride)
@@ -166,7 +167,7 @@ class DecoderNet(nn.Module):
             self.aux = None
         _splice_separable_convs(self.classifier)
         _group_norms_to_batch_norms(self.classifier)
-        convert_norm(self, norm, **norm_kwargs_for(norm, norm_batch_size, norm_options))
+        convert_network_norms(self, norm, norm_batch_size, norm_options, head_norm, centre_encoder)
 
     def heads(self) -> nn.ModuleList:
         """The newly initialized parts, trained at the higher learning rate: the decoder, its head, the aux head."""
@@ -193,11 +194,15 @@ def build_segmentation_model(
     arch: str = DEFAULT_ARCH,
     dropout: float = 0.1,
     output_stride: int | None = None,
+    head_norm: str | None = None,
+    centre_encoder: bool | None = None,
 ) -> nn.Module:
     """The stage-2 network: ``decoder`` (one of ``DECODERS``) on the smp encoder ``arch`` at ``output_stride`` (default:
-    the decoder's), with every norm, encoder and decoder alike, set to ``norm``. ``pspnet`` is ``PSPNet``
-    unchanged; the others are ``DecoderNet``."""
+    the decoder's), with every norm, encoder and decoder alike, set to ``norm``, but for ``head_norm`` and
+    ``centre_encoder`` (``convert_network_norms``). ``pspnet`` is ``PSPNet`` unchanged; the others are
+    ``DecoderNet``."""
     spec, stride = resolve_decoder(decoder, output_stride)
+    norms = {"head_norm": head_norm, "centre_encoder": centre_encoder}
     if spec.smp_model is None:
-        return PSPNet(num_classes, norm, norm_batch_size, norm_options, dropout=dropout, arch=arch)
-    return DecoderNet(decoder, num_classes, norm, norm_batch_size, norm_options, dropout, arch, stride)
+        return PSPNet(num_classes, norm, norm_batch_size, norm_options, dropout=dropout, arch=arch, **norms)
+    return DecoderNet(decoder, num_classes, norm, norm_batch_size, norm_options, dropout, arch, stride, **norms)

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..norm import convert_norm
+from ..norm import convert_norm, norm_entry
 from .resnet import DEFAULT_ARCH, check_encoder, norm_kwargs_for
 
 
@@ -27,6 +27,26 @@ def undilatable(arch: str, output_stride: int, error: Exception) -> ValueError:
         f"encoder {arch!r} does not run at output stride {output_stride} ({reason}): pick a decoder at output "
         "stride 32 or another encoder (docs/models.md, Encoders)"
     )
+
+
+def convert_network_norms(
+    net: nn.Module,
+    norm: str,
+    norm_batch_size: int | None = None,
+    norm_options: dict[str, dict[str, Any]] | None = None,
+    head_norm: str | None = None,
+    centre_encoder: bool | None = None,
+) -> None:
+    """Every BatchNorm of a segmentation network (its ``encoder`` and ``heads()``) converted: the encoder's to
+    ``norm``, its convs centred as the preset says unless ``centre_encoder`` says otherwise (False: a BN backbone's
+    convs keep BN's function, ``mabn.models.backbone.keep_bn_function``), the decoder's and heads' to ``head_norm``
+    (None: the norm entry's ``head_norm`` where its layers learn nothing, frozenbn's; else ``norm``)."""
+    heads = head_norm or norm_entry(norm).head_norm or norm
+    if heads == norm and centre_encoder is None:
+        convert_norm(net, norm, **norm_kwargs_for(norm, norm_batch_size, norm_options))
+        return
+    convert_norm(net.encoder, norm, centre_encoder, **norm_kwargs_for(norm, norm_batch_size, norm_options))
+    convert_norm(net.heads(), heads, **norm_kwargs_for(heads, norm_batch_size, norm_options))
 
 
 def conv_norm_relu(cin: int, cout: int, kernel: int) -> nn.Sequential:
@@ -77,7 +97,8 @@ def init_head(module: nn.Module, classifier: nn.Conv2d | None = None) -> None:
 
 
 class PSPNet(nn.Module):
-    """PSPNet on a dilated ResNet-101 (or the encoder ``arch``) with every norm (encoder and heads) set to ``norm``.
+    """PSPNet on a dilated ResNet-101 (or the encoder ``arch``) with every norm (encoder and heads) set to ``norm``
+    (``head_norm`` and ``centre_encoder``: ``convert_network_norms``).
 
     Training returns (main logits, auxiliary logits from layer3), both at input resolution; eval
     returns the main logits only, so the auxiliary head costs nothing at inference.
@@ -92,6 +113,8 @@ class PSPNet(nn.Module):
         bins: Sequence[int] = (1, 2, 3, 6),
         dropout: float = 0.1,
         arch: str = DEFAULT_ARCH,
+        head_norm: str | None = None,
+        centre_encoder: bool | None = None,
     ) -> None:
         super().__init__()
         # weights=None: never download; the stage-1 backbone is loaded separately.
@@ -105,7 +128,7 @@ class PSPNet(nn.Module):
         init_head(self.ppm)
         self.classifier = seg_head(channels[-1] * 2, 512, num_classes, dropout)
         self.aux = seg_head(channels[-2], 256, num_classes, dropout)
-        convert_norm(self, norm, **norm_kwargs_for(norm, norm_batch_size, norm_options))
+        convert_network_norms(self, norm, norm_batch_size, norm_options, head_norm, centre_encoder)
 
     def heads(self) -> nn.ModuleList:
         """The newly initialized parts, trained at the higher learning rate."""

@@ -14,6 +14,7 @@ from .factory import (
     register_norm,
     unregister_norm,
 )
+from .frozen import FrozenBatchNorm2d
 from .mabn import MABN2d
 
 __all__ = [
@@ -21,6 +22,7 @@ __all__ = [
     "CenConv2d",
     "BatchRenorm2d",
     "GhostBatchNorm2d",
+    "FrozenBatchNorm2d",
     "create_norm",
     "convert_norm",
     "fold_norms",

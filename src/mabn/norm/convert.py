@@ -16,6 +16,7 @@ from torch import Tensor, nn
 from .batchrenorm import BatchRenorm2d
 from .cenconv import CenConv2d, conv_like
 from .factory import check_norm, create_norm, entry_of, layer_classes
+from .frozen import FrozenBatchNorm2d
 
 _BATCH_NORMS = (nn.BatchNorm2d, nn.SyncBatchNorm)  # the layers convert_norm replaces (with timm's subclasses)
 log = logging.getLogger(__name__)
@@ -97,7 +98,7 @@ def _copy_state(old: nn.Module, new: nn.Module) -> None:
             new.weight.copy_(old.weight)
             new.bias.copy_(old.bias)
         if isinstance(old, _BATCH_NORMS) and old.running_var is not None:
-            if isinstance(new, _BATCH_NORMS):
+            if isinstance(new, (*_BATCH_NORMS, FrozenBatchNorm2d)):
                 new.running_mean.copy_(old.running_mean)
                 new.running_var.copy_(old.running_var)
             elif isinstance(new, BatchRenorm2d):

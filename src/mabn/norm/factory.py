@@ -17,6 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from .batchrenorm import BatchRenorm2d, GhostBatchNorm2d
+from .frozen import FrozenBatchNorm2d
 from .mabn import MABN2d
 
 
@@ -45,6 +46,14 @@ class NormEntry:
     cost_family: str | None = None  # the cost tables' row it is measured under; None: its own name
     # layer options that put it past its warm-ups from the first step, for the cost benchmarks; None: not benched
     steady_state: Mapping[str, Any] | None = None
+    # Its layers learn nothing from the data (frozenbn): it starts from BN weights, stage 1 cannot train it, and a
+    # segmentation network's decoder and heads are built with this norm instead (their BN layers start untrained).
+    head_norm: str | None = None
+
+    @property
+    def frozen(self) -> bool:
+        """Whether its layers take no statistics from the data and train nothing of their own by default."""
+        return self.head_norm is not None
 
     @property
     def linear(self) -> bool:
@@ -115,6 +124,17 @@ def _group_norm(channels: int, *, eps: float, momentum: float | None, norm_batch
     return nn.GroupNorm(math.gcd(32, channels), channels, eps=eps)
 
 
+def _frozen_batch_norm(
+    channels: int, *, eps: float, momentum: float | None, norm_batch_size: int | None, **options: Any
+) -> nn.Module:
+    """Fixed statistics: a momentum or a normalization batch has nothing to act on; ``train_affine`` is its option."""
+    train_affine = options.pop("train_affine", False)
+    _no_options("frozenbn", options)
+    if momentum is not None:
+        raise TypeError("create_norm: frozenbn keeps BN's statistics fixed; momentum does not apply")
+    return FrozenBatchNorm2d(channels, eps=eps, train_affine=train_affine)
+
+
 def batch_norm_affine(norm: nn.Module) -> tuple[Tensor, Tensor]:
     """(scale, shift) per channel of torch's BatchNorm in eval mode, in float64."""
     if norm.running_var is None:
@@ -171,6 +191,17 @@ NORMS: dict[str, NormEntry] = {
             inference_affine=_own_affine,
             takes_bn_statistics=True,
             steady_state=_BRN_STEADY,
+        ),
+        NormEntry(
+            "frozenbn",
+            "BatchNorm with BN's statistics and affine fixed (detectron2's FrozenBatchNorm2d); heads with bn",
+            _frozen_batch_norm,
+            (FrozenBatchNorm2d,),
+            inference_affine=batch_norm_affine,
+            bn_statistics=True,
+            takes_bn_statistics=True,
+            cost_family="bn",  # at most BatchNorm's activations: the same layers, one fewer saved statistic
+            head_norm="bn",
         ),
         NormEntry(
             "mabn",

@@ -16,6 +16,7 @@ from torchmetrics.classification import MulticlassAccuracy
 from ..errors import ConfigError
 from ..models import ARCHS, DEFAULT_ARCH, resnet, save_backbone
 from ..models.warm_start import check_init, load_warm_start
+from ..norm import norm_entry
 from ..run import RunPlan, RunShape, auto_warmup_epochs, load_weights_file
 from . import schedules
 from .base import NormTask, require
@@ -101,6 +102,13 @@ class ClassificationTask(NormTask):
         super().check_hparams(hp)
         arch = hp.get("arch", DEFAULT_ARCH)
         require(arch in ARCHS, "arch", arch, f"choose one of {', '.join(ARCHS)}")
+        require(
+            not norm_entry(hp["norm"]).frozen,
+            "norm",
+            hp["norm"],
+            "its layers learn no statistics, so it cannot pre-train a network: pre-train with bn (make pretrain "
+            "NORM=bn32) and fine-tune with it in stage 2",
+        )
         require(hp["base_batch_size"] > 0, "base_batch_size", hp["base_batch_size"], "must be > 0")
         require(hp["lr_gamma"] > 0, "lr_gamma", hp["lr_gamma"], "must be > 0")
         warmup = hp["warmup_epochs"]

@@ -49,6 +49,7 @@ def planned_sizes(hp: Mapping[str, Any]) -> tuple[int, int]:
         hp.get("arch") or DEFAULT_ARCH,
         hp.get("dropout", 0.1),
         hp.get("output_stride"),
+        hp.get("head_norm"),
     )
 
 
@@ -62,11 +63,14 @@ def _meta_sizes(
     arch: str,
     dropout: float,
     stride: int | None,
+    head_norm: str | None,
 ) -> tuple[int, int]:
     # Its warnings are the fit's to give, which builds the network for real.
     with torch.device("meta"), warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        model = build_segmentation_model(decoder, classes, norm, norm_batch, json.loads(options), arch, dropout, stride)
+        model = build_segmentation_model(
+            decoder, classes, norm, norm_batch, json.loads(options), arch, dropout, stride, head_norm
+        )
     return sizes(model)
 
 

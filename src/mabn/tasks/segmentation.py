@@ -29,6 +29,7 @@ from ..models import (
     load_backbone_into,
 )
 from ..models.backbone import conversion_line, converts
+from ..norm import norm_entry
 from ..run import RunPlan, RunShape, device_batch, device_batch_reason
 from . import losses, memory, schedules
 from .base import NormTask, require
@@ -103,6 +104,11 @@ class SegmentationTask(NormTask):
         ohem_thresh: ``ohem`` keeps the labelled pixels whose true class has a softmax probability below this.
         ohem_min_kept: ``ohem`` keeps at least this many pixels per image of the batch, those of the lowest
             probability of their true class.
+        head_norm: the norm of the decoder and heads, one of ``mabn.norm.NORM_PRESETS``; null: ``norm``, or for a
+            norm whose layers learn nothing (``frozenbn``) the one its entry names (``bn``).
+        centre_encoder: whether the encoder's convs are centred where ``norm`` centres them; null: as the norm's
+            preset says, except for BN weights (``backbone``) converted to a MABN norm, which keep BN's function
+            with uncentred convs (docs/backbones.md); a fit records what it built.
     """
 
     def __init__(
@@ -127,17 +133,28 @@ class SegmentationTask(NormTask):
         class_weights: list[float] | str | None = None,
         ohem_thresh: float = 0.7,
         ohem_min_kept: int = 100_000,
+        head_norm: str | None = None,
+        centre_encoder: bool | None = None,
         **shared: Any,
     ) -> None:
         super().__init__(**shared)
         hp = self.hparams
+        if backbone and centre_encoder is None and converts(check_backbone(backbone, hp.norm, hp.arch), hp.norm):
+            # Recorded, so that a checkpoint rebuilds the encoder it trained without reading the backbone file.
+            hp.centre_encoder = False
         self.model = build_segmentation_model(
-            decoder, num_classes, hp.norm, hp.norm_batch_size, hp.norm_options, hp.arch, dropout, output_stride
-        )
+            decoder, num_classes, hp.norm, hp.norm_batch_size, hp.norm_options, hp.arch, dropout, output_stride,
+            hp.head_norm, hp.centre_encoder,
+        )  # fmt: skip
         if backbone:
             info = load_backbone_into(self.model.encoder, backbone, hp.norm, hp.arch)
             if not info["converted"]:  # a conversion is the plan's backbone line, in the fit and its dry run alike
                 rank_zero_info(f"Encoder loaded from {backbone} ({info['description']}) into norm {hp.norm}")
+        elif norm_entry(hp.norm).frozen:
+            rank_zero_warn(
+                f"No backbone given (BACKBONE=...): norm {hp.norm} keeps its layers' statistics as they start (mean 0, "
+                "variance 1), so the encoder trains without normalization; give BN weights (docs/backbones.md)."
+            )
         else:
             rank_zero_warn("No backbone given (BACKBONE=...): the encoder starts from random weights.")
         # Weights from the data (classes.yaml's, counts) are known at fit's setup, which makes the loss again.
@@ -155,8 +172,22 @@ class SegmentationTask(NormTask):
             check_encoder(hp.get("arch", DEFAULT_ARCH))
         except ValueError as err:  # one line naming the value, as every argument's mistake
             raise ConfigError(str(err)) from err
+        head_norm = hp.get("head_norm")
+        if head_norm is not None:
+            try:
+                head = norm_entry(head_norm)
+            except ValueError as err:
+                raise ConfigError(f"head_norm={head_norm!r}: {err}") from None
+            require(not head.frozen, "head_norm", head_norm, "the heads start untrained: pick a norm that trains")
         if hp.get("backbone"):  # a backbone that cannot start this norm stops before any data is read
-            check_backbone(hp["backbone"], hp["norm"], hp.get("arch", DEFAULT_ARCH))
+            backbone = check_backbone(hp["backbone"], hp["norm"], hp.get("arch", DEFAULT_ARCH))
+            require(
+                hp.get("centre_encoder") is not True or not converts(backbone, hp["norm"]),
+                "centre_encoder",
+                True,
+                f"BN weights ({backbone.path}) keep BN's function only in uncentred convs: leave it null, or start "
+                f"from a stage-1 {hp['norm']} backbone (make pretrain NORM={hp['norm']})",
+            )
         require(hp["base_batch_size"] > 0, "base_batch_size", hp["base_batch_size"], "must be > 0")
         require(hp["head_lr_mult"] > 0, "head_lr_mult", hp["head_lr_mult"], "must be > 0 (heads' lr = base_lr x it)")
         require(hp["warmup_epochs"] >= 0, "warmup_epochs", hp["warmup_epochs"], "must be >= 0")
@@ -202,6 +233,10 @@ class SegmentationTask(NormTask):
             model = [
                 f"model: {spec.title} decoder (smp) on {hp.get('arch', DEFAULT_ARCH)}, output stride {stride}, {aux}"
             ]
+        heads_norm = hp.get("head_norm") or norm_entry(hp["norm"]).head_norm
+        if heads_norm and heads_norm != hp["norm"]:
+            why = "head_norm" if hp.get("head_norm") else f"{hp['norm']} trains nothing; head_norm picks another"
+            model += [f"norms: {hp['norm']} in the encoder, {heads_norm} in the decoder and heads ({why})"]
         if hp.get("backbone"):  # BN weights for a MABN encoder: say that they are converted, and how
             backbone = check_backbone(hp["backbone"], hp["norm"], hp.get("arch", DEFAULT_ARCH))
             model += [conversion_line(backbone)] if converts(backbone, hp["norm"]) else []

@@ -32,7 +32,9 @@ def parser(stage: str) -> argparse.ArgumentParser:
     parser = command_parser(stage, __doc__)
     parser.add_argument("--data", type=Path, help="dataset root; the demo profile runs when it is absent")
     parser.add_argument(
-        "--norm", default="mabn", help="bn, syncbn, gn, brn, mabn or an ablation preset; stage 1 also bn32 and mabn-det"
+        "--norm",
+        default="mabn",
+        help="bn, syncbn, gn, brn, mabn, frozenbn (stage 2) or an ablation preset; stage 1 also bn32 and mabn-det",
     )
     parser.add_argument("--gpus", type=int, default=0, help="GPUs per node (0: CPU)")
     parser.add_argument("--nodes", type=int, default=1)

@@ -103,8 +103,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         const=segment.DEFAULT_SEGMENT_STEPS,
         metavar="STEPS",
         help="beyond the paper: BN(32) per seed (--steps), then segmentation fine-tunes of this many steps (default: "
-        f"{segment.DEFAULT_SEGMENT_STEPS}) from it: MABN(2) converted from BN(32), BN(32) as it is, and MABN(2) "
-        "from random weights",
+        f"{segment.DEFAULT_SEGMENT_STEPS}) from it, one per start of docs/ablation/segment-start.md (--rows picks "
+        f"some: {', '.join(segment.SEGMENT_ROWS_BY_KEY)})",
+    )
+    parser.add_argument(
+        "--domain-shift",
+        action="store_true",
+        help="with --segment-start: the fine-tunes' images in other colours, contrast and texture than BN(32)'s",
     )
     parser.add_argument(
         "--out",
@@ -161,7 +166,7 @@ def _check_out(out: Path) -> None:
 def outputs(out: Path, rows: list[Row], probe: bool = True) -> list[Path]:
     """The files a run of ``rows`` writes under ``out`` (the statistics and their figures: seed 0's probed rows,
     where ``probe``; --segment-start's rows: the table and the results alone)."""
-    if rows == list(segment.SEGMENT_ROWS):
+    if rows and all(row.key in segment.STARTS for row in rows):
         return [out / "ablation.md", out / "results.json"]
     probed = {row.key for row in rows if row.key in figures.PROBED_ROWS} if probe else set()
     files = [out / "ablation.md", out / "results.json", out / "curves.png"]
@@ -189,7 +194,7 @@ def plan(
             f"{len(data.val_set)} validation images, {config.image_size} px crops"
         )
     if args.segment_start:
-        return lines + segment_plan(args, config, workers)
+        return lines + segment_plan(args, rows, config, workers)
     lines.append(f"rows: {', '.join(f'{row.label} ({row.key}: {row.preset})' for row in rows)}")
     counts = [run_steps(row, config) for row in rows]
     steps = str(counts[0]) if len(set(counts)) == 1 else f"{', '.join(map(str, counts))} (in row order)"
@@ -220,32 +225,31 @@ def _train(rows: list[Row], seeds: range, config: TrainConfig, workers: int, war
     return results
 
 
-def segment_plan(args: argparse.Namespace, config: TrainConfig, workers: int) -> list[str]:
+def segment_plan(args: argparse.Namespace, rows: list[Row], config: TrainConfig, workers: int) -> list[str]:
     """--segment-start's part of the dry run: the two phases and the files."""
     source = ROWS_BY_KEY[segment.SOURCE]
-    rows = ", ".join(f"{row.label} ({row.key}: {row.preset})" for row in segment.SEGMENT_ROWS)
+    names = ", ".join(f"{row.label} ({row.key}: {row.preset})" for row in rows)
+    shift = ", domain-shifted" if args.domain_shift else ""
     return [
         f"pre-training: {source.label} ({source.key}) x {args.seeds} seeds = {args.seeds} runs of {config.steps} "
         f"steps, peak lr {config.lr}",
-        f"fine-tunes: {rows} x {args.seeds} seeds = {len(segment.SEGMENT_ROWS) * args.seeds} runs of "
-        f"{args.segment_start} steps on the generated segmentation set ({segment.TRAIN_IMAGES} training and "
+        f"fine-tunes: {names} x {args.seeds} seeds = {len(rows) * args.seeds} runs of "
+        f"{args.segment_start} steps on the generated segmentation set{shift} ({segment.TRAIN_IMAGES} training and "
         f"{segment.VAL_IMAGES} validation images of {config.image_size} px, {segment.NUM_CLASSES} classes), "
         f"encoder lr {segment.SEGMENT_LR}, heads x {segment.HEAD_LR_MULT:g}",
         f"{workers} runs at a time ({config.threads} thread(s) each), on {config.device}",
-        *(f"writes {path}" for path in outputs(args.out, list(segment.SEGMENT_ROWS))),
+        *(f"writes {path}" for path in outputs(args.out, rows)),
     ]
 
 
-def _segment_runs(seeds: range, steps: int, config: TrainConfig, workers: int) -> list[RunResult]:
-    """BN(32) per seed, then every fine-tune from that seed's network (--segment-start)."""
+def _segment_runs(
+    rows: list[Row], seeds: range, steps: int, shift: bool, config: TrainConfig, workers: int
+) -> list[RunResult]:
+    """BN(32) per seed, then every fine-tune of ``rows`` from that seed's network (--segment-start)."""
     source = ROWS_BY_KEY[segment.SOURCE]
     pretrained = run_all([Task(source, s, False, keep_state=True) for s in seeds], config, workers)
     states = {r.seed: r.state for r in pretrained}
-    tasks: list[Runnable] = [
-        segment.FinetuneTask(row, s, steps, states[s] if segment.STARTS[row.key] != segment.RANDOM else None)
-        for s in seeds
-        for row in segment.SEGMENT_ROWS
-    ]
+    tasks: list[Runnable] = [segment.FinetuneTask(row, s, steps, states[s], shift) for s in seeds for row in rows]
     results = pretrained + run_all(tasks, config, workers)
     for result in results:
         result.state = None  # the weights were for the fine-tunes only
@@ -278,13 +282,14 @@ def main(argv: list[str]) -> int:
     _check_out(args.out)
     if args.warm_start and args.rows is not None:
         raise ConfigError("--warm-start trains its own rows (BN(32), MABN(2) and the warm starts): drop --rows")
-    if args.segment_start and (args.rows is not None or args.warm_start):
+    if args.segment_start and args.warm_start:
         raise ConfigError(
-            "--segment-start trains its own rows (BN(32), then the segmentation fine-tunes): drop --rows and "
-            "--warm-start"
+            "--segment-start trains its own rows (BN(32), then the segmentation fine-tunes): drop --warm-start"
         )
+    if args.domain_shift and not args.segment_start:
+        raise ConfigError("--domain-shift shifts the fine-tunes' images: it needs --segment-start")
     if args.segment_start:
-        rows = list(segment.SEGMENT_ROWS)
+        rows = segment.select_segment_rows(args.rows)
     else:
         rows = warm_rows(args.warm_start) if args.warm_start else select(args.rows)
     config = TrainConfig(
@@ -304,7 +309,7 @@ def main(argv: list[str]) -> int:
         print("\n".join(plan(args, rows, config, data, workers, argv)))
         return 0
     if args.segment_start:
-        return segment_main(args, argv, config, data, workers)
+        return segment_main(args, argv, rows, config, data, workers)
     seeds = range(args.seeds)
     own = " (warm starts: their own)" if args.warm_start else ""
     print(
@@ -355,21 +360,30 @@ def main(argv: list[str]) -> int:
 
 
 def segment_main(
-    args: argparse.Namespace, argv: list[str], config: TrainConfig, data: ImageFolderDataModule, workers: int
+    args: argparse.Namespace,
+    argv: list[str],
+    rows: list[Row],
+    config: TrainConfig,
+    data: ImageFolderDataModule,
+    workers: int,
 ) -> int:
     """--segment-start: train, then write the table and the results."""
     seeds = range(args.seeds)
     print(
-        f"{args.seeds} BN(32) runs of {args.steps} steps, then {len(segment.SEGMENT_ROWS) * args.seeds} fine-tunes "
+        f"{args.seeds} BN(32) runs of {args.steps} steps, then {len(rows) * args.seeds} fine-tunes "
         f"of {args.segment_start} steps, {workers} at a time ({args.threads} thread(s) each, {available_cores()} "
         f"cores available), on {config.device}",
         flush=True,
     )
     start = time.perf_counter()
-    results = _segment_runs(seeds, args.segment_start, config, workers)
+    results = _segment_runs(rows, seeds, args.segment_start, args.domain_shift, config, workers)
     wall = time.perf_counter() - start
-    setting = {**_setting(argv, config, data, seeds, workers, wall), "segment_steps": args.segment_start}
-    summaries = report.summarize(list(segment.SEGMENT_ROWS), results)
+    setting = {
+        **_setting(argv, config, data, seeds, workers, wall),
+        "segment_steps": args.segment_start,
+        "domain_shift": args.domain_shift,
+    }
+    summaries = report.summarize(rows, results)
     (pretrained,) = report.summarize([ROWS_BY_KEY[segment.SOURCE]], results)
     render = partial(report.segment_table, steps=args.segment_start)
     written = [

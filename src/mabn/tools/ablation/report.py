@@ -144,24 +144,27 @@ def warm_table(summaries: list[Summary], config: TrainConfig) -> str:
 
 
 def segment_table(summaries: list[Summary], steps: int) -> str:
-    """The --segment-start table: per fine-tune where its encoder started, its validation mIoU, and its paired
-    difference to MABN(2) converted from BN(32)."""
+    """The --segment-start table: per fine-tune how its encoder started from BN(32)'s weights, its head's norm, its
+    validation mIoU, and its paired difference to stage 2's conversion (``segment.REFERENCE``)."""
     reference = next((s for s in summaries if s.row.key == segment.REFERENCE), None)
     label = reference.row.label if reference is not None else segment.REFERENCE
     starts = {
-        segment.CONVERTED: f"{ROWS_BY_KEY[segment.SOURCE].label}'s weights, converted",
-        segment.AS_IS: f"{ROWS_BY_KEY[segment.SOURCE].label}'s weights, as they are",
-        segment.RANDOM: "random weights",
+        segment.AS_IS: "loaded, then the norm swapped (convert_norm)",
+        segment.KEPT: "keep_bn_function",
+        segment.FOLDED: "keep_bn_function, then BN's variance as statistics",
+        segment.CENTRED: "seed_from_bn (convs centred)",
     }
     lines = [
-        f"| row | encoder starts from | fine-tune steps | mIoU % (mean ± std) | per seed | Δ vs {label}, paired "
-        f"[{CONFIDENCE:.0%} CI] | p (paired t) |",
-        "|---|---|---|---|---|---|---|",
+        f"| row | encoder from {ROWS_BY_KEY[segment.SOURCE].label}'s weights | head norm | fine-tune steps | "
+        f"mIoU % (mean ± std) | per seed | Δ vs {label}, paired [{CONFIDENCE:.0%} CI] | p (paired t) |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for s in summaries:
+        start = segment.STARTS[s.row.key]
+        head = s.row if start.head is None else ROWS_BY_KEY[start.head]
         lines.append(
-            f"| {s.row.label} | {starts[segment.STARTS[s.row.key]]} | {steps} | {_error_cell(s)} | {_seeds_cell(s)} | "
-            f"{_paired_cells(s, reference)} |"
+            f"| {s.row.label} | {starts[start.how]} | {head.label.removesuffix(' (reference)')} | {steps} | "
+            f"{_error_cell(s)} | {_seeds_cell(s)} | {_paired_cells(s, reference)} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -226,11 +229,11 @@ def segment_header(setting: dict[str, Any], pretrained: Summary) -> list[str]:
         f"({_seeds_cell(pretrained)}). Each then starts segmentation fine-tunes of {setting['segment_steps']} steps "
         f"(mabn.tools.ablation.segment: {segment.TRAIN_IMAGES} training and {segment.VAL_IMAGES} validation images "
         f"of one shape each, {segment.NUM_CLASSES} classes with the background; encoder lr {segment.SEGMENT_LR}, "
-        f"heads x {segment.HEAD_LR_MULT:g}, warm-up then poly {segment.POLY_POWER}). mIoU on the validation split "
-        "after the last step; mean ± sample std over the seeds. Δ is the paired difference to MABN(2) converted from "
-        "BN(32) (same seed) with its confidence interval from Student's t; p is the two-sided paired t-test's ("
-        + ", ".join(f"{m} p < {a}" for a, m in MARKS)
-        + ").",
+        f"heads x {segment.HEAD_LR_MULT:g}, warm-up then poly {segment.POLY_POWER})"
+        + (", its images domain-shifted (other colours, contrast and texture)" if setting.get("domain_shift") else "")
+        + ". mIoU on the validation split after the last step; mean ± sample std over the seeds. Δ is the paired "
+        "difference to stage 2's conversion (same seed) with its confidence interval from Student's t; p is the "
+        "two-sided paired t-test's (" + ", ".join(f"{m} p < {a}" for a, m in MARKS) + ").",
     ]
 
 

@@ -101,7 +101,7 @@ def select(keys: list[str] | None) -> list[Row]:
 def layer_options(row: Row, steps: int) -> dict[str, Any]:
     """Arguments for ``convert_norm`` of this row in a run of ``steps`` optimizer steps (one forward each)."""
     kind = NORM_PRESETS[row.preset].kind
-    options: dict[str, Any] = {} if kind == "gn" else {"momentum": MOMENTUM}
+    options: dict[str, Any] = {} if kind in ("gn", "frozenbn") else {"momentum": MOMENTUM}
     if kind == "mabn":
         options.update(
             buffer_size=BUFFER_SIZE,
