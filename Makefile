@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
 # The two stages. DATA: dataset root (absent: the demo profile on generated data; a DATA without the dataset's
-# layout is an error); NORM: bn, syncbn, gn, brn, mabn or an ablation preset (stage 1 also bn32: BN over each
+# layout is an error); NORM: bn, syncbn, gn, brn, mabn, frozenbn (stage 2) or an ablation preset (stage 1 also bn32: BN over each
 # device's batch of 32, the backbone of the paper's BN, BRN and SyncBN rows); GPUS per node (0: CPU; without
 # CUDA, GPUS CPU processes under DDP) and NODES pick a preset in configs/trainer/; BACKBONE: for stage 2, a
 # stage-1 file or torchvision ResNet-101 weights (docs/backbones.md); INIT: for stage 1, beyond the paper, a BN

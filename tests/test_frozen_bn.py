@@ -18,6 +18,7 @@ from mabn.inference import export
 from mabn.inference.checkpoint import load_task
 from mabn.models import build_segmentation_model
 from mabn.norm import FrozenBatchNorm2d, GhostBatchNorm2d, convert_norm, create_norm, fold_norms
+from mabn.run import RunShape
 from mabn.tasks.classification import ClassificationTask
 from mabn.tasks.segmentation import SegmentationTask
 
@@ -132,3 +133,17 @@ def test_cityscapes_frozenbn_fits_tests_predicts_and_exports(bn_file, tiny_citys
     with torch.no_grad():
         out, ref = scripted(x), restored.model(x)
     assert ((out - ref).abs().max() / ref.abs().max()).item() < 2e-3
+
+
+@pytest.mark.parametrize(
+    ("head_norm", "batch_line"),
+    [(None, ", normalization batches of 2 in the decoder and heads"), ("gn", "")],
+)
+def test_the_plan_says_which_norm_runs_where_and_where_batches_are_normalized(head_norm, batch_line):
+    hp = {**SegmentationTask(norm="frozenbn", arch="resnet18", head_norm=head_norm).hparams}
+    shape = RunShape(16, 1, 1, 2, 160, 10, 20)
+    lines = SegmentationTask.run_plan(hp, shape).lines
+    heads = head_norm or "bn"
+    why = "head_norm" if head_norm else "frozenbn trains nothing; head_norm picks another"
+    assert f"norms: frozenbn in the encoder, {heads} in the decoder and heads ({why})" in lines
+    assert f"batch: 16 per device x 1 device(s) = global batch 16{batch_line}" in lines

@@ -123,10 +123,14 @@ class RunShape:
         lr = self.lr(base_lr, base_batch)
         return f"lr: {base_lr:g} x {self.global_batch} / {base_batch} = {lr:g}{note} (linear in the global batch)"
 
-    def lines(self) -> list[str]:
-        """The batch line and the length line of a run."""
+    def lines(self, normalized: str | None = "") -> list[str]:
+        """The batch line and the length line of a run. ``normalized``: where the network normalizes over the
+        normalization batches ("" everywhere; None nowhere, which leaves them out of the line)."""
         accumulate = f" x {self.accumulate} accumulated" if self.accumulate > 1 else ""
-        norm = f", normalization batches of {self.norm_batch}" if self.norm_batch else ""
+        where = f" {normalized}" if normalized else ""
+        norm = (
+            f", normalization batches of {self.norm_batch}{where}" if self.norm_batch and normalized is not None else ""
+        )
         batch = (
             f"batch: {self.per_device} per device x {self.devices} device(s){accumulate} = global batch "
             f"{self.global_batch}{norm}"

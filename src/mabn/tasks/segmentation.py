@@ -234,6 +234,9 @@ class SegmentationTask(NormTask):
                 f"model: {spec.title} decoder (smp) on {hp.get('arch', DEFAULT_ARCH)}, output stride {stride}, {aux}"
             ]
         heads_norm = hp.get("head_norm") or norm_entry(hp["norm"]).head_norm
+        batched = (norm_entry(hp["norm"]).batch, norm_entry(heads_norm or hp["norm"]).batch)
+        normalized = {(False, False): None, (False, True): "in the decoder and heads", (True, False): "in the encoder"}
+        shape_lines = shape.lines(normalized.get(batched, ""))
         if heads_norm and heads_norm != hp["norm"]:
             why = "head_norm" if hp.get("head_norm") else f"{hp['norm']} trains nothing; head_norm picks another"
             model += [f"norms: {hp['norm']} in the encoder, {heads_norm} in the decoder and heads ({why})"]
@@ -242,9 +245,9 @@ class SegmentationTask(NormTask):
             model += [conversion_line(backbone)] if converts(backbone, hp["norm"]) else []
         lines = (
             *model,
-            *shape.lines()[:1],
+            *shape_lines[:1],
             *cls.batch_reason(hp, shape),
-            *shape.lines()[1:],
+            *shape_lines[1:],
             shape.lr_line(hp["base_lr"], hp["base_batch_size"], heads),
             f"schedule: linear warm-up over {warmup}, then poly {hp['poly_power']:g}{end}",
             *cls.warmup_warning(hp, shape),
