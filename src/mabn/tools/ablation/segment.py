@@ -98,8 +98,8 @@ STARTS = {
 # pre-training's, as Cityscapes' street scenes differ from ImageNet's photographs.
 SHIFT_CHANNELS = (2, 0, 1)  # RGB -> BRG
 SHIFT_INVERTED = 1  # the channel shown inverted after the permutation
-SHIFT_CONTRAST = 0.6
-SHIFT_TEXTURE = 0.15  # amplitude of a sinusoidal grating of random orientation and frequency per image
+SHIFT_CONTRAST = 0.75
+SHIFT_TEXTURE = 0.05  # amplitude of a sinusoidal grating of random orientation and frequency per image
 
 
 def select_segment_rows(keys: list[str] | None) -> list[Row]:
