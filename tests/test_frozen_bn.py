@@ -11,8 +11,10 @@ import torch
 import torchvision
 from torch import nn
 
+import mabn
 from helpers.commands import run_mabn
 from helpers.fits import TINY
+from mabn.data.synthetic import segment as demo_segment
 from mabn.errors import ConfigError
 from mabn.inference import export
 from mabn.inference.checkpoint import load_task
@@ -102,10 +104,12 @@ def bn_file(tmp_path_factory) -> Path:
 
 
 @pytest.mark.slow  # a stage-2 fit, test, predict and export (the default suite builds and folds the layers)
-def test_cityscapes_frozenbn_fits_tests_predicts_and_exports(bn_file, tiny_cityscapes, tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize("stage", ["cityscapes", "segment"])
+def test_frozenbn_fits_tests_predicts_and_exports(stage, bn_file, tiny_cityscapes, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     folder = tmp_path / "run"
-    argv = ["cityscapes", "--data", str(tiny_cityscapes), "--norm", "frozenbn", "--backbone", str(bn_file)]
+    data = tiny_cityscapes if stage == "cityscapes" else demo_segment.generate(tmp_path / "mine", 4, 2, (40, 64))
+    argv = [stage, "--data", str(data), "--norm", "frozenbn", "--backbone", str(bn_file)]
     code, out, err = run_mabn([*argv, "--dry-run", "--", *TINY], capsys)
     assert code == 0, err
     assert "norms: frozenbn in the encoder, bn in the decoder and heads (frozenbn trains nothing; head_norm picks " \
@@ -125,6 +129,8 @@ def test_cityscapes_frozenbn_fits_tests_predicts_and_exports(bn_file, tiny_citys
     code, out, err = run_mabn(["predict", str(ckpt), "--num-workers", "0"], capsys)
     assert code == 0, err
     assert list((folder / "predictions").rglob("*.png"))
+    predicted = mabn.load(ckpt).predict(torch.rand(32, 48, 3).mul(255).to(torch.uint8).numpy())
+    assert predicted.shape == (32, 48)
     result = export.export(ckpt, tmp_path / "export", (32, 64), formats=("torchscript",))
     assert result.folded.relative < 1e-10
     scripted = torch.jit.load(str(result.torchscript))
