@@ -16,7 +16,9 @@ import time
 from pathlib import Path
 
 import pytest
+import pytorch_lightning as pl
 import torch
+from torch import nn
 
 from helpers.commands import run_mabn
 from helpers.wandb_reader import wandb_session
@@ -117,6 +119,33 @@ def test_a_killed_run_resumes_in_its_folder_with_its_log_best_checkpoint_and_wan
     assert {p.name for p in (killed / "checkpoints").iterdir()} == {
         p.name for p in (straight / "checkpoints").iterdir()
     }
+
+
+def _same_weights(a: Path, b: Path) -> None:
+    first, second = (torch.load(f / "checkpoints" / "last.ckpt", weights_only=True) for f in (a, b))
+    assert first["global_step"] == second["global_step"]
+    for key, value in first["state_dict"].items():
+        assert torch.equal(second["state_dict"][key], value), key
+
+
+def test_a_fit_stopped_at_an_epoch_end_with_max_steps_resumes_as_the_uninterrupted_one(
+    tmp_path, request, monkeypatch, capsys
+):
+    """max_steps set (far off) and max_epochs ending the fit: a fit of 1 epoch then resumed to 2 trains the same
+    8 steps, logs the same rows under the same steps and ends with the same weights as a fit of 2 epochs."""
+    straight, stopped = tmp_path / "straight", tmp_path / "stopped"
+    monkeypatch.chdir(tmp_path)
+    steps = ("--trainer.max_steps", "100")
+    for folder, runs_of in ((straight, [("2",)]), (stopped, [("1",), ("2", "--ckpt_path", "auto")])):
+        cfg = _config(tmp_path, folder)
+        for epochs, *extra in runs_of:
+            cmd = _command(cfg, "--trainer.max_epochs", epochs, *steps, *extra)
+            code, _, err = _run_here(cmd, request, monkeypatch, capsys)
+            assert code == 0, err[-3000:]
+    rows = _rows(straight / "metrics.csv")
+    assert {int(r["step"]) for r in rows if r["train/loss"]} == set(range(8))  # the reference trained 8 steps
+    assert _rows(stopped / "metrics.csv") == rows
+    _same_weights(straight, stopped)
 
 
 def test_a_new_run_never_overwrites_the_run_in_its_folder(tmp_path, request, monkeypatch, capsys):
@@ -247,3 +276,50 @@ def test_cut_metrics_keeps_the_rows_from_before_the_resumed_step(tmp_path):
         {"step": "3", "train/loss": "0.5", "val/acc": ""},
         {"step": "4", "train/loss": "", "val/acc": "0.75"},
     ]
+
+
+class _TwoStepsABatch(pl.LightningModule):
+    """Manual optimization with two optimizer steps a batch: the global step runs twice as fast as the step the
+    rows are logged under. 4 batches an epoch; the CSV log is saved and copied at the end of the first epoch,
+    as LastCheckpoint does before its save."""
+
+    def __init__(self, copy: Path) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.layer, self.copy = nn.Linear(2, 1), copy
+
+    def training_step(self, batch, batch_idx):
+        optimizer = self.optimizers()
+        for _ in range(2):
+            loss = self.layer(batch[0]).square().mean()
+            optimizer.zero_grad()
+            self.manual_backward(loss)
+            optimizer.step()
+        self.log("train/loss", loss)
+
+    def on_train_epoch_end(self):
+        if self.current_epoch == 0:
+            self.logger.save()
+            shutil.copy(Path(self.logger.log_dir) / "metrics.csv", self.copy)
+            self.trainer.save_checkpoint(self.copy.with_suffix(".ckpt"))
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    def train_dataloader(self):
+        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.ones(16, 2)), batch_size=4)
+
+
+def test_a_resume_cuts_metrics_at_the_step_its_rows_carry_not_the_global_step(tmp_path):
+    """The rows a checkpoint's run had logged when it was saved are the rows the cut keeps, whatever its global
+    step says (here twice the logged step)."""
+    copy = tmp_path / "at-save.csv"
+    logger = pl.loggers.CSVLogger(tmp_path, name="log", version=0, flush_logs_every_n_steps=1)
+    trainer = pl.Trainer(max_epochs=2, logger=logger, log_every_n_steps=1, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False)  # fmt: skip
+    trainer.fit(_TwoStepsABatch(copy))
+    metrics = Path(logger.log_dir) / "metrics.csv"
+    saved = runs.read_checkpoint(copy.with_suffix(".ckpt"))
+    assert saved.step == 8 and len(_rows(metrics)) == 8  # two steps a batch; a row a batch
+    runs.cut_metrics(metrics, saved.logged_step)
+    assert _rows(metrics) == _rows(copy) and len(_rows(copy)) == 4

@@ -47,7 +47,7 @@ import torch
 from jsonargparse import ArgumentParser, DefaultHelpFormatter, Namespace
 from pytorch_lightning.cli import LightningArgumentParser, SaveConfigCallback
 
-from ..compat import argument_error_text, lightning_cli, option_strings, subcommand_parsers
+from ..compat import argument_error_text, hold_resumed_epochs, lightning_cli, option_strings, subcommand_parsers
 from ..data.loading import DataPlan
 from ..distributed import first_process
 from ..errors import ConfigError, UserError, UserErrors
@@ -494,8 +494,8 @@ class MabnCLI(lightning_cli()):
         place_run(self.config.fit, self.plan.folder)
         if first_process():
             runs.remove_stale_temporaries(self.plan.folder)
-            if self.plan.resume is not None and self.plan.resume.step is not None:
-                runs.cut_metrics(self.plan.folder / runs.METRICS, self.plan.resume.step)
+            if self.plan.resume is not None and self.plan.resume.logged_step is not None:
+                runs.cut_metrics(self.plan.folder / runs.METRICS, self.plan.resume.logged_step)
 
     def instantiate_classes(self) -> None:
         if not self.dry_run:
@@ -512,6 +512,7 @@ class MabnCLI(lightning_cli()):
         if not any(isinstance(p, pl.plugins.CheckpointIO) for p in plugins):
             kwargs.setdefault("plugins", [*plugins, AtomicCheckpointIO()])
         trainer = super().instantiate_trainer(**kwargs)
+        hold_resumed_epochs(trainer)  # a resume with max_steps counts its epochs and logged steps rightly
         # Exact resume; CUDA out of memory in a training step as one line (before FailFast, which passes that line
         # to the other processes); a failing DDP process stops all; last.ckpt the latest state at every end, SLURM's
         # requeue signal and SIGTERM (scancel, preemption, kill) included. A trainer without checkpointing

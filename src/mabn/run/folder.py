@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..compat import resumed_logging_step
 from ..distributed import say as say_once
 from ..errors import ConfigError
 from .files import TMP_SUFFIX, load_weights_file, write_atomic
@@ -55,10 +56,14 @@ class Identity:
 
 @dataclass(frozen=True)
 class Checkpoint:
+    """A checkpoint's counters: ``step`` its global step, ``logged_step`` the step under which a fit resumed from
+    it logs its first row (the counter the rows of ``metrics.csv`` carry)."""
+
     path: Path
     epoch: int | None
     step: int | None
     hparams: dict[str, Any]
+    logged_step: int | None = None
 
     def __str__(self) -> str:
         return f"{self.path} (epoch {self.epoch}, step {self.step})"
@@ -71,7 +76,7 @@ def read_checkpoint(path: Path) -> Checkpoint:
     if not isinstance(ckpt, dict) or "state_dict" not in ckpt and "hyper_parameters" not in ckpt:
         raise ConfigError(f"{path} is not a Lightning checkpoint (no state_dict)")
     hparams = dict(ckpt.get("hyper_parameters") or {})
-    return Checkpoint(path, ckpt.get("epoch"), ckpt.get("global_step"), hparams)
+    return Checkpoint(path, ckpt.get("epoch"), ckpt.get("global_step"), hparams, resumed_logging_step(ckpt))
 
 
 def checkpoint_files(folder: Path, say: Callable[[str], None] = say_once) -> list[Path]:
@@ -159,9 +164,9 @@ def plan(
 
 
 def cut_metrics(path: Path, step: int) -> None:
-    """Keep the rows of a resumed run's CSV log from before ``step``, the checkpoint's global step: Lightning
-    logs a step's rows under the step count before its optimizer step, so rows at ``step`` and after come
-    from batches the resumed run trains again."""
+    """Keep the rows of a resumed run's CSV log from before ``step``, the step under which the resumed run logs
+    its first row (``Checkpoint.logged_step``, the counter the rows carry): rows at ``step`` and after come from
+    batches the resumed run trains again."""
     if not path.is_file():
         return
     with open(path, newline="") as file:
