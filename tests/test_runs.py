@@ -323,3 +323,78 @@ def test_a_resume_cuts_metrics_at_the_step_its_rows_carry_not_the_global_step(tm
     assert saved.step == 8 and len(_rows(metrics)) == 8  # two steps a batch; a row a batch
     runs.cut_metrics(metrics, saved.logged_step)
     assert _rows(metrics) == _rows(copy) and len(_rows(copy)) == 4
+
+
+# ------------------------------------------------------------------------------ a run folder knows its experiment
+LR = (("--model.init_args.lr", "0.5"), "--model.init_args.lr 0.5 (recorded: 0.05)")
+
+
+@pytest.mark.parametrize(
+    ("changed", "named", "recorded"),
+    [
+        (*LR, True),
+        (*LR, False),
+        (("--data.init_args.data_dir", "other"), "--data.init_args.data_dir {other} (recorded: {unused})", True),
+    ],
+    ids=["lr", "lr-checkpoint-only", "data-folder"],
+)
+def test_a_resume_of_another_experiment_is_refused_in_one_line(
+    tmp_path, request, monkeypatch, capsys, changed, named, recorded
+):
+    """A run of 1 epoch, then a resume to 2 epochs with one argument of the model or the data changed: refused,
+    exit 2, one line naming the argument, both values and the two ways on, the folder left as it was. A run that
+    recorded no experiment (experiment.json removed) is compared with its checkpoint's hyperparameters, which hold
+    the model's arguments only."""
+    folder = tmp_path / "run"
+    cfg = _config(tmp_path, folder)
+    monkeypatch.chdir(tmp_path)
+    code, _, err = _run_here(_command(cfg, "--trainer.max_epochs", "1"), request, monkeypatch, capsys)
+    assert code == 0, err[-3000:]
+    if not recorded:
+        (folder / runs.EXPERIMENT).unlink()
+    before = _snapshot(folder)
+    code, _, err = _run_here(
+        _command(cfg, "--trainer.max_epochs", "2", "--ckpt_path", "auto", *changed), request, monkeypatch, capsys
+    )
+    assert code == 2
+    last = err.strip().splitlines()[-1]
+    where = f"{folder} holds the run of another experiment" if recorded else f"{folder / 'checkpoints'}"
+    assert last.startswith(f"error: {where}"), last
+    assert named.format(other=tmp_path / "other", unused=tmp_path / "unused") in last
+    assert "--run-dir" in last and "resume with the recorded values" in last
+    assert "Traceback" not in err
+    assert {k: v for k, v in _snapshot(folder).items() if k != ".lock"} == {
+        k: v for k, v in before.items() if k != ".lock"
+    }
+
+
+def test_a_resume_of_the_same_experiment_goes_on(tmp_path, request, monkeypatch, capsys):
+    """The same arguments in another spelling (the data folder as an absolute path, the lr as the number it is)
+    are the same experiment: the resume trains on."""
+    folder = tmp_path / "run"
+    cfg = _config(tmp_path, folder)
+    monkeypatch.chdir(tmp_path)
+    code, _, err = _run_here(_command(cfg, "--trainer.max_epochs", "1"), request, monkeypatch, capsys)
+    assert code == 0, err[-3000:]
+    same = ("--data.init_args.data_dir", str(tmp_path / "unused"), "--model.init_args.lr", "5e-2")
+    code, out, err = _run_here(
+        _command(cfg, "--trainer.max_epochs", "2", "--ckpt_path", "auto", *same), request, monkeypatch, capsys
+    )
+    assert code == 0, err[-3000:]
+    assert torch.load(folder / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 8
+
+
+def test_a_run_setting_given_on_resume_is_taken_and_said(tmp_path, request, monkeypatch, capsys):
+    """A task's run setting (here SettingTask's lr) given on a resume is the one the resumed run takes, not the
+    checkpoint's, and a line says so."""
+    folder = tmp_path / "run"
+    cfg = _config(tmp_path, folder)
+    task = ("--model", "helpers.cli_tiny.SettingTask")
+    monkeypatch.chdir(tmp_path)
+    code, _, err = _run_here(_command(cfg, "--trainer.max_epochs", "1", *task), request, monkeypatch, capsys)
+    assert code == 0, err[-3000:]
+    resume = ("--trainer.max_epochs", "2", "--ckpt_path", "auto", *task, "--model.init_args.lr", "0.5")
+    code, out, err = _run_here(_command(cfg, *resume), request, monkeypatch, capsys)
+    assert code == 0, err[-3000:]
+    assert "Resuming with --model.init_args.lr 0.5 (the checkpoint's: 0.05)" in out
+    assert torch.load(folder / "checkpoints" / "last.ckpt", weights_only=True)["hyper_parameters"]["lr"] == 0.5

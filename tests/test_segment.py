@@ -282,11 +282,15 @@ def test_the_segment_stage_reads_both_recipes_and_needs_the_layout(tmp_path, cap
     with pytest.raises(launch.LaunchError, match="no stage-1 backbone pretrain/resnet101-mabn.pt"):
         launch.build_args("segment", tmp_path, "mabn", 0, 1, [])  # the stage-2 rule: a backbone, or none
     args = launch.build_args("segment", tmp_path, "mabn", 0, 1, [], backbone="none")
-    assert args[args.index("--trainer.default_root_dir") + 1] == str(Path("runs/segment") / tmp_path.name / "mabn")
-    other = tmp_path / "other"  # a second dataset: a folder of its own
-    other.mkdir()
+    first = Path(args[args.index("--trainer.default_root_dir") + 1])
+    assert first.parent.parent == Path("runs/segment") and first.name == "mabn"
+    assert first.parent.name.startswith(f"{tmp_path.name}-")  # named by the dataset's folder
+    # A second dataset in a folder of the same name (v1/seg, v2/seg): a run folder of its own.
+    other = tmp_path / "v2" / tmp_path.name
+    other.mkdir(parents=True)
     for name in ("images", "masks"):
         shutil.copytree(tmp_path / name, other / name)
     shutil.copy(tmp_path / "classes.yaml", other / "classes.yaml")
     args = launch.build_args("segment", other, "mabn", 0, 1, [], backbone="none")
-    assert args[args.index("--trainer.default_root_dir") + 1] == str(Path("runs/segment/other/mabn"))
+    second = Path(args[args.index("--trainer.default_root_dir") + 1])
+    assert second.parent.name.startswith(f"{tmp_path.name}-") and second != first

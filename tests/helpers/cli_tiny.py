@@ -10,9 +10,10 @@ while the run holds its folder. ``SlowCheckpointIO`` stops inside the write of t
 at ``$TINY_SLOW_SAVE_AT_STEP``, after the bytes are in the temporary file and before the rename, and touches
 ``$TINY_SAVING_MARKER`` so a test can kill the process exactly then. ``FullDiskCheckpointIO`` runs out of
 space in the middle of writing the checkpoint of ``$TINY_FULL_AT_STEP`` into its temporary file.
-``WorseningTask`` scores worse at every validation, so ModelCheckpoint saves only at the first one; ``StopAt``
-raises or sends this process SIGTERM at the start of a training batch; ``TinyData(num_workers=2)`` reads through
-the product's loaders (``mabn.data.loading.make_loader``) with worker processes.
+``SettingTask`` takes its lr as a run setting. ``WorseningTask`` scores worse at every validation, so
+ModelCheckpoint saves only at the first one; ``StopAt`` raises or sends this process SIGTERM at the start of a
+training batch; ``TinyData(num_workers=2)`` reads through the product's loaders (``mabn.data.loading.make_loader``)
+with worker processes.
 """
 
 from __future__ import annotations
@@ -81,6 +82,12 @@ class TinyTask(pl.LightningModule):
             deadline = time.monotonic() + 120
             while not Path(os.environ["TINY_RELEASE_MARKER"]).exists() and time.monotonic() < deadline:
                 time.sleep(0.1)
+
+
+class SettingTask(TinyTask):
+    """TinyTask whose ``lr`` is a run setting (``mabn.cli.lightning.run_settings``): a resume takes it as given."""
+
+    run_settings = frozenset({"lr"})
 
 
 class WorseningTask(TinyTask):

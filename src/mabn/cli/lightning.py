@@ -33,6 +33,7 @@ from __future__ import annotations
 import difflib
 import importlib
 import itertools
+import json
 import re
 import sys
 import time
@@ -48,6 +49,8 @@ from jsonargparse import ArgumentParser, DefaultHelpFormatter, Namespace
 from pytorch_lightning.cli import LightningArgumentParser, SaveConfigCallback
 
 from ..compat import argument_error_text, hold_resumed_epochs, lightning_cli, option_strings, subcommand_parsers
+from ..data.classes import CLASSES_FILE, ClassTable
+from ..data.errors import DatasetError
 from ..data.loading import DataPlan
 from ..distributed import first_process
 from ..errors import ConfigError, UserError, UserErrors
@@ -177,6 +180,54 @@ def plan_lines(config: Namespace) -> list[str]:
     weighs = planned is not None and hasattr(task, "class_weight_lines")
     weights = task.class_weight_lines(dict(config.model.init_args), planned) if weighs else []
     return lines + (memory.lines if memory else []) + (planned.lines if planned else []) + weights
+
+
+def _plain_args(entry: Namespace) -> dict[str, Any]:
+    """A class's init arguments in ``entry`` as plain values, a nested class's (``norm_policy``) as one mapping."""
+    return runs.plain((entry.get("init_args") or Namespace()).as_dict())
+
+
+def run_settings(class_path: str) -> frozenset[str]:
+    """The init arguments of the class at ``class_path`` that change how its run runs, not what it trains (its
+    ``run_settings``; none where it names none): a resume takes them as given."""
+    return frozenset(getattr(_import(class_path), "run_settings", ()))
+
+
+def experiment(config: Namespace) -> dict[str, Any]:
+    """What makes the fit of ``config`` its experiment, each argument named as on the command line: the model's
+    and the data's class paths and init arguments (the data folder resolved), less their ``run_settings`` and the
+    model's ``num_classes``, which the data decides (``add_arguments_to_parser``); and the data folder's class
+    table (``classes.yaml``) where it has one. The trainer's settings (how long, on which devices) are not."""
+    found: dict[str, Any] = {}
+    for section in ("model", "data"):
+        entry = config.get(section)
+        if not isinstance(entry, Namespace) or "class_path" not in entry:
+            continue
+        found[f"--{section}"] = entry.class_path
+        left_out = run_settings(entry.class_path) | ({"num_classes"} if section == "model" else set())
+        for key, value in _plain_args(entry).items():
+            if key not in left_out:
+                found[f"--{section}.init_args.{key}"] = value
+    data_dir = found.get("--data.init_args.data_dir")
+    if isinstance(data_dir, str):
+        found["--data.init_args.data_dir"] = str(Path(data_dir).resolve())
+        table = Path(data_dir) / CLASSES_FILE
+        try:
+            found["the class table"] = {k: v for k, v in ClassTable.read(table).as_dict().items() if k != "source"}
+        except DatasetError:  # none, or one the data's own checks refuse, naming the file
+            pass
+    return found
+
+
+def checkpoint_experiment(hparams: dict[str, Any]) -> dict[str, Any]:
+    """The model's part of ``experiment`` from a checkpoint's hyperparameters (``task_hparams``'s, as the task
+    takes them): what a run that recorded no experiment is compared with."""
+    found: dict[str, Any] = {"--model": hparams["_class_path"]} if "_class_path" in hparams else {}
+    left_out = run_settings(hparams["_class_path"]) if "_class_path" in hparams else frozenset()
+    for key, value in hparams.items():
+        if not key.startswith("_") and key not in left_out | {"num_classes"}:
+            found[f"--model.init_args.{key}"] = value
+    return found
 
 
 def check_export(config: Namespace) -> None:
@@ -387,6 +438,7 @@ class MabnCLI(lightning_cli()):
         self.plan_lines: list[str] = []
         self.notes: list[str] = []
         self.problems: list[str] = []  # a dry run's, each a line; a run stops at its first
+        self.experiment: dict[str, Any] = {}  # a fit's, as given (``experiment``)
         # The parser of the subcommand asked for alone: LightningCLI builds one per subcommand (fit, validate, test,
         # predict), each from the trainer's, model's and data's signatures, a third of a dry run's time for three
         # parsers that are never used. Without a known subcommand first (the command line's own, --help), all four.
@@ -454,6 +506,10 @@ class MabnCLI(lightning_cli()):
                 self.problem(str(err))
                 self.plan = runs.Plan(folder, None)
             config.ckpt_path = None if self.plan.resume is None else str(self.plan.resume.path)
+            # As given, before a checkpoint's hyperparameters are merged in: what the run is recorded as.
+            self.experiment = experiment(config)
+            if self.plan.resume is not None:
+                self.check_experiment(config, self.plan.resume)
         # Lightning's own merge of the checkpoint's hyperparameters into the config, with the task's settings
         # under the keys the task takes (task_hparams translates those of older checkpoints).
         subcommand = self.config.get("subcommand")
@@ -466,12 +522,39 @@ class MabnCLI(lightning_cli()):
         hparams.pop("_instantiator", None)
         if not hparams:
             return
+        if subcommand == "fit":  # a run setting given for the resume is taken, and said, not the checkpoint's
+            given = self.config.fit.model.get("init_args") or Namespace()
+            for key in sorted(run_settings(self.config.fit.model.class_path) & set(hparams)):
+                saved = hparams.pop(key)
+                if key in given and runs.plain(given[key]) != runs.plain(saved):
+                    shown = [json.dumps(runs.plain(value)) for value in (given[key], saved)]
+                    runs.say_once(f"Resuming with --model.init_args.{key} {shown[0]} (the checkpoint's: {shown[1]})")
         if "_class_path" in hparams:
             hparams = {"class_path": hparams.pop("_class_path"), "dict_kwargs": hparams}
         try:
             self.config = self.parser.parse_object({subcommand: {"model": hparams}}, self.config)
         except ArgumentError as err:
             raise ArgumentMistake(f"--ckpt_path {ckpt_path}: its hyperparameters do not fit: {err}") from err
+
+    def check_experiment(self, config: Namespace, resume: runs.Checkpoint) -> None:
+        """A resume continues the experiment its folder recorded (or, where it recorded none, the one its checkpoint
+        was trained as), or stops at one line naming each argument that differs and the two ways on."""
+        folder = Path(config.trainer.default_root_dir)
+        try:
+            recorded = runs.read_experiment(folder)
+        except ConfigError as err:
+            self.problem(str(err))
+            return
+        where = f"{folder} holds the run of another experiment"
+        if recorded is None:
+            recorded = checkpoint_experiment(task_hparams(resume.hparams))
+            where = f"{resume.path} was trained as another experiment"
+        changed = runs.experiment_differences(recorded, self.experiment)
+        if changed:
+            self.problem(
+                f"{where}: {'; '.join(changed)}. Start this one in a folder of its own (--run-dir, or "
+                "--trainer.default_root_dir) without --resume (--ckpt_path), or resume with the recorded values"
+            )
 
     def before_instantiate_classes(self) -> None:
         if self.dry_run:
@@ -494,6 +577,7 @@ class MabnCLI(lightning_cli()):
         place_run(self.config.fit, self.plan.folder)
         if first_process():
             runs.remove_stale_temporaries(self.plan.folder)
+            runs.record_experiment(self.plan.folder, self.experiment)
             if self.plan.resume is not None and self.plan.resume.logged_step is not None:
                 runs.cut_metrics(self.plan.folder / runs.METRICS, self.plan.resume.logged_step)
 

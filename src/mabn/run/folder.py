@@ -19,6 +19,7 @@ folder: the same checkpoint folder (so ModelCheckpoint keeps its best across res
 from __future__ import annotations
 
 import csv
+import json
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -28,13 +29,14 @@ from typing import Any
 from ..compat import resumed_logging_step
 from ..distributed import say as say_once
 from ..errors import ConfigError
-from .files import TMP_SUFFIX, load_weights_file, write_atomic
+from .files import TMP_SUFFIX, load_weights_file, write_atomic, write_text_atomic
 
 AUTO = "auto"
 LAST_PATH = "last"  # Lightning's name for the latest checkpoint: here the run's own checkpoints/last.ckpt
 CHECKPOINTS = "checkpoints"
 LAST = "last.ckpt"  # in CHECKPOINTS: the run's latest state (mabn.run.last.LastCheckpoint)
 METRICS = "metrics.csv"
+EXPERIMENT = "experiment.json"  # what makes the folder's run its experiment (``record_experiment``)
 
 
 @dataclass(frozen=True)
@@ -161,6 +163,49 @@ def plan(
     if reason is not None:
         raise ConfigError(f"cannot resume from {ckpt.path}: {reason}")
     return Plan(folder, ckpt)
+
+
+def plain(value: Any) -> Any:
+    """``value`` as the JSON value it is recorded as (tuples as lists, keys as text), so that a value read back
+    from ``experiment.json`` and the same value parsed from a command line compare equal."""
+    return json.loads(json.dumps(value, sort_keys=True, default=str))
+
+
+def read_experiment(folder: Path) -> dict[str, Any] | None:
+    """The experiment ``folder``'s run recorded (``record_experiment``), or None where it recorded none; a
+    ``ConfigError`` naming the file when it does not read."""
+    path = folder / EXPERIMENT
+    if not path.is_file():
+        return None
+    try:
+        recorded = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ConfigError(f"{path} does not read as the run's experiment ({err}): remove it to record it anew") from err
+    if not isinstance(recorded, dict):
+        raise ConfigError(f"{path} does not read as the run's experiment (not a mapping): remove it to record it anew")
+    return recorded
+
+
+def record_experiment(folder: Path, experiment: dict[str, Any]) -> None:
+    """Record in ``folder`` what makes its run this experiment: ``experiment`` maps each argument (named as on the
+    command line) to its value."""
+    write_text_atomic(folder / EXPERIMENT, json.dumps(plain(experiment), indent=1, sort_keys=True) + "\n")
+
+
+def experiment_differences(recorded: dict[str, Any], current: dict[str, Any]) -> list[str]:
+    """One phrase per argument both name with different values: ``--name value (recorded: value)``."""
+
+    def shown(value: Any) -> str:
+        return json.dumps(value) if not isinstance(value, str) else value
+
+    found = []
+    for name in sorted(set(recorded) & set(current)):
+        if plain(recorded[name]) != plain(current[name]):
+            if isinstance(current[name], dict) and isinstance(recorded[name], dict) and not name.startswith("--"):
+                found.append(f"{name} (not the recorded one)")  # a table: its difference, not its whole text
+            else:
+                found.append(f"{name} {shown(current[name])} (recorded: {shown(recorded[name])})")
+    return found
 
 
 def cut_metrics(path: Path, step: int) -> None:

@@ -105,6 +105,8 @@ class SegmentationTask(NormTask):
             probability of their true class.
     """
 
+    run_settings = NormTask.run_settings | {"log_predictions_every_n_epochs", "num_logged_predictions"}
+
     def __init__(
         self,
         num_classes: int = 19,
