@@ -398,3 +398,43 @@ def test_a_run_setting_given_on_resume_is_taken_and_said(tmp_path, request, monk
     assert code == 0, err[-3000:]
     assert "Resuming with --model.init_args.lr 0.5 (the checkpoint's: 0.05)" in out
     assert torch.load(folder / "checkpoints" / "last.ckpt", weights_only=True)["hyper_parameters"]["lr"] == 0.5
+
+
+# ------------------------------------------------------------------------------ where a run's checkpoints are
+def _config_with_dirpath(tmp_path: Path, root: Path, dirpath: Path) -> Path:
+    cfg = _config(tmp_path, root)
+    cfg.write_text(cfg.read_text().replace("{monitor: val/acc,", f"{{dirpath: {dirpath}, monitor: val/acc,"))
+    return cfg
+
+
+def test_a_config_dirpath_inside_the_run_is_where_resume_and_a_new_run_look(tmp_path, request, monkeypatch, capsys):
+    """ModelCheckpoint's dirpath named by the config, inside the run's folder: last.ckpt is written there, a resume
+    continues from it, and a new run (no metrics.csv to give the run away: no logger) is refused."""
+    folder = tmp_path / "run"
+    cfg = _config_with_dirpath(tmp_path, folder, folder / "kept")
+    monkeypatch.chdir(tmp_path)
+    quiet = ("--trainer.logger", "false")
+    code, _, err = _run_here(_command(cfg, "--trainer.max_epochs", "1", *quiet), request, monkeypatch, capsys)
+    assert code == 0, err[-3000:]
+    assert (folder / "kept" / "last.ckpt").is_file() and not (folder / "checkpoints").exists()
+    code, _, err = _run_here(_command(cfg, "--trainer.max_epochs", "1", *quiet), request, monkeypatch, capsys)
+    assert code == 2 and err.strip().splitlines()[-1].startswith(f"error: {folder} already holds a run")
+    resume = ("--trainer.max_epochs", "2", "--ckpt_path", "auto", *quiet)
+    code, out, err = _run_here(_command(cfg, *resume), request, monkeypatch, capsys)
+    assert code == 0, err[-3000:]
+    assert f"Resuming from {folder / 'kept' / 'last.ckpt'} (epoch 0, step 4)" in out
+    assert torch.load(folder / "kept" / "last.ckpt", weights_only=True)["global_step"] == 8
+
+
+def test_a_config_dirpath_outside_the_run_is_refused_in_one_line(tmp_path, request, monkeypatch, capsys):
+    folder, outside = tmp_path / "run", tmp_path / "elsewhere"
+    cfg = _config_with_dirpath(tmp_path, folder, outside)
+    monkeypatch.chdir(tmp_path)
+    code, _, err = _run_here(_command(cfg, "--trainer.max_epochs", "1"), request, monkeypatch, capsys)
+    assert code == 2 and "Traceback" not in err
+    assert err.strip().splitlines()[-1] == (
+        f"error: ModelCheckpoint's dirpath {outside} is outside the run's folder {folder}: a resume and last.ckpt "
+        f"look for the run's checkpoints inside it; leave dirpath unset ({folder / 'checkpoints'}) or name a folder "
+        "inside the run"
+    )
+    assert not outside.exists() and not folder.exists()

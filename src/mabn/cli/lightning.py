@@ -9,7 +9,8 @@ For ``fit``:
   with one ``error:`` line naming the value;
 - the run lives in one experiment folder, the Trainer's ``default_root_dir`` (``mabn.run.folder``), which one run at a
   time holds (``mabn.run.lock``: a second run on it stops before anything is built, naming the holder); the loggers'
-  ``save_dir`` and ModelCheckpoint's ``dirpath`` (when the config leaves it unset) point into it;
+  ``save_dir`` and ModelCheckpoint's ``dirpath`` (when the config leaves it unset) point into it, and a ``dirpath``
+  the config names must be inside it (``checkpoint_dirs``);
   ``--ckpt_path auto`` resumes from the checkpoint of that folder with the highest step, or starts a new run when
   there is none, so a killed or requeued job restarts with the very same command;
 - checkpoints and the saved config are written atomically and loaded weights-only (``AtomicCheckpointIO``); a
@@ -284,6 +285,30 @@ def check_fit_config(config: Namespace) -> None:
         check_export(config)
 
 
+def checkpoint_dirs(config: Namespace, folder: Path) -> list[Path]:
+    """The folders the run's checkpoints go to (``mabn.run.folder.checkpoint_dirs``): each ModelCheckpoint's
+    ``dirpath``, ``<folder>/checkpoints`` where it names none, spelt from ``folder``. A ``dirpath`` outside the run's
+    folder is a ``ConfigError``: a resume, the check that a new run's folder is free and ``last.ckpt`` look for the
+    run's checkpoints inside its folder."""
+    dirs = []
+    for callback in _entries(config.trainer.get("callbacks")):
+        if callback.class_path != CHECKPOINT_CALLBACK:
+            continue
+        given = callback.init_args.get("dirpath")
+        if not given:
+            dirs.append(folder / runs.CHECKPOINTS)
+            continue
+        try:
+            dirs.append(folder / Path(given).resolve().relative_to(folder.resolve()))
+        except ValueError:
+            raise ConfigError(
+                f"ModelCheckpoint's dirpath {given} is outside the run's folder {folder}: a resume and last.ckpt look "
+                f"for the run's checkpoints inside it; leave dirpath unset ({folder / runs.CHECKPOINTS}) or name a "
+                "folder inside the run"
+            ) from None
+    return list(dict.fromkeys(dirs))
+
+
 def place_run(config: Namespace, folder: Path) -> None:
     """Point the loggers and the checkpoint callbacks of ``config`` into the run's ``folder``."""
     for logger in _entries(config.trainer.get("logger")):
@@ -439,6 +464,7 @@ class MabnCLI(lightning_cli()):
         self.notes: list[str] = []
         self.problems: list[str] = []  # a dry run's, each a line; a run stops at its first
         self.experiment: dict[str, Any] = {}  # a fit's, as given (``experiment``)
+        self.dirs: list[Path] = []  # a fit's checkpoint folders (``checkpoint_dirs``); none: the default
         # The parser of the subcommand asked for alone: LightningCLI builds one per subcommand (fit, validate, test,
         # predict), each from the trainer's, model's and data's signatures, a third of a dry run's time for three
         # parsers that are never used. Without a known subcommand first (the command line's own, --help), all four.
@@ -487,6 +513,10 @@ class MabnCLI(lightning_cli()):
             # Every check that needs no data comes first: a mistake stops before anything, the lock included, is
             # written.
             check_fit_config(config)
+            try:
+                self.dirs = checkpoint_dirs(config, folder)
+            except ConfigError as err:
+                self.problem(str(err))
             accelerator = accelerator_problem(config)
             if accelerator and not (self.dry_run and self.gpus_planned):
                 self.problem(accelerator)
@@ -501,7 +531,7 @@ class MabnCLI(lightning_cli()):
                         self.notes.append(f"{busy}: a run of this command started now would stop with exit code 2")
             report = (lambda _: None) if self.dry_run else runs.say_once  # a dry run's plan is printed whole
             try:
-                self.plan = runs.plan(folder, config.get("ckpt_path"), identity, first_process(), report)
+                self.plan = runs.plan(folder, config.get("ckpt_path"), identity, first_process(), report, self.dirs)
             except ConfigError as err:  # a dry run goes on to check the data
                 self.problem(str(err))
                 self.plan = runs.Plan(folder, None)
@@ -576,7 +606,7 @@ class MabnCLI(lightning_cli()):
             return
         place_run(self.config.fit, self.plan.folder)
         if first_process():
-            runs.remove_stale_temporaries(self.plan.folder)
+            runs.remove_stale_temporaries(self.plan.folder, self.dirs)
             runs.record_experiment(self.plan.folder, self.experiment)
             if self.plan.resume is not None and self.plan.resume.logged_step is not None:
                 runs.cut_metrics(self.plan.folder / runs.METRICS, self.plan.resume.logged_step)

@@ -21,7 +21,7 @@ from __future__ import annotations
 import csv
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -81,11 +81,18 @@ def read_checkpoint(path: Path) -> Checkpoint:
     return Checkpoint(path, ckpt.get("epoch"), ckpt.get("global_step"), hparams, resumed_logging_step(ckpt))
 
 
-def checkpoint_files(folder: Path, say: Callable[[str], None] = say_once) -> list[Path]:
-    """The folder's checkpoints, newest first: ``checkpoints/*.ckpt`` and Lightning's ``hpc_ckpt_*.ckpt``.
-    A link whose target is gone is reported and left out."""
+def checkpoint_dirs(folder: Path, dirs: Sequence[Path] = ()) -> list[Path]:
+    """The folders of ``folder``'s checkpoints: ``dirs`` (the ModelCheckpoints' ``dirpath``, folders inside
+    ``folder`` and spelt from it; the first the one of ``last.ckpt``), else ``checkpoints/``."""
+    return list(dirs) or [folder / CHECKPOINTS]
+
+
+def checkpoint_files(folder: Path, say: Callable[[str], None] = say_once, dirs: Sequence[Path] = ()) -> list[Path]:
+    """The folder's checkpoints, newest first: ``*.ckpt`` in its checkpoint folders (``checkpoint_dirs``) and
+    Lightning's ``hpc_ckpt_*.ckpt``. A link whose target is gone is reported and left out."""
     found = []
-    for path in [*(folder / CHECKPOINTS).glob("*.ckpt"), *folder.glob("hpc_ckpt_*.ckpt")]:
+    ckpts = [path for where in checkpoint_dirs(folder, dirs) for path in where.glob("*.ckpt")]
+    for path in [*dict.fromkeys(ckpts), *folder.glob("hpc_ckpt_*.ckpt")]:
         try:
             found.append((path.stat().st_mtime, path))
         except OSError:  # a dangling link, or a file removed while we looked
@@ -93,11 +100,14 @@ def checkpoint_files(folder: Path, say: Callable[[str], None] = say_once) -> lis
     return [path for _, path in sorted(found, key=lambda item: item[0], reverse=True)]
 
 
-def newest_checkpoint(folder: Path, identity: Identity, say: Callable[[str], None] = say_once) -> Checkpoint | None:
-    """The readable checkpoint of ``folder`` that belongs to ``identity`` with the highest global step; of equal
-    steps ``last.ckpt``, then the newer file. Others are skipped with a message saying why."""
+def newest_checkpoint(
+    folder: Path, identity: Identity, say: Callable[[str], None] = say_once, dirs: Sequence[Path] = ()
+) -> Checkpoint | None:
+    """The readable checkpoint of ``folder`` (its checkpoint folders ``dirs``, ``checkpoint_dirs``) that belongs to
+    ``identity`` with the highest global step; of equal steps ``last.ckpt``, then the newer file. Others are
+    skipped with a message saying why."""
     found = []
-    for path in checkpoint_files(folder, say):
+    for path in checkpoint_files(folder, say, dirs):
         try:
             ckpt = read_checkpoint(path)
         except ConfigError as err:
@@ -112,9 +122,10 @@ def newest_checkpoint(folder: Path, identity: Identity, say: Callable[[str], Non
     return max(found, key=lambda c: (c.step if c.step is not None else -1, c.path.name == LAST), default=None)
 
 
-def holds_a_run(folder: Path) -> bool:
-    """Whether ``folder`` holds another run's checkpoints or metrics, which a new run would overwrite."""
-    return bool(checkpoint_files(folder, say=lambda _: None)) or (folder / METRICS).is_file()
+def holds_a_run(folder: Path, dirs: Sequence[Path] = ()) -> bool:
+    """Whether ``folder`` holds another run's checkpoints (in its checkpoint folders ``dirs``) or metrics, which a
+    new run would overwrite."""
+    return bool(checkpoint_files(folder, lambda _: None, dirs)) or (folder / METRICS).is_file()
 
 
 @dataclass(frozen=True)
@@ -131,31 +142,33 @@ def plan(
     identity: Identity,
     first_process: bool = True,
     say: Callable[[str], None] = say_once,
+    dirs: Sequence[Path] = (),
 ) -> Plan:
-    """The fit's plan for ``--ckpt_path`` (see the module doc); ``ConfigError`` when it cannot work.
+    """The fit's plan for ``--ckpt_path`` (see the module doc), the run's checkpoints in ``dirs``
+    (``checkpoint_dirs``); ``ConfigError`` when it cannot work.
 
     Only the first process of a launch checks that a new run's folder is free: the other processes start
     after it has begun writing there. ``say`` reports the checkpoints skipped and the one chosen."""
     if ckpt_path is None:
-        if first_process and holds_a_run(folder):
+        if first_process and holds_a_run(folder, dirs):
             raise ConfigError(
                 f"{folder} already holds a run: continue it with --resume auto (--ckpt_path auto), or start a new "
                 "one in another folder (--run-dir, or --trainer.default_root_dir)"
             )
         return Plan(folder, None)
     if ckpt_path == AUTO:
-        found = newest_checkpoint(folder, identity, say)
+        found = newest_checkpoint(folder, identity, say, dirs)
         if found is None:
             say(f"No checkpoint to resume in {folder}: starting a new run.")
         else:
             say(f"Resuming from {found}.")
         return Plan(folder, found)
     if ckpt_path == LAST_PATH:
-        ckpt_path = folder / CHECKPOINTS / LAST
+        ckpt_path = checkpoint_dirs(folder, dirs)[0] / LAST
         if not ckpt_path.is_file():
             raise ConfigError(
-                f"--ckpt_path last: {folder} holds no {CHECKPOINTS}/{LAST}; --ckpt_path auto resumes the latest "
-                "checkpoint there, or starts a new run when there is none"
+                f"--ckpt_path last: {folder} holds no {ckpt_path.relative_to(folder)}; --ckpt_path auto resumes the "
+                "latest checkpoint there, or starts a new run when there is none"
             )
         say(f"Resuming from {ckpt_path} (--ckpt_path last).")
     ckpt = read_checkpoint(Path(ckpt_path))
@@ -228,12 +241,14 @@ def cut_metrics(path: Path, step: int) -> None:
     write_atomic(path, write)
 
 
-def stale_temporaries(folder: Path) -> list[Path]:
-    """Files a killed write left behind (``.<name>.<random>.tmp``) in the folder and its checkpoint folder."""
-    return [p for d in (folder, folder / CHECKPOINTS) for p in d.glob(f".*{TMP_SUFFIX}") if p.is_file()]
+def stale_temporaries(folder: Path, dirs: Sequence[Path] = ()) -> list[Path]:
+    """Files a killed write left behind (``.<name>.<random>.tmp``) in the folder and its checkpoint folders
+    (``checkpoint_dirs``)."""
+    where = dict.fromkeys([folder, *checkpoint_dirs(folder, dirs)])
+    return [p for d in where for p in d.glob(f".*{TMP_SUFFIX}") if p.is_file()]
 
 
-def remove_stale_temporaries(folder: Path) -> None:
-    for path in stale_temporaries(folder):
+def remove_stale_temporaries(folder: Path, dirs: Sequence[Path] = ()) -> None:
+    for path in stale_temporaries(folder, dirs):
         say_once(f"Removing {path}, left by a write that did not finish")
         os.unlink(path)
