@@ -9,10 +9,12 @@ import csv
 import os
 import shutil
 import signal
+import struct
 import subprocess
 import sys
 import tempfile
 import time
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -438,3 +440,47 @@ def test_a_config_dirpath_outside_the_run_is_refused_in_one_line(tmp_path, reque
         "inside the run"
     )
     assert not outside.exists() and not folder.exists()
+
+
+# ------------------------------------------------------------------------------ checkpoints verified
+def _overwrite_inside(path: Path) -> None:
+    """Overwrite 16 bytes in the middle of the checkpoint's largest tensor, in place: the zip archive stays whole
+    (torch stores its records uncompressed and checks none of their checksums as it loads)."""
+    with zipfile.ZipFile(path) as archive:
+        tensors = [info for info in archive.infolist() if "/data/" in info.filename]  # <archive>/data/<storage>
+        member = max(tensors, key=lambda info: info.file_size)
+    with open(path, "r+b") as file:
+        file.seek(member.header_offset + 26)
+        name_length, extra_length = struct.unpack("<HH", file.read(4))
+        file.seek(member.header_offset + 30 + name_length + extra_length + member.file_size // 2)
+        file.write(b"\x7f" * 16)
+
+
+def test_a_checkpoint_with_bytes_overwritten_inside_is_skipped_for_the_newest_intact_one(
+    tmp_path, request, monkeypatch, capsys
+):
+    """A run of 2 epochs (checkpoints at steps 4 and 8), last.ckpt and the step-8 file damaged inside: the resume
+    says so for each, in one line, and continues from the step-4 file; the damaged file given as --ckpt_path is
+    refused in one line."""
+    folder = tmp_path / "run"
+    cfg = _config(tmp_path, folder)
+    monkeypatch.chdir(tmp_path)
+    code, _, err = _run_here(_command(cfg, "--trainer.max_epochs", "2"), request, monkeypatch, capsys)
+    assert code == 0, err[-3000:]
+    damaged = [folder / "checkpoints" / "last.ckpt", folder / "checkpoints" / "step=8.ckpt"]
+    for path in damaged:
+        assert torch.load(path, weights_only=True)["global_step"] == 8
+        _overwrite_inside(path)
+    code, _, err = _run_here(
+        _command(cfg, "--trainer.max_epochs", "3", "--ckpt_path", str(damaged[0])), request, monkeypatch, capsys
+    )
+    assert code == 2 and err.strip().splitlines()[-1].startswith(f"error: cannot resume from {damaged[0]}: its ")
+    assert "damaged" in err.strip().splitlines()[-1] and "Traceback" not in err
+    code, out, err = _run_here(
+        _command(cfg, "--trainer.max_epochs", "3", "--ckpt_path", "auto"), request, monkeypatch, capsys
+    )
+    assert code == 0, err[-3000:]
+    for path in damaged:
+        assert f"Skipping {path}: its content is not what was saved" in out
+    assert f"Resuming from {folder / 'checkpoints' / 'step=4.ckpt'} (epoch 0, step 4)" in out
+    assert torch.load(folder / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 12

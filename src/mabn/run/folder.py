@@ -9,11 +9,11 @@ folder: the same checkpoint folder (so ModelCheckpoint keeps its best across res
 
 ``--ckpt_path`` decides which checkpoint the fit starts from:
 - none: a new run, refused in a folder that already holds one (it would overwrite its checkpoints);
-- ``auto``: the readable checkpoint of the folder written by the same task and norm with the highest global
+- ``auto``: the readable, intact checkpoint of the folder written by the same task and norm with the highest global
   step (a tie goes to ``last.ckpt``), or a new run when there is none (a killed or requeued job restarts with
   the very same command). The step, not the file's time, which a copy of the folder (``cp -r``) changes;
 - ``last``: the folder's ``checkpoints/last.ckpt`` (Lightning's word for the latest checkpoint);
-- a path: that checkpoint, checked to be readable and of the same task and norm.
+- a path: that checkpoint, checked to be readable, intact and of the same task and norm.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from typing import Any
 from ..compat import resumed_logging_step
 from ..distributed import say as say_once
 from ..errors import ConfigError
-from .files import TMP_SUFFIX, load_weights_file, write_atomic, write_text_atomic
+from .files import TMP_SUFFIX, intact, load_weights_file, write_atomic, write_text_atomic
 
 AUTO = "auto"
 LAST_PATH = "last"  # Lightning's name for the latest checkpoint: here the run's own checkpoints/last.ckpt
@@ -104,8 +104,8 @@ def newest_checkpoint(
     folder: Path, identity: Identity, say: Callable[[str], None] = say_once, dirs: Sequence[Path] = ()
 ) -> Checkpoint | None:
     """The readable checkpoint of ``folder`` (its checkpoint folders ``dirs``, ``checkpoint_dirs``) that belongs to
-    ``identity`` with the highest global step; of equal steps ``last.ckpt``, then the newer file. Others are
-    skipped with a message saying why."""
+    ``identity`` with the highest global step, of those whose content is what was saved (``damage``); of equal
+    steps ``last.ckpt``, then the newer file. Others are skipped with a message saying why."""
     found = []
     for path in checkpoint_files(folder, say, dirs):
         try:
@@ -118,8 +118,26 @@ def newest_checkpoint(
             found.append(ckpt)
         else:
             say(f"Skipping {path}: {reason}")
-    # max keeps the first of equal keys: checkpoint_files lists the newer file first.
-    return max(found, key=lambda c: (c.step if c.step is not None else -1, c.path.name == LAST), default=None)
+    # sorted keeps the order of equal keys: checkpoint_files lists the newer file first.
+    ranked = sorted(found, key=lambda c: (c.step if c.step is not None else -1, c.path.name == LAST), reverse=True)
+    for ckpt in ranked:  # the newest whose content is what was saved
+        reason = damage(ckpt.path)
+        if reason is None:
+            return ckpt
+        say(f"Skipping {ckpt.path}: {reason}")
+    return None
+
+
+def damage(path: Path) -> str | None:
+    """Why the checkpoint at ``path`` does not hold what was saved, or None when it does (or records no digest):
+    its values are read in full and their digest compared with the one recorded at the save."""
+    try:
+        verdict = intact(load_weights_file(path, "checkpoint", ConfigError, mmap=True))
+    except ConfigError as err:
+        return str(err)
+    if verdict is False:
+        return "its content is not what was saved (its digest differs from the one recorded at the save): damaged"
+    return None
 
 
 def holds_a_run(folder: Path, dirs: Sequence[Path] = ()) -> bool:
@@ -172,7 +190,7 @@ def plan(
             )
         say(f"Resuming from {ckpt_path} (--ckpt_path last).")
     ckpt = read_checkpoint(Path(ckpt_path))
-    reason = identity.differs(ckpt.hparams)
+    reason = identity.differs(ckpt.hparams) or damage(ckpt.path)
     if reason is not None:
         raise ConfigError(f"cannot resume from {ckpt.path}: {reason}")
     return Plan(folder, ckpt)
