@@ -141,7 +141,7 @@ class _SaveAt(pl.Callback):
 def test_hold_resumed_epochs_and_resumed_logging_step_follow_lightnings_counters(tmp_path, first, hook):
     """A fit stopped and resumed (max_epochs 3, max_steps 100) counts its epochs, steps, logged steps and batches,
     and validates, where the uninterrupted fit does, read from Lightning's own counters; ``resumed_logging_step``
-    is the logged step of its first training batch."""
+    is the logged step of its first training batch, ``epochs_trained`` the epochs ended before the checkpoint."""
 
     def fit(ckpt_path=None, callbacks=(), **limits):
         trainer = pl.Trainer(
@@ -165,7 +165,12 @@ def test_hold_resumed_epochs_and_resumed_logging_step_follow_lightnings_counters
     after, trainer = fit(ckpt_path=path, **limits)
     assert before + after == straight
     first_logged = next(seen[3] for seen in after if seen[0] == "train")
-    assert compat.resumed_logging_step(torch.load(path, weights_only=True)) == first_logged
+    saved = torch.load(path, weights_only=True)
+    assert compat.resumed_logging_step(saved) == first_logged
+    # The epochs ended by the checkpoint's step: the uninterrupted fit's validations (one at each epoch's end) so far.
+    assert compat.epochs_trained(saved) == sum(
+        seen[0] == "val" and seen[2] <= saved["global_step"] for seen in straight
+    )
     assert trainer.global_step == 12 and trainer.current_epoch == 3
 
 

@@ -150,6 +150,23 @@ def test_a_fit_stopped_at_an_epoch_end_with_max_steps_resumes_as_the_uninterrupt
     _same_weights(straight, stopped)
 
 
+def test_a_resume_of_a_finished_run_says_it_is_finished(tmp_path, request, monkeypatch, capsys):
+    folder = tmp_path / "run"
+    cfg = _config(tmp_path, folder)
+    monkeypatch.chdir(tmp_path)
+    code, _, err = _run_here(_command(cfg, "--trainer.max_epochs", "1"), request, monkeypatch, capsys)
+    assert code == 0, err[-3000:]
+    before = torch.load(folder / "checkpoints" / "last.ckpt", weights_only=True)["global_step"]
+    again = _command(cfg, "--trainer.max_epochs", "1", "--ckpt_path", "auto")
+    code, out, err = _run_here(again, request, monkeypatch, capsys)
+    assert code == 0, err[-3000:]
+    assert (
+        f"{folder}'s run is finished (max_epochs=1 reached, 1 trained): nothing to train; raise "
+        "--trainer.max_epochs or --trainer.max_steps to train on"
+    ) in out
+    assert torch.load(folder / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == before == 4
+
+
 def test_a_new_run_never_overwrites_the_run_in_its_folder(tmp_path, request, monkeypatch, capsys):
     folder = tmp_path / "run"
     cfg = _config(tmp_path, folder)

@@ -113,6 +113,22 @@ def resumed_logging_step(checkpoint: dict[str, Any]) -> int | None:
     return int(stepped) + int(at_batch_end)
 
 
+def epochs_trained(checkpoint: dict[str, Any]) -> int | None:
+    """The epochs whose last batch the fit of ``checkpoint`` (a loaded Lightning checkpoint) trained, as
+    ``max_epochs`` counts them on a resume (``epoch_progress.current.processed``, less the epoch ``max_steps``
+    ended inside, as ``hold_resumed_epochs`` reopens it); None where the checkpoint has no loop state. If Lightning
+    renames these, a finished run is not said to be finished."""
+    loops = (checkpoint.get("loops") or {}).get("fit_loop") or {}
+    epochs = (loops.get("epoch_progress") or {}).get("current")
+    if epochs is None:
+        return None
+    processed = int(epochs["processed"])
+    inside = not (loops.get("epoch_loop.batch_progress") or {}).get("is_last_batch")
+    if epochs["ready"] == epochs["started"] == processed > 0 and inside:
+        processed -= 1
+    return processed
+
+
 def cluster_environment(trainer: Any) -> Any:
     """The cluster environment Lightning's signal handling consults (``trainer._accelerator_connector``'s), also for
     a single device, where the strategy has none: ``LastCheckpoint`` installs the requeue-signal handler where it is

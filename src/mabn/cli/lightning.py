@@ -540,6 +540,16 @@ class MabnCLI(lightning_cli()):
             self.experiment = experiment(config)
             if self.plan.resume is not None:
                 self.check_experiment(config, self.plan.resume)
+                reached = self.plan.resume.finished(config.trainer.get("max_epochs"), config.trainer.get("max_steps"))
+                if reached:  # Lightning then returns at once: say why nothing trains
+                    line = (
+                        f"{folder}'s run is finished ({reached}): nothing to train; raise --trainer.max_epochs "
+                        "or --trainer.max_steps to train on"
+                    )
+                    if self.dry_run:
+                        self.notes.append(line)
+                    else:
+                        runs.say_once(line)
         # Lightning's own merge of the checkpoint's hyperparameters into the config, with the task's settings
         # under the keys the task takes (task_hparams translates those of older checkpoints).
         subcommand = self.config.get("subcommand")

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..compat import resumed_logging_step
+from ..compat import epochs_trained, resumed_logging_step
 from ..distributed import say as say_once
 from ..errors import ConfigError
 from .files import TMP_SUFFIX, intact, load_weights_file, write_atomic, write_text_atomic
@@ -59,13 +59,27 @@ class Identity:
 @dataclass(frozen=True)
 class Checkpoint:
     """A checkpoint's counters: ``step`` its global step, ``logged_step`` the step under which a fit resumed from
-    it logs its first row (the counter the rows of ``metrics.csv`` carry)."""
+    it logs its first row (the counter the rows of ``metrics.csv`` carry), ``epochs`` the epochs it trained to
+    their end (as ``max_epochs`` counts them)."""
 
     path: Path
     epoch: int | None
     step: int | None
     hparams: dict[str, Any]
     logged_step: int | None = None
+    epochs: int | None = None
+
+    def finished(self, max_epochs: int | None, max_steps: int | None) -> str | None:
+        """Which of the Trainer's limits (``-1`` or None: none) this checkpoint's fit has reached, as a phrase; None
+        when a resume trains on. Lightning's own default, 1000 epochs without ``max_steps``, counts."""
+        max_steps = -1 if max_steps is None else max_steps
+        if max_epochs is None and max_steps == -1:
+            max_epochs = 1000
+        if max_steps != -1 and self.step is not None and self.step >= max_steps:
+            return f"max_steps={max_steps} reached at step {self.step}"
+        if max_epochs not in (None, -1) and self.epochs is not None and self.epochs >= max_epochs:
+            return f"max_epochs={max_epochs} reached, {self.epochs} trained"
+        return None
 
     def __str__(self) -> str:
         return f"{self.path} (epoch {self.epoch}, step {self.step})"
@@ -78,7 +92,8 @@ def read_checkpoint(path: Path) -> Checkpoint:
     if not isinstance(ckpt, dict) or "state_dict" not in ckpt and "hyper_parameters" not in ckpt:
         raise ConfigError(f"{path} is not a Lightning checkpoint (no state_dict)")
     hparams = dict(ckpt.get("hyper_parameters") or {})
-    return Checkpoint(path, ckpt.get("epoch"), ckpt.get("global_step"), hparams, resumed_logging_step(ckpt))
+    counters = ckpt.get("epoch"), ckpt.get("global_step")
+    return Checkpoint(path, *counters, hparams, resumed_logging_step(ckpt), epochs_trained(ckpt))
 
 
 def checkpoint_dirs(folder: Path, dirs: Sequence[Path] = ()) -> list[Path]:
