@@ -180,6 +180,21 @@ def test_a_new_run_never_overwrites_the_run_in_its_folder(tmp_path, request, mon
     assert _snapshot(folder) == before
 
 
+def test_validate_without_a_checkpoint_of_the_run_is_refused_in_one_line(tmp_path, request, monkeypatch, capsys):
+    """A config whose run folder holds no last.ckpt: nothing to evaluate, rather than a freshly built model's
+    scores filed under the run."""
+    folder = tmp_path / "run"
+    monkeypatch.chdir(tmp_path)
+    validate = [sys.executable, "-m", "mabn", "validate", "--config", str(_config(tmp_path, folder))]
+    code, _, err = _run_here(validate, request, monkeypatch, capsys)
+    assert code == 2 and "Traceback" not in err
+    assert err.strip().splitlines()[-1] == (
+        f"error: validate without --ckpt_path evaluates the run's last checkpoint, and {folder} holds no "
+        f"{Path('checkpoints', 'last.ckpt')}: give the checkpoint to evaluate with --ckpt_path <file>"
+    )
+    assert not folder.exists()
+
+
 def test_validate_with_a_runs_config_writes_into_a_folder_of_its_own(tmp_path, request, monkeypatch, capsys):
     """``validate --config runs/x/config.yaml`` leaves every file of the training run byte for byte (its
     metrics.csv, config.yaml, wandb id); its own metrics and config go to ``runs/x/eval/validate-<time>/``."""
@@ -191,12 +206,17 @@ def test_validate_with_a_runs_config_writes_into_a_folder_of_its_own(tmp_path, r
     assert code == 0, err[-3000:]
     before = _snapshot(folder)
     validate = [sys.executable, "-m", "mabn", "validate", "--config", str(folder / "config.yaml")]
-    code, _, err = _run_here(validate, request, monkeypatch, capsys)
+    code, out, err = _run_here(validate, request, monkeypatch, capsys)
     assert code == 0, err[-3000:]
+    last = folder / "checkpoints" / "last.ckpt"
+    assert f"Validate: {last}, the run's latest state (--ckpt_path <file> picks another)" in out
     assert {k: v for k, v in _snapshot(folder).items() if not k.startswith("eval/")} == before
     (evaluation,) = (folder / "eval").iterdir()
     assert evaluation.name.startswith("validate-")
     assert [set(row) - {"epoch", "step"} for row in _rows(evaluation / "metrics.csv")] == [{"val/acc"}]
+    # The score of the run's last validation: the same weights on the same data.
+    trained = [row["val/acc"] for row in _rows(folder / "metrics.csv") if row["val/acc"]]
+    assert _rows(evaluation / "metrics.csv")[0]["val/acc"] == trained[-1]
     assert (evaluation / "wandb-id").read_text() != (folder / "wandb-id").read_text()  # a wandb run of its own
 
 

@@ -24,7 +24,8 @@ For ``fit``:
   settings unless ``trainer.callbacks`` lists one of them with its own, e.g.
   ``--trainer.callbacks+ "{class_path: mabn.run.LastCheckpoint, init_args: {every_minutes: 10}}"``.
 - ``validate`` (``test``, ``predict``) with a run's config writes into ``<run>/eval/<subcommand>-<time>/``, never
-  into the training run's files (``place_evaluation``);
+  into the training run's files (``place_evaluation``), and without ``--ckpt_path`` evaluates the run's
+  ``last.ckpt`` or stops (``take_run_checkpoint``);
 - where stdout or stderr is not a terminal (SLURM, CI, a pipe), Lightning's progress bar gives way to
   ``LineProgress``: one line every 50 steps (``enable_progress_bar: false`` silences it too).
 """
@@ -550,9 +551,11 @@ class MabnCLI(lightning_cli()):
                         self.notes.append(line)
                     else:
                         runs.say_once(line)
+        subcommand = self.config.get("subcommand")
+        if subcommand in ("validate", "test", "predict") and not self.config[subcommand].get("ckpt_path"):
+            self.take_run_checkpoint(self.config[subcommand], subcommand)
         # Lightning's own merge of the checkpoint's hyperparameters into the config, with the task's settings
         # under the keys the task takes (task_hparams translates those of older checkpoints).
-        subcommand = self.config.get("subcommand")
         ckpt_path = subcommand and self.config[subcommand].get("ckpt_path")
         if not (ckpt_path and Path(ckpt_path).is_file()):
             return
@@ -575,6 +578,28 @@ class MabnCLI(lightning_cli()):
             self.config = self.parser.parse_object({subcommand: {"model": hparams}}, self.config)
         except ArgumentError as err:
             raise ArgumentMistake(f"--ckpt_path {ckpt_path}: its hyperparameters do not fit: {err}") from err
+
+    def take_run_checkpoint(self, config: Namespace, subcommand: str) -> None:
+        """An evaluation without ``--ckpt_path`` evaluates its run's ``last.ckpt`` (the run of the config's
+        ``default_root_dir``), and says so; where there is none it stops: a freshly built model's scores filed
+        under a run would pass for the run's."""
+        refused = f"{subcommand} without --ckpt_path evaluates the run's last checkpoint, and"
+        how = "give the checkpoint to evaluate with --ckpt_path <file>"
+        root = config.trainer.get("default_root_dir")
+        if not root:
+            self.problem(f"{refused} the config names no run folder (trainer.default_root_dir): {how}")
+            return
+        folder = Path(root)
+        try:
+            last = runs.checkpoint_dirs(folder, checkpoint_dirs(config, folder))[0] / runs.LAST
+        except ConfigError as err:
+            self.problem(str(err))
+            return
+        if not last.is_file():
+            self.problem(f"{refused} {folder} holds no {last.relative_to(folder)}: {how}")
+            return
+        config.ckpt_path = str(last)
+        runs.say_once(f"{subcommand.capitalize()}: {last}, the run's latest state (--ckpt_path <file> picks another)")
 
     def check_experiment(self, config: Namespace, resume: runs.Checkpoint) -> None:
         """A resume continues the experiment its folder recorded (or, where it recorded none, the one its checkpoint
