@@ -150,6 +150,25 @@ def test_a_fit_stopped_at_an_epoch_end_with_max_steps_resumes_as_the_uninterrupt
     _same_weights(straight, stopped)
 
 
+def test_a_run_that_died_before_its_first_checkpoint_starts_again_with_its_log(
+    tmp_path, request, monkeypatch, capsys
+):
+    """A folder whose run logged rows and died before any checkpoint (here: its checkpoints removed): --ckpt_path
+    auto starts a new run, whose metrics.csv holds its own rows, not the dead run's before them."""
+    folder = tmp_path / "run"
+    cfg = _config(tmp_path, folder)
+    monkeypatch.chdir(tmp_path)
+    code, _, err = _run_here(_command(cfg, "--trainer.max_epochs", "1"), request, monkeypatch, capsys)
+    assert code == 0, err[-3000:]
+    rows = _rows(folder / "metrics.csv")
+    shutil.rmtree(folder / "checkpoints")
+    again = _command(cfg, "--trainer.max_epochs", "1", "--ckpt_path", "auto")
+    code, out, err = _run_here(again, request, monkeypatch, capsys)
+    assert code == 0, err[-3000:]
+    assert "No checkpoint to resume" in out
+    assert _rows(folder / "metrics.csv") == rows
+
+
 def test_a_resume_of_a_finished_run_says_it_is_finished(tmp_path, request, monkeypatch, capsys):
     folder = tmp_path / "run"
     cfg = _config(tmp_path, folder)
@@ -521,3 +540,4 @@ def test_a_checkpoint_with_bytes_overwritten_inside_is_skipped_for_the_newest_in
         assert f"Skipping {path}: its content is not what was saved" in out
     assert f"Resuming from {folder / 'checkpoints' / 'step=4.ckpt'} (epoch 0, step 4)" in out
     assert torch.load(folder / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 12
+

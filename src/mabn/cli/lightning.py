@@ -643,8 +643,11 @@ class MabnCLI(lightning_cli()):
         if first_process():
             runs.remove_stale_temporaries(self.plan.folder, self.dirs)
             runs.record_experiment(self.plan.folder, self.experiment)
-            if self.plan.resume is not None and self.plan.resume.logged_step is not None:
-                runs.cut_metrics(self.plan.folder / runs.METRICS, self.plan.resume.logged_step)
+            # A resume logs again from its checkpoint's step on; a new run (--ckpt_path auto where the run died
+            # before its first checkpoint) from step 0: the rows the run logged from there on go.
+            step = 0 if self.plan.resume is None else self.plan.resume.logged_step
+            if step is not None:
+                runs.cut_metrics(self.plan.folder / runs.METRICS, step)
 
     def instantiate_classes(self) -> None:
         if not self.dry_run:
