@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import csv
 import os
+import random
 import shutil
 import signal
 import struct
@@ -541,3 +542,53 @@ def test_a_checkpoint_with_bytes_overwritten_inside_is_skipped_for_the_newest_in
     assert f"Resuming from {folder / 'checkpoints' / 'step=4.ckpt'} (epoch 0, step 4)" in out
     assert torch.load(folder / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 12
 
+
+# ------------------------------------------------------------------------------ resumes at random kills
+def _skeleton(rows: list[dict[str, str]]) -> list[tuple[str, str, bool, bool]]:
+    """Each row's epoch and step and which metrics it holds: what a resume must keep even where the values of a
+    resumed epoch's rest differ (its batches drawn anew)."""
+    return [(r["epoch"], r["step"], bool(r["train/loss"]), bool(r["val/acc"])) for r in rows]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("limits", "end"),
+    [(("--trainer.max_epochs", "100", "--trainer.max_steps", "14"), 14), (("--trainer.max_epochs", "4"), 16)],
+    ids=["max_steps", "max_epochs"],
+)
+@pytest.mark.parametrize("signum", [signal.SIGKILL, signal.SIGTERM], ids=["SIGKILL", "SIGTERM"])
+def test_a_fit_killed_at_random_steps_resumes_to_the_uninterrupted_fits_end(
+    tmp_path, request, monkeypatch, capsys, limits, end, signum
+):
+    """A fit (4 steps an epoch, a validation at each epoch's end) stopped by SIGKILL or SIGTERM at 3 random steps,
+    each time restarted by the same command (``--ckpt_path auto``), ends where the uninterrupted fit ends. After
+    SIGKILLs, which resume from the last validation's checkpoint (an epoch's end), metrics.csv is the uninterrupted
+    run's row for row and the weights are the same. After SIGTERMs, saved at the step they arrive, the rest of that
+    epoch's batches are drawn anew (the loader does not record its place in an epoch): the rows' epochs, steps and
+    metrics are the uninterrupted run's, and the fit ends at the same step."""
+    seed = random.randrange(2**32)
+    draw = random.Random(seed)
+    straight, stopped = tmp_path / "straight", tmp_path / "stopped"
+    monkeypatch.chdir(tmp_path)
+    code, _, err = _run_here(_command(_config(tmp_path, straight), *limits), request, monkeypatch, capsys)
+    assert code == 0, err[-3000:]
+    cfg = _config(tmp_path, stopped)
+    points, last = [], stopped / "checkpoints" / "last.ckpt"
+    for _ in range(3):
+        start = torch.load(last, weights_only=True)["global_step"] if last.is_file() else 0
+        if start >= end - 1:
+            break
+        points.append(draw.randrange(start + 1, end))
+        variable = "TINY_KILL_AT_STEP" if signum == signal.SIGKILL else "TINY_TERM_AT_STEP"
+        dead = _run(_command(cfg, *limits, "--ckpt_path", "auto"), tmp_path, **{variable: str(points[-1])})
+        expected = -signal.SIGKILL if signum == signal.SIGKILL else 128 + signal.SIGTERM
+        assert dead.returncode == expected, (seed, points, dead.stderr[-3000:])
+    again = _run(_command(cfg, *limits, "--ckpt_path", "auto"), tmp_path)
+    assert again.returncode == 0, (seed, points, again.stderr[-3000:])
+    rows = _rows(straight / "metrics.csv")
+    assert torch.load(last, weights_only=True)["global_step"] == end, (seed, points)
+    if signum == signal.SIGKILL:
+        assert _rows(stopped / "metrics.csv") == rows, (seed, points)
+        _same_weights(straight, stopped)
+    else:
+        assert _skeleton(_rows(stopped / "metrics.csv")) == _skeleton(rows), (seed, points)

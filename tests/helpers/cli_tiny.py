@@ -4,10 +4,11 @@
 norms managed by MABNCallback) on 32 fixed 6x6 images, shuffled, with SGD and a per-step lr schedule: every kind
 of state a resume must restore (weights, norm streams, momentum, schedule, random state). Every epoch ends with a
 validation whose ``val/acc`` ModelCheckpoint monitors. ``$TINY_KILL_AT_STEP`` kills the process at that step, as
-an out-of-memory kill or a node failure would. ``$TINY_HOLD_AT_STEP`` stops there instead, touches
-``$TINY_HOLDING_MARKER`` and waits until ``$TINY_RELEASE_MARKER`` exists (or it is killed), so a test can act
-while the run holds its folder. ``SlowCheckpointIO`` stops inside the write of the checkpoint
-at ``$TINY_SLOW_SAVE_AT_STEP``, after the bytes are in the temporary file and before the rename, and touches
+an out-of-memory kill or a node failure would; ``$TINY_TERM_AT_STEP`` sends it SIGTERM there, as ``scancel``
+does. ``$TINY_HOLD_AT_STEP`` stops there instead, touches ``$TINY_HOLDING_MARKER`` and waits until
+``$TINY_RELEASE_MARKER`` exists (or it is killed), so a test can act while the run holds its folder.
+``SlowCheckpointIO`` stops inside the write of the checkpoint at ``$TINY_SLOW_SAVE_AT_STEP``, after the bytes are
+in the temporary file and before the rename, and touches
 ``$TINY_SAVING_MARKER`` so a test can kill the process exactly then. ``FullDiskCheckpointIO`` runs out of
 space in the middle of writing the checkpoint of ``$TINY_FULL_AT_STEP`` into its temporary file.
 ``SettingTask`` takes its lr as a run setting. ``WorseningTask`` scores worse at every validation, so
@@ -77,6 +78,8 @@ class TinyTask(pl.LightningModule):
     def on_train_batch_end(self, outputs, batch, batch_idx):
         if self.global_step == int(os.environ.get("TINY_KILL_AT_STEP", "-1")):
             os.kill(os.getpid(), signal.SIGKILL)
+        if self.global_step == int(os.environ.get("TINY_TERM_AT_STEP", "-1")):
+            os.kill(os.getpid(), signal.SIGTERM)
         if self.global_step == int(os.environ.get("TINY_HOLD_AT_STEP", "-1")):
             Path(os.environ["TINY_HOLDING_MARKER"]).touch()
             deadline = time.monotonic() + 120
