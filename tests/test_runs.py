@@ -151,9 +151,7 @@ def test_a_fit_stopped_at_an_epoch_end_with_max_steps_resumes_as_the_uninterrupt
     _same_weights(straight, stopped)
 
 
-def test_a_run_that_died_before_its_first_checkpoint_starts_again_with_its_log(
-    tmp_path, request, monkeypatch, capsys
-):
+def test_a_run_that_died_before_its_first_checkpoint_starts_again_with_its_log(tmp_path, request, monkeypatch, capsys):
     """A folder whose run logged rows and died before any checkpoint (here: its checkpoints removed): --ckpt_path
     auto starts a new run, whose metrics.csv holds its own rows, not the dead run's before them."""
     folder = tmp_path / "run"
