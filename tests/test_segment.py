@@ -227,7 +227,7 @@ def test_classes_file_defaults_and_names():
     assert table.colors == ((0, 0, 0), (128, 0, 0)) and voc_palette(3)[2] == (0, 128, 0)
     table = ClassTable.parse({"classes": ["a", "b"], "ignore_index": None, "mask_values": {10: "b", 20: 0, "30": 1}})
     assert table.class_values.tolist() == [20, 10] and table.classes_of(np.array([30]))[0].tolist() == [1]
-    assert ClassTable.parse({"classes": ["a"], "mask_values": {300: "a"}}).class_values.dtype == np.uint16
+    assert ClassTable.parse({"classes": ["a", "b"], "mask_values": {300: "a", 0: "b"}}).class_values.dtype == np.uint16
     assert cityscapes.CLASSES.class_values.tolist() == predict.TRAIN_TO_LABEL_ID.tolist()
 
 
@@ -254,6 +254,11 @@ def test_classes_file_defaults_and_names():
             "[1, 2, 3] is the colour of both 'a' and 'ignore_color'",
         ),
         ("classes: [a]\nmask_format: color\nignore_color: black\n", "ignore_color must be one [R, G, B]"),
+        ("classes: [road]\n", "1 class ('road'): a segmentation needs at least 2 classes, e.g. classes: [background,"),
+        (
+            "classes: [a, b]\nweights: [1e-3, 1.0]\n",
+            "reads '1e-3' as text, not a number (it takes an exponent only after a dot",
+        ),
     ],
 )
 def test_a_classes_file_that_does_not_parse_is_one_line_naming_it(tmp_path, text, message):
