@@ -100,7 +100,8 @@ class WorseningTask(TinyTask):
 
 class StopAt(pl.Callback):
     """At the start of the training batch at global step ``step``: ``raise`` a RuntimeError, ``interrupt`` as
-    Ctrl-C does, or send this process ``sigterm`` (recorded by the handler, acted on at the end of that batch)."""
+    Ctrl-C does, or send this process ``sigterm``, ``sighup`` or ``sigusr1`` (recorded by the handler, acted on at
+    the end of that batch)."""
 
     def __init__(self, step: int, how: str = "raise") -> None:
         self.step, self.how = step, how
@@ -112,7 +113,7 @@ class StopAt(pl.Callback):
             raise RuntimeError(f"stopped at step {self.step}")
         if self.how == "interrupt":
             raise KeyboardInterrupt
-        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), getattr(signal, self.how.upper()))  # sigterm, sighup, sigusr1
 
 
 class TinyData(pl.LightningDataModule):
