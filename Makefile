@@ -120,7 +120,7 @@ cityscapes: $(STAMP)
 	$(PY) -m mabn cityscapes $(STAGE_ARGS)
 
 # Stage 2's recipe on a dataset of your own (docs/your-data.md): DATA holds images/{train,val}/*, masks/{train,val}/*.png
-# (paired by name) and classes.yaml; the rest as for make cityscapes (runs/segment/<dataset>/<norm>, the stage-1 backbone).
+# (paired by name) and classes.yaml; the rest as for make cityscapes (runs/segment/<dataset>-<digest>/<norm>, the stage-1 backbone).
 segment: $(STAMP)
 	$(PY) -m mabn segment $(STAGE_ARGS)
 

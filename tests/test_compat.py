@@ -80,6 +80,100 @@ def test_record_sigterm_makes_lightnings_sigterm_handler_only_record():
     assert "register_signal_handlers" in inspect.getsource(pl.Trainer._run)
 
 
+class _Counted(pl.LightningModule):
+    """A linear model on 16 fixed samples, 4 batches an epoch, a validation at each epoch's end; records Lightning's
+    own counters at each training batch's start and each validation's end."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(2, 1)
+        self.seen: list[tuple] = []
+
+    def training_step(self, batch, batch_idx):
+        loop = self.trainer.fit_loop
+        counters = (self.current_epoch, self.global_step, loop.epoch_loop._batches_that_stepped, batch_idx)
+        self.seen.append(("train", *counters, loop.epoch_progress.current.processed))
+        return self.layer(batch[0]).square().mean()
+
+    def validation_step(self, batch, batch_idx):
+        if batch_idx == 0 and not self.trainer.sanity_checking:
+            self.seen.append(("val", self.current_epoch, self.global_step))
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def train_dataloader(self):
+        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.arange(32.0).view(16, 2)), batch_size=4)
+
+    val_dataloader = train_dataloader
+
+
+class _SaveAt(pl.Callback):
+    """Saves the fit's checkpoint at ``hook``; at a training batch's end, the one at step 6, and stops there."""
+
+    def __init__(self, path, hook: str) -> None:
+        self.path, self.hook = path, hook
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if self.hook == "on_train_batch_end" and trainer.global_step == 6:
+            trainer.save_checkpoint(self.path)
+            raise RuntimeError("stopped after the save")
+
+    def on_train_epoch_end(self, trainer, pl_module):
+        if self.hook == "on_train_epoch_end":
+            trainer.save_checkpoint(self.path)
+
+    def on_train_end(self, trainer, pl_module):
+        if self.hook == "on_train_end":
+            trainer.save_checkpoint(self.path)
+
+
+@pytest.mark.parametrize(
+    ("first", "hook"),
+    [
+        ({"max_epochs": 2, "max_steps": 100}, "on_train_epoch_end"),  # the end of an epoch, max_steps set
+        ({"max_epochs": 2, "max_steps": 100}, "on_train_end"),  # the end of a fit at an epoch's end
+        ({"max_epochs": 3, "max_steps": 6}, "on_train_end"),  # max_steps inside an epoch
+        ({"max_epochs": 3, "max_steps": 100}, "on_train_batch_end"),  # a training batch's end (SIGTERM's save)
+    ],
+    ids=["epoch-end", "fit-end", "inside-an-epoch", "batch-end"],
+)
+def test_hold_resumed_epochs_and_resumed_logging_step_follow_lightnings_counters(tmp_path, first, hook):
+    """A fit stopped and resumed (max_epochs 3, max_steps 100) counts its epochs, steps, logged steps and batches,
+    and validates, where the uninterrupted fit does, read from Lightning's own counters; ``resumed_logging_step``
+    is the logged step of its first training batch, ``epochs_trained`` the epochs ended before the checkpoint."""
+
+    def fit(ckpt_path=None, callbacks=(), **limits):
+        trainer = pl.Trainer(
+            accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
+            enable_model_summary=False, num_sanity_val_steps=0, callbacks=list(callbacks), **limits,
+        )  # fmt: skip
+        compat.hold_resumed_epochs(trainer)
+        module = _Counted()
+        trainer.fit(module, ckpt_path=ckpt_path)
+        return module.seen, trainer
+
+    limits = {"max_epochs": 3, "max_steps": 100}
+    straight, _ = fit(**limits)
+    path = tmp_path / "stopped.ckpt"
+    if hook == "on_train_batch_end":
+        with pytest.raises(RuntimeError, match="stopped after the save"):
+            fit(callbacks=[_SaveAt(path, hook)], **first)
+        before = [seen for seen in straight if seen[2] < 6]  # the batches trained before the save
+    else:
+        before, _ = fit(callbacks=[_SaveAt(path, hook)], **first)
+    after, trainer = fit(ckpt_path=path, **limits)
+    assert before + after == straight
+    first_logged = next(seen[3] for seen in after if seen[0] == "train")
+    saved = torch.load(path, weights_only=True)
+    assert compat.resumed_logging_step(saved) == first_logged
+    # The epochs ended by the checkpoint's step: the uninterrupted fit's validations (one at each epoch's end) so far.
+    assert compat.epochs_trained(saved) == sum(
+        seen[0] == "val" and seen[2] <= saved["global_step"] for seen in straight
+    )
+    assert trainer.global_step == 12 and trainer.current_epoch == 3
+
+
 def test_cluster_environment_is_the_trainers_also_on_one_device():
     from lightning_fabric.plugins.environments import LightningEnvironment
 

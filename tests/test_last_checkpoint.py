@@ -75,6 +75,8 @@ def _rows(folder: Path) -> list[tuple[str, str, tuple[str, ...]]]:
         ("an exception at step 6", _stop_at(6, "raise"), "RuntimeError: stopped at step 6", 6),
         ("Ctrl-C at step 6", _stop_at(6, "interrupt"), 1, 6),
         ("SIGTERM in step 7", _stop_at(6, "sigterm"), TERMINATED_EXIT, 7),
+        ("SIGHUP in step 7", _stop_at(6, "sighup"), 128 + signal.SIGHUP, 7),  # a dropped ssh session
+        ("SIGUSR1 in step 7", _stop_at(6, "sigusr1"), 128 + signal.SIGUSR1, 7),  # outside SLURM's requeue
     ],
 )
 def test_last_ckpt_is_the_last_step_taken_however_the_fit_ends(tmp_path, capsys, caplog, end, extra, code, step):
@@ -84,8 +86,8 @@ def test_last_ckpt_is_the_last_step_taken_however_the_fit_ends(tmp_path, capsys,
     assert result == code, err[-3000:]
     assert _step(folder / runs.CHECKPOINTS / runs.LAST) == step, end
     assert sorted(p.name for p in (folder / runs.CHECKPOINTS).iterdir())[:2] == ["last.ckpt", "step=4.ckpt"]
-    if end.startswith("SIGTERM"):
-        line = f"SIGTERM: checkpoint saved at step 7 in {folder / 'checkpoints' / 'last.ckpt'}; the run stops here"
+    if end.startswith("SIG"):
+        line = f"{end.split()[0]}: checkpoint saved at step 7 in {folder / 'checkpoints' / 'last.ckpt'}; the run stops"
         assert line in err, err[-3000:]
     assert "`weights_only` was not set" not in out + err + caplog.text  # Lightning's notice at every save
 

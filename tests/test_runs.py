@@ -7,16 +7,21 @@ from __future__ import annotations
 
 import csv
 import os
+import random
 import shutil
 import signal
+import struct
 import subprocess
 import sys
 import tempfile
 import time
+import zipfile
 from pathlib import Path
 
 import pytest
+import pytorch_lightning as pl
 import torch
+from torch import nn
 
 from helpers.commands import run_mabn
 from helpers.wandb_reader import wandb_session
@@ -119,6 +124,67 @@ def test_a_killed_run_resumes_in_its_folder_with_its_log_best_checkpoint_and_wan
     }
 
 
+def _same_weights(a: Path, b: Path) -> None:
+    first, second = (torch.load(f / "checkpoints" / "last.ckpt", weights_only=True) for f in (a, b))
+    assert first["global_step"] == second["global_step"]
+    for key, value in first["state_dict"].items():
+        assert torch.equal(second["state_dict"][key], value), key
+
+
+def test_a_fit_stopped_at_an_epoch_end_with_max_steps_resumes_as_the_uninterrupted_one(
+    tmp_path, request, monkeypatch, capsys
+):
+    """max_steps set (far off) and max_epochs ending the fit: a fit of 1 epoch then resumed to 2 trains the same
+    8 steps, logs the same rows under the same steps and ends with the same weights as a fit of 2 epochs."""
+    straight, stopped = tmp_path / "straight", tmp_path / "stopped"
+    monkeypatch.chdir(tmp_path)
+    steps = ("--trainer.max_steps", "100")
+    for folder, runs_of in ((straight, [("2",)]), (stopped, [("1",), ("2", "--ckpt_path", "auto")])):
+        cfg = _config(tmp_path, folder)
+        for epochs, *extra in runs_of:
+            cmd = _command(cfg, "--trainer.max_epochs", epochs, *steps, *extra)
+            code, _, err = _run_here(cmd, request, monkeypatch, capsys)
+            assert code == 0, err[-3000:]
+    rows = _rows(straight / "metrics.csv")
+    assert {int(r["step"]) for r in rows if r["train/loss"]} == set(range(8))  # the reference trained 8 steps
+    assert _rows(stopped / "metrics.csv") == rows
+    _same_weights(straight, stopped)
+
+
+def test_a_run_that_died_before_its_first_checkpoint_starts_again_with_its_log(tmp_path, request, monkeypatch, capsys):
+    """A folder whose run logged rows and died before any checkpoint (here: its checkpoints removed): --ckpt_path
+    auto starts a new run, whose metrics.csv holds its own rows, not the dead run's before them."""
+    folder = tmp_path / "run"
+    cfg = _config(tmp_path, folder)
+    monkeypatch.chdir(tmp_path)
+    code, _, err = _run_here(_command(cfg, "--trainer.max_epochs", "1"), request, monkeypatch, capsys)
+    assert code == 0, err[-3000:]
+    rows = _rows(folder / "metrics.csv")
+    shutil.rmtree(folder / "checkpoints")
+    again = _command(cfg, "--trainer.max_epochs", "1", "--ckpt_path", "auto")
+    code, out, err = _run_here(again, request, monkeypatch, capsys)
+    assert code == 0, err[-3000:]
+    assert "No checkpoint to resume" in out
+    assert _rows(folder / "metrics.csv") == rows
+
+
+def test_a_resume_of_a_finished_run_says_it_is_finished(tmp_path, request, monkeypatch, capsys):
+    folder = tmp_path / "run"
+    cfg = _config(tmp_path, folder)
+    monkeypatch.chdir(tmp_path)
+    code, _, err = _run_here(_command(cfg, "--trainer.max_epochs", "1"), request, monkeypatch, capsys)
+    assert code == 0, err[-3000:]
+    before = torch.load(folder / "checkpoints" / "last.ckpt", weights_only=True)["global_step"]
+    again = _command(cfg, "--trainer.max_epochs", "1", "--ckpt_path", "auto")
+    code, out, err = _run_here(again, request, monkeypatch, capsys)
+    assert code == 0, err[-3000:]
+    assert (
+        f"{folder}'s run is finished (max_epochs=1 reached, 1 trained): nothing to train; raise "
+        "--trainer.max_epochs or --trainer.max_steps to train on"
+    ) in out
+    assert torch.load(folder / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == before == 4
+
+
 def test_a_new_run_never_overwrites_the_run_in_its_folder(tmp_path, request, monkeypatch, capsys):
     folder = tmp_path / "run"
     cfg = _config(tmp_path, folder)
@@ -132,6 +198,21 @@ def test_a_new_run_never_overwrites_the_run_in_its_folder(tmp_path, request, mon
     assert _snapshot(folder) == before
 
 
+def test_validate_without_a_checkpoint_of_the_run_is_refused_in_one_line(tmp_path, request, monkeypatch, capsys):
+    """A config whose run folder holds no last.ckpt: nothing to evaluate, rather than a freshly built model's
+    scores filed under the run."""
+    folder = tmp_path / "run"
+    monkeypatch.chdir(tmp_path)
+    validate = [sys.executable, "-m", "mabn", "validate", "--config", str(_config(tmp_path, folder))]
+    code, _, err = _run_here(validate, request, monkeypatch, capsys)
+    assert code == 2 and "Traceback" not in err
+    assert err.strip().splitlines()[-1] == (
+        f"error: validate without --ckpt_path evaluates the run's last checkpoint, and {folder} holds no "
+        f"{Path('checkpoints', 'last.ckpt')}: give the checkpoint to evaluate with --ckpt_path <file>"
+    )
+    assert not folder.exists()
+
+
 def test_validate_with_a_runs_config_writes_into_a_folder_of_its_own(tmp_path, request, monkeypatch, capsys):
     """``validate --config runs/x/config.yaml`` leaves every file of the training run byte for byte (its
     metrics.csv, config.yaml, wandb id); its own metrics and config go to ``runs/x/eval/validate-<time>/``."""
@@ -143,12 +224,17 @@ def test_validate_with_a_runs_config_writes_into_a_folder_of_its_own(tmp_path, r
     assert code == 0, err[-3000:]
     before = _snapshot(folder)
     validate = [sys.executable, "-m", "mabn", "validate", "--config", str(folder / "config.yaml")]
-    code, _, err = _run_here(validate, request, monkeypatch, capsys)
+    code, out, err = _run_here(validate, request, monkeypatch, capsys)
     assert code == 0, err[-3000:]
+    last = folder / "checkpoints" / "last.ckpt"
+    assert f"Validate: {last}, the run's latest state (--ckpt_path <file> picks another)" in out
     assert {k: v for k, v in _snapshot(folder).items() if not k.startswith("eval/")} == before
     (evaluation,) = (folder / "eval").iterdir()
     assert evaluation.name.startswith("validate-")
     assert [set(row) - {"epoch", "step"} for row in _rows(evaluation / "metrics.csv")] == [{"val/acc"}]
+    # The score of the run's last validation: the same weights on the same data.
+    trained = [row["val/acc"] for row in _rows(folder / "metrics.csv") if row["val/acc"]]
+    assert _rows(evaluation / "metrics.csv")[0]["val/acc"] == trained[-1]
     assert (evaluation / "wandb-id").read_text() != (folder / "wandb-id").read_text()  # a wandb run of its own
 
 
@@ -247,3 +333,260 @@ def test_cut_metrics_keeps_the_rows_from_before_the_resumed_step(tmp_path):
         {"step": "3", "train/loss": "0.5", "val/acc": ""},
         {"step": "4", "train/loss": "", "val/acc": "0.75"},
     ]
+
+
+class _TwoStepsABatch(pl.LightningModule):
+    """Manual optimization with two optimizer steps a batch: the global step runs twice as fast as the step the
+    rows are logged under. 4 batches an epoch; the CSV log is saved and copied at the end of the first epoch,
+    as LastCheckpoint does before its save."""
+
+    def __init__(self, copy: Path) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.layer, self.copy = nn.Linear(2, 1), copy
+
+    def training_step(self, batch, batch_idx):
+        optimizer = self.optimizers()
+        for _ in range(2):
+            loss = self.layer(batch[0]).square().mean()
+            optimizer.zero_grad()
+            self.manual_backward(loss)
+            optimizer.step()
+        self.log("train/loss", loss)
+
+    def on_train_epoch_end(self):
+        if self.current_epoch == 0:
+            self.logger.save()
+            shutil.copy(Path(self.logger.log_dir) / "metrics.csv", self.copy)
+            self.trainer.save_checkpoint(self.copy.with_suffix(".ckpt"))
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    def train_dataloader(self):
+        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.ones(16, 2)), batch_size=4)
+
+
+def test_a_resume_cuts_metrics_at_the_step_its_rows_carry_not_the_global_step(tmp_path):
+    """The rows a checkpoint's run had logged when it was saved are the rows the cut keeps, whatever its global
+    step says (here twice the logged step)."""
+    copy = tmp_path / "at-save.csv"
+    logger = pl.loggers.CSVLogger(tmp_path, name="log", version=0, flush_logs_every_n_steps=1)
+    trainer = pl.Trainer(max_epochs=2, logger=logger, log_every_n_steps=1, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False)  # fmt: skip
+    trainer.fit(_TwoStepsABatch(copy))
+    metrics = Path(logger.log_dir) / "metrics.csv"
+    saved = runs.read_checkpoint(copy.with_suffix(".ckpt"))
+    assert saved.step == 8 and len(_rows(metrics)) == 8  # two steps a batch; a row a batch
+    runs.cut_metrics(metrics, saved.logged_step)
+    assert _rows(metrics) == _rows(copy) and len(_rows(copy)) == 4
+
+
+# ------------------------------------------------------------------------------ a run folder knows its experiment
+LR = (("--model.init_args.lr", "0.5"), "--model.init_args.lr 0.5 (recorded: 0.05)")
+
+
+@pytest.mark.parametrize(
+    ("changed", "named", "recorded"),
+    [
+        (*LR, True),
+        (*LR, False),
+        (("--data.init_args.data_dir", "other"), "--data.init_args.data_dir {other} (recorded: {unused})", True),
+    ],
+    ids=["lr", "lr-checkpoint-only", "data-folder"],
+)
+def test_a_resume_of_another_experiment_is_refused_in_one_line(
+    tmp_path, request, monkeypatch, capsys, changed, named, recorded
+):
+    """A run of 1 epoch, then a resume to 2 epochs with one argument of the model or the data changed: refused,
+    exit 2, one line naming the argument, both values and the two ways on, the folder left as it was. A run that
+    recorded no experiment (experiment.json removed) is compared with its checkpoint's hyperparameters, which hold
+    the model's arguments only."""
+    folder = tmp_path / "run"
+    cfg = _config(tmp_path, folder)
+    monkeypatch.chdir(tmp_path)
+    code, _, err = _run_here(_command(cfg, "--trainer.max_epochs", "1"), request, monkeypatch, capsys)
+    assert code == 0, err[-3000:]
+    if not recorded:
+        (folder / runs.EXPERIMENT).unlink()
+    before = _snapshot(folder)
+    code, _, err = _run_here(
+        _command(cfg, "--trainer.max_epochs", "2", "--ckpt_path", "auto", *changed), request, monkeypatch, capsys
+    )
+    assert code == 2
+    last = err.strip().splitlines()[-1]
+    where = f"{folder} holds the run of another experiment" if recorded else f"{folder / 'checkpoints'}"
+    assert last.startswith(f"error: {where}"), last
+    assert named.format(other=tmp_path / "other", unused=tmp_path / "unused") in last
+    assert "--run-dir" in last and "resume with the recorded values" in last
+    assert "Traceback" not in err
+    assert {k: v for k, v in _snapshot(folder).items() if k != ".lock"} == {
+        k: v for k, v in before.items() if k != ".lock"
+    }
+
+
+def test_a_resume_of_the_same_experiment_goes_on(tmp_path, request, monkeypatch, capsys):
+    """The same arguments in another spelling (the data folder as an absolute path, the lr as the number it is)
+    are the same experiment: the resume trains on."""
+    folder = tmp_path / "run"
+    cfg = _config(tmp_path, folder)
+    monkeypatch.chdir(tmp_path)
+    code, _, err = _run_here(_command(cfg, "--trainer.max_epochs", "1"), request, monkeypatch, capsys)
+    assert code == 0, err[-3000:]
+    same = ("--data.init_args.data_dir", str(tmp_path / "unused"), "--model.init_args.lr", "5e-2")
+    code, out, err = _run_here(
+        _command(cfg, "--trainer.max_epochs", "2", "--ckpt_path", "auto", *same), request, monkeypatch, capsys
+    )
+    assert code == 0, err[-3000:]
+    assert torch.load(folder / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 8
+
+
+def test_a_run_setting_given_on_resume_is_taken_and_said(tmp_path, request, monkeypatch, capsys):
+    """A task's run setting (here SettingTask's lr) given on a resume is the one the resumed run takes, not the
+    checkpoint's, and a line says so."""
+    folder = tmp_path / "run"
+    cfg = _config(tmp_path, folder)
+    task = ("--model", "helpers.cli_tiny.SettingTask")
+    monkeypatch.chdir(tmp_path)
+    code, _, err = _run_here(_command(cfg, "--trainer.max_epochs", "1", *task), request, monkeypatch, capsys)
+    assert code == 0, err[-3000:]
+    resume = ("--trainer.max_epochs", "2", "--ckpt_path", "auto", *task, "--model.init_args.lr", "0.5")
+    code, out, err = _run_here(_command(cfg, *resume), request, monkeypatch, capsys)
+    assert code == 0, err[-3000:]
+    assert "Resuming with --model.init_args.lr 0.5 (the checkpoint's: 0.05)" in out
+    assert torch.load(folder / "checkpoints" / "last.ckpt", weights_only=True)["hyper_parameters"]["lr"] == 0.5
+
+
+# ------------------------------------------------------------------------------ where a run's checkpoints are
+def _config_with_dirpath(tmp_path: Path, root: Path, dirpath: Path) -> Path:
+    cfg = _config(tmp_path, root)
+    cfg.write_text(cfg.read_text().replace("{monitor: val/acc,", f"{{dirpath: {dirpath}, monitor: val/acc,"))
+    return cfg
+
+
+def test_a_config_dirpath_inside_the_run_is_where_resume_and_a_new_run_look(tmp_path, request, monkeypatch, capsys):
+    """ModelCheckpoint's dirpath named by the config, inside the run's folder: last.ckpt is written there, a resume
+    continues from it, and a new run (no metrics.csv to give the run away: no logger) is refused."""
+    folder = tmp_path / "run"
+    cfg = _config_with_dirpath(tmp_path, folder, folder / "kept")
+    monkeypatch.chdir(tmp_path)
+    quiet = ("--trainer.logger", "false")
+    code, _, err = _run_here(_command(cfg, "--trainer.max_epochs", "1", *quiet), request, monkeypatch, capsys)
+    assert code == 0, err[-3000:]
+    assert (folder / "kept" / "last.ckpt").is_file() and not (folder / "checkpoints").exists()
+    code, _, err = _run_here(_command(cfg, "--trainer.max_epochs", "1", *quiet), request, monkeypatch, capsys)
+    assert code == 2 and err.strip().splitlines()[-1].startswith(f"error: {folder} already holds a run")
+    resume = ("--trainer.max_epochs", "2", "--ckpt_path", "auto", *quiet)
+    code, out, err = _run_here(_command(cfg, *resume), request, monkeypatch, capsys)
+    assert code == 0, err[-3000:]
+    assert f"Resuming from {folder / 'kept' / 'last.ckpt'} (epoch 0, step 4)" in out
+    assert torch.load(folder / "kept" / "last.ckpt", weights_only=True)["global_step"] == 8
+
+
+def test_a_config_dirpath_outside_the_run_is_refused_in_one_line(tmp_path, request, monkeypatch, capsys):
+    folder, outside = tmp_path / "run", tmp_path / "elsewhere"
+    cfg = _config_with_dirpath(tmp_path, folder, outside)
+    monkeypatch.chdir(tmp_path)
+    code, _, err = _run_here(_command(cfg, "--trainer.max_epochs", "1"), request, monkeypatch, capsys)
+    assert code == 2 and "Traceback" not in err
+    assert err.strip().splitlines()[-1] == (
+        f"error: ModelCheckpoint's dirpath {outside} is outside the run's folder {folder}: a resume and last.ckpt "
+        f"look for the run's checkpoints inside it; leave dirpath unset ({folder / 'checkpoints'}) or name a folder "
+        "inside the run"
+    )
+    assert not outside.exists() and not folder.exists()
+
+
+# ------------------------------------------------------------------------------ checkpoints verified
+def _overwrite_inside(path: Path) -> None:
+    """Overwrite 16 bytes in the middle of the checkpoint's largest tensor, in place: the zip archive stays whole
+    (torch stores its records uncompressed and checks none of their checksums as it loads)."""
+    with zipfile.ZipFile(path) as archive:
+        tensors = [info for info in archive.infolist() if "/data/" in info.filename]  # <archive>/data/<storage>
+        member = max(tensors, key=lambda info: info.file_size)
+    with open(path, "r+b") as file:
+        file.seek(member.header_offset + 26)
+        name_length, extra_length = struct.unpack("<HH", file.read(4))
+        file.seek(member.header_offset + 30 + name_length + extra_length + member.file_size // 2)
+        file.write(b"\x7f" * 16)
+
+
+def test_a_checkpoint_with_bytes_overwritten_inside_is_skipped_for_the_newest_intact_one(
+    tmp_path, request, monkeypatch, capsys
+):
+    """A run of 2 epochs (checkpoints at steps 4 and 8), last.ckpt and the step-8 file damaged inside: the resume
+    says so for each, in one line, and continues from the step-4 file; the damaged file given as --ckpt_path is
+    refused in one line."""
+    folder = tmp_path / "run"
+    cfg = _config(tmp_path, folder)
+    monkeypatch.chdir(tmp_path)
+    code, _, err = _run_here(_command(cfg, "--trainer.max_epochs", "2"), request, monkeypatch, capsys)
+    assert code == 0, err[-3000:]
+    damaged = [folder / "checkpoints" / "last.ckpt", folder / "checkpoints" / "step=8.ckpt"]
+    for path in damaged:
+        assert torch.load(path, weights_only=True)["global_step"] == 8
+        _overwrite_inside(path)
+    code, _, err = _run_here(
+        _command(cfg, "--trainer.max_epochs", "3", "--ckpt_path", str(damaged[0])), request, monkeypatch, capsys
+    )
+    assert code == 2 and err.strip().splitlines()[-1].startswith(f"error: cannot resume from {damaged[0]}: its ")
+    assert "damaged" in err.strip().splitlines()[-1] and "Traceback" not in err
+    code, out, err = _run_here(
+        _command(cfg, "--trainer.max_epochs", "3", "--ckpt_path", "auto"), request, monkeypatch, capsys
+    )
+    assert code == 0, err[-3000:]
+    for path in damaged:
+        assert f"Skipping {path}: its content is not what was saved" in out
+    assert f"Resuming from {folder / 'checkpoints' / 'step=4.ckpt'} (epoch 0, step 4)" in out
+    assert torch.load(folder / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 12
+
+
+# ------------------------------------------------------------------------------ resumes at random kills
+def _skeleton(rows: list[dict[str, str]]) -> list[tuple[str, str, bool, bool]]:
+    """Each row's epoch and step and which metrics it holds: what a resume must keep even where the values of a
+    resumed epoch's rest differ (its batches drawn anew)."""
+    return [(r["epoch"], r["step"], bool(r["train/loss"]), bool(r["val/acc"])) for r in rows]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("limits", "end"),
+    [(("--trainer.max_epochs", "100", "--trainer.max_steps", "14"), 14), (("--trainer.max_epochs", "4"), 16)],
+    ids=["max_steps", "max_epochs"],
+)
+@pytest.mark.parametrize("signum", [signal.SIGKILL, signal.SIGTERM], ids=["SIGKILL", "SIGTERM"])
+def test_a_fit_killed_at_random_steps_resumes_to_the_uninterrupted_fits_end(
+    tmp_path, request, monkeypatch, capsys, limits, end, signum
+):
+    """A fit (4 steps an epoch, a validation at each epoch's end) stopped by SIGKILL or SIGTERM at 3 random steps,
+    each time restarted by the same command (``--ckpt_path auto``), ends where the uninterrupted fit ends. After
+    SIGKILLs, which resume from the last validation's checkpoint (an epoch's end), metrics.csv is the uninterrupted
+    run's row for row and the weights are the same. After SIGTERMs, saved at the step they arrive, the rest of that
+    epoch's batches are drawn anew (the loader does not record its place in an epoch): the rows' epochs, steps and
+    metrics are the uninterrupted run's, and the fit ends at the same step."""
+    seed = random.randrange(2**32)
+    draw = random.Random(seed)
+    straight, stopped = tmp_path / "straight", tmp_path / "stopped"
+    monkeypatch.chdir(tmp_path)
+    code, _, err = _run_here(_command(_config(tmp_path, straight), *limits), request, monkeypatch, capsys)
+    assert code == 0, err[-3000:]
+    cfg = _config(tmp_path, stopped)
+    points, last = [], stopped / "checkpoints" / "last.ckpt"
+    for _ in range(3):
+        start = torch.load(last, weights_only=True)["global_step"] if last.is_file() else 0
+        if start >= end - 1:
+            break
+        points.append(draw.randrange(start + 1, end))
+        variable = "TINY_KILL_AT_STEP" if signum == signal.SIGKILL else "TINY_TERM_AT_STEP"
+        dead = _run(_command(cfg, *limits, "--ckpt_path", "auto"), tmp_path, **{variable: str(points[-1])})
+        expected = -signal.SIGKILL if signum == signal.SIGKILL else 128 + signal.SIGTERM
+        assert dead.returncode == expected, (seed, points, dead.stderr[-3000:])
+    again = _run(_command(cfg, *limits, "--ckpt_path", "auto"), tmp_path)
+    assert again.returncode == 0, (seed, points, again.stderr[-3000:])
+    rows = _rows(straight / "metrics.csv")
+    assert torch.load(last, weights_only=True)["global_step"] == end, (seed, points)
+    if signum == signal.SIGKILL:
+        assert _rows(stopped / "metrics.csv") == rows, (seed, points)
+        _same_weights(straight, stopped)
+    else:
+        assert _skeleton(_rows(stopped / "metrics.csv")) == _skeleton(rows), (seed, points)

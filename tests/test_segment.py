@@ -227,7 +227,7 @@ def test_classes_file_defaults_and_names():
     assert table.colors == ((0, 0, 0), (128, 0, 0)) and voc_palette(3)[2] == (0, 128, 0)
     table = ClassTable.parse({"classes": ["a", "b"], "ignore_index": None, "mask_values": {10: "b", 20: 0, "30": 1}})
     assert table.class_values.tolist() == [20, 10] and table.classes_of(np.array([30]))[0].tolist() == [1]
-    assert ClassTable.parse({"classes": ["a"], "mask_values": {300: "a"}}).class_values.dtype == np.uint16
+    assert ClassTable.parse({"classes": ["a", "b"], "mask_values": {300: "a", 0: "b"}}).class_values.dtype == np.uint16
     assert cityscapes.CLASSES.class_values.tolist() == predict.TRAIN_TO_LABEL_ID.tolist()
 
 
@@ -254,6 +254,11 @@ def test_classes_file_defaults_and_names():
             "[1, 2, 3] is the colour of both 'a' and 'ignore_color'",
         ),
         ("classes: [a]\nmask_format: color\nignore_color: black\n", "ignore_color must be one [R, G, B]"),
+        ("classes: [road]\n", "1 class ('road'): a segmentation needs at least 2 classes, e.g. classes: [background,"),
+        (
+            "classes: [a, b]\nweights: [1e-3, 1.0]\n",
+            "reads '1e-3' as text, not a number (it takes an exponent only after a dot",
+        ),
     ],
 )
 def test_a_classes_file_that_does_not_parse_is_one_line_naming_it(tmp_path, text, message):
@@ -282,11 +287,15 @@ def test_the_segment_stage_reads_both_recipes_and_needs_the_layout(tmp_path, cap
     with pytest.raises(launch.LaunchError, match="no stage-1 backbone pretrain/resnet101-mabn.pt"):
         launch.build_args("segment", tmp_path, "mabn", 0, 1, [])  # the stage-2 rule: a backbone, or none
     args = launch.build_args("segment", tmp_path, "mabn", 0, 1, [], backbone="none")
-    assert args[args.index("--trainer.default_root_dir") + 1] == str(Path("runs/segment") / tmp_path.name / "mabn")
-    other = tmp_path / "other"  # a second dataset: a folder of its own
-    other.mkdir()
+    first = Path(args[args.index("--trainer.default_root_dir") + 1])
+    assert first.parent.parent == Path("runs/segment") and first.name == "mabn"
+    assert first.parent.name.startswith(f"{tmp_path.name}-")  # named by the dataset's folder
+    # A second dataset in a folder of the same name (v1/seg, v2/seg): a run folder of its own.
+    other = tmp_path / "v2" / tmp_path.name
+    other.mkdir(parents=True)
     for name in ("images", "masks"):
         shutil.copytree(tmp_path / name, other / name)
     shutil.copy(tmp_path / "classes.yaml", other / "classes.yaml")
     args = launch.build_args("segment", other, "mabn", 0, 1, [], backbone="none")
-    assert args[args.index("--trainer.default_root_dir") + 1] == str(Path("runs/segment/other/mabn"))
+    second = Path(args[args.index("--trainer.default_root_dir") + 1])
+    assert second.parent.name.startswith(f"{tmp_path.name}-") and second != first

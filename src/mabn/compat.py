@@ -56,6 +56,79 @@ def record_sigterm(trainer: Any, record: Callable[[int, Any], None]) -> None:
     connector._sigterm_handler_fn = record
 
 
+def hold_resumed_epochs(trainer: Any) -> None:
+    """Make a resume of ``trainer``'s fit continue the epoch and the logged step that an uninterrupted fit would
+    be at, with ``max_steps`` set as without it.
+
+    Lightning 2.6's fit loop forces ``restarting`` on a resume whenever ``max_steps`` is set
+    (``_FitLoop.restarting``, ``_iteration_based_training``), and counts wrongly from two checkpoints whose epoch
+    it holds as processed (``epoch_progress.current``: ``ready == started == processed``):
+
+    - an epoch that ended at its last batch (a checkpoint of ``on_train_epoch_end`` or ``on_train_end``): it runs
+      that epoch's end once more, counting it processed a second time (one epoch lost to ``max_epochs``) and
+      adding 1 to ``_batches_that_stepped`` (every later row logged one step late). Here the loop does not
+      restart, as it does without ``max_steps``: the next epoch starts afresh;
+    - an epoch that ``max_steps`` ended inside (its last batch not reached, ``batch_progress.is_last_batch``
+      False): the resume goes on inside it, yet under the next epoch's number (the sampler's epoch and
+      ``max_epochs`` one ahead). Here the epoch is counted as started and not processed, as a checkpoint from
+      inside an epoch is.
+
+    Done as the fit loop's state is loaded (``fit_loop.load_state_dict``, wrapped on this trainer's loop).
+    tests/test_compat.py resumes from both against an uninterrupted fit's own counters; if Lightning renames
+    these counters, that test fails by this function's name."""
+    from pytorch_lightning.loops import _Loop
+
+    loop = trainer.fit_loop
+    load = loop.load_state_dict
+
+    def load_and_hold(state_dict: dict, prefix: str = "") -> None:
+        load(state_dict, prefix)
+        epochs = loop.epoch_progress
+        if not epochs.current.ready == epochs.current.started == epochs.current.processed > 0:
+            return  # inside an epoch, or before the first: Lightning continues it rightly
+        if loop.epoch_loop.batch_progress.is_last_batch:
+            _Loop.restarting.fset(loop, False)  # the base setter: the fit loop's own forces it with max_steps
+            return
+        for progress in (epochs.current, epochs.total):
+            progress.processed -= 1
+            progress.completed = progress.processed
+        _Loop.restarting.fset(loop, True)
+
+    loop.load_state_dict = load_and_hold
+
+
+def resumed_logging_step(checkpoint: dict[str, Any]) -> int | None:
+    """The step under which a fit resumed from ``checkpoint`` (a loaded Lightning checkpoint) logs its first row:
+    the counter the loggers' rows carry (the training epoch loop's ``_batches_that_stepped``, batches that ended
+    in an optimizer step), not ``global_step`` (optimizer steps: more with manual optimization). A checkpoint
+    written at a training batch's end (``batch_progress.total``: ``completed`` one behind ``processed``) holds
+    it before that batch's increment, which Lightning adds on the resume. None where the checkpoint has no loop
+    state. If Lightning renames these, ``metrics.csv`` is cut at the wrong row on a resume."""
+    loops = (checkpoint.get("loops") or {}).get("fit_loop") or {}
+    stepped = (loops.get("epoch_loop.state_dict") or {}).get("_batches_that_stepped")
+    if stepped is None:
+        return None
+    batches = (loops.get("epoch_loop.batch_progress") or {}).get("total") or {}
+    at_batch_end = batches.get("completed") == batches.get("processed", 0) - 1
+    return int(stepped) + int(at_batch_end)
+
+
+def epochs_trained(checkpoint: dict[str, Any]) -> int | None:
+    """The epochs whose last batch the fit of ``checkpoint`` (a loaded Lightning checkpoint) trained, as
+    ``max_epochs`` counts them on a resume (``epoch_progress.current.processed``, less the epoch ``max_steps``
+    ended inside, as ``hold_resumed_epochs`` reopens it); None where the checkpoint has no loop state. If Lightning
+    renames these, a finished run is not said to be finished."""
+    loops = (checkpoint.get("loops") or {}).get("fit_loop") or {}
+    epochs = (loops.get("epoch_progress") or {}).get("current")
+    if epochs is None:
+        return None
+    processed = int(epochs["processed"])
+    inside = not (loops.get("epoch_loop.batch_progress") or {}).get("is_last_batch")
+    if epochs["ready"] == epochs["started"] == processed > 0 and inside:
+        processed -= 1
+    return processed
+
+
 def cluster_environment(trainer: Any) -> Any:
     """The cluster environment Lightning's signal handling consults (``trainer._accelerator_connector``'s), also for
     a single device, where the strategy has none: ``LastCheckpoint`` installs the requeue-signal handler where it is

@@ -4,15 +4,17 @@
 norms managed by MABNCallback) on 32 fixed 6x6 images, shuffled, with SGD and a per-step lr schedule: every kind
 of state a resume must restore (weights, norm streams, momentum, schedule, random state). Every epoch ends with a
 validation whose ``val/acc`` ModelCheckpoint monitors. ``$TINY_KILL_AT_STEP`` kills the process at that step, as
-an out-of-memory kill or a node failure would. ``$TINY_HOLD_AT_STEP`` stops there instead, touches
-``$TINY_HOLDING_MARKER`` and waits until ``$TINY_RELEASE_MARKER`` exists (or it is killed), so a test can act
-while the run holds its folder. ``SlowCheckpointIO`` stops inside the write of the checkpoint
-at ``$TINY_SLOW_SAVE_AT_STEP``, after the bytes are in the temporary file and before the rename, and touches
+an out-of-memory kill or a node failure would; ``$TINY_TERM_AT_STEP`` sends it SIGTERM there, as ``scancel``
+does. ``$TINY_HOLD_AT_STEP`` stops there instead, touches ``$TINY_HOLDING_MARKER`` and waits until
+``$TINY_RELEASE_MARKER`` exists (or it is killed), so a test can act while the run holds its folder.
+``SlowCheckpointIO`` stops inside the write of the checkpoint at ``$TINY_SLOW_SAVE_AT_STEP``, after the bytes are
+in the temporary file and before the rename, and touches
 ``$TINY_SAVING_MARKER`` so a test can kill the process exactly then. ``FullDiskCheckpointIO`` runs out of
 space in the middle of writing the checkpoint of ``$TINY_FULL_AT_STEP`` into its temporary file.
-``WorseningTask`` scores worse at every validation, so ModelCheckpoint saves only at the first one; ``StopAt``
-raises or sends this process SIGTERM at the start of a training batch; ``TinyData(num_workers=2)`` reads through
-the product's loaders (``mabn.data.loading.make_loader``) with worker processes.
+``SettingTask`` takes its lr as a run setting. ``WorseningTask`` scores worse at every validation, so
+ModelCheckpoint saves only at the first one; ``StopAt`` raises or sends this process SIGTERM at the start of a
+training batch; ``TinyData(num_workers=2)`` reads through the product's loaders (``mabn.data.loading.make_loader``)
+with worker processes.
 """
 
 from __future__ import annotations
@@ -76,11 +78,19 @@ class TinyTask(pl.LightningModule):
     def on_train_batch_end(self, outputs, batch, batch_idx):
         if self.global_step == int(os.environ.get("TINY_KILL_AT_STEP", "-1")):
             os.kill(os.getpid(), signal.SIGKILL)
+        if self.global_step == int(os.environ.get("TINY_TERM_AT_STEP", "-1")):
+            os.kill(os.getpid(), signal.SIGTERM)
         if self.global_step == int(os.environ.get("TINY_HOLD_AT_STEP", "-1")):
             Path(os.environ["TINY_HOLDING_MARKER"]).touch()
             deadline = time.monotonic() + 120
             while not Path(os.environ["TINY_RELEASE_MARKER"]).exists() and time.monotonic() < deadline:
                 time.sleep(0.1)
+
+
+class SettingTask(TinyTask):
+    """TinyTask whose ``lr`` is a run setting (``mabn.cli.lightning.run_settings``): a resume takes it as given."""
+
+    run_settings = frozenset({"lr"})
 
 
 class WorseningTask(TinyTask):
@@ -90,7 +100,8 @@ class WorseningTask(TinyTask):
 
 class StopAt(pl.Callback):
     """At the start of the training batch at global step ``step``: ``raise`` a RuntimeError, ``interrupt`` as
-    Ctrl-C does, or send this process ``sigterm`` (recorded by the handler, acted on at the end of that batch)."""
+    Ctrl-C does, or send this process ``sigterm``, ``sighup`` or ``sigusr1`` (recorded by the handler, acted on at
+    the end of that batch)."""
 
     def __init__(self, step: int, how: str = "raise") -> None:
         self.step, self.how = step, how
@@ -102,7 +113,7 @@ class StopAt(pl.Callback):
             raise RuntimeError(f"stopped at step {self.step}")
         if self.how == "interrupt":
             raise KeyboardInterrupt
-        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), getattr(signal, self.how.upper()))  # sigterm, sighup, sigusr1
 
 
 class TinyData(pl.LightningDataModule):

@@ -7,14 +7,16 @@ naming the missing folder; without ``--data`` it says so, generates a small set 
 and runs the demo profile, which trains for a few minutes on a CPU. The demo writes only under ``runs/demo/``,
 ``pretrain/demo/`` and ``data/``, never where a real run's artefacts live.
 
-Each run's experiment folder is ``runs/<stage>/<norm>`` (``runs/segment/<dataset>/<norm>`` for a dataset of one's
-own, ``runs/demo/<stage>/<norm>`` for the demo; ``--run-dir`` picks another), see ``mabn.run.folder``. ``--gpus``
+Each run's experiment folder is ``runs/<stage>/<norm>`` (``runs/segment/<dataset>-<digest>/<norm>`` for a dataset
+of one's own, ``dataset_name``; ``runs/demo/<stage>/<norm>`` for the demo; ``--run-dir`` picks another), see
+``mabn.run.folder``. ``--gpus``
 (per node) and ``--nodes`` pick a preset from ``configs/trainer/`` (cpu, gpu, ddp, multinode) and set the Trainer's
 devices and num_nodes; on a machine without CUDA, ``--gpus N`` runs N CPU processes under DDP instead.
 """
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import shlex
 import time
@@ -285,16 +287,23 @@ def check_warm_start(stage: str, name: str, preset: Stage1Preset | None, init: s
     return True
 
 
+def dataset_name(data: Path) -> str:
+    """A dataset of one's own's name in its runs' folder: its folder's name and 8 hex digits of its resolved path,
+    ``seg-1f0c9a2b``, so that two data folders of one name (``v1/seg``, ``v2/seg``) never share a run folder."""
+    resolved = data.resolve()
+    return f"{resolved.name or 'root'}-{hashlib.sha256(str(resolved).encode()).hexdigest()[:8]}"
+
+
 def run_dir(stage: str, norm: str, demo: bool, given: Path | None, data: Path | None = None) -> Path:
     """The experiment folder: ``given``, else runs/<stage>/<norm> (runs/demo/... for the demo profile); a dataset
-    of one's own (``segment``) adds its folder's name, runs/segment/<dataset>/<norm>, so that two datasets'
-    runs never share a folder."""
+    of one's own (``segment``) adds its name (``dataset_name``), runs/segment/<dataset>-<digest>/<norm>, so that
+    two datasets' runs never share a folder."""
     if given is not None:
         return given
     if demo:
         return RUNS / DEMO / stage / norm
     if stage == "segment" and data is not None:
-        return RUNS / stage / (data.resolve().name or "root") / norm
+        return RUNS / stage / dataset_name(data) / norm
     return RUNS / stage / norm
 
 

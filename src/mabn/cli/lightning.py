@@ -9,7 +9,8 @@ For ``fit``:
   with one ``error:`` line naming the value;
 - the run lives in one experiment folder, the Trainer's ``default_root_dir`` (``mabn.run.folder``), which one run at a
   time holds (``mabn.run.lock``: a second run on it stops before anything is built, naming the holder); the loggers'
-  ``save_dir`` and ModelCheckpoint's ``dirpath`` (when the config leaves it unset) point into it;
+  ``save_dir`` and ModelCheckpoint's ``dirpath`` (when the config leaves it unset) point into it, and a ``dirpath``
+  the config names must be inside it (``checkpoint_dirs``);
   ``--ckpt_path auto`` resumes from the checkpoint of that folder with the highest step, or starts a new run when
   there is none, so a killed or requeued job restarts with the very same command;
 - checkpoints and the saved config are written atomically and loaded weights-only (``AtomicCheckpointIO``); a
@@ -23,7 +24,8 @@ For ``fit``:
   settings unless ``trainer.callbacks`` lists one of them with its own, e.g.
   ``--trainer.callbacks+ "{class_path: mabn.run.LastCheckpoint, init_args: {every_minutes: 10}}"``.
 - ``validate`` (``test``, ``predict``) with a run's config writes into ``<run>/eval/<subcommand>-<time>/``, never
-  into the training run's files (``place_evaluation``);
+  into the training run's files (``place_evaluation``), and without ``--ckpt_path`` evaluates the run's
+  ``last.ckpt`` or stops (``take_run_checkpoint``);
 - where stdout or stderr is not a terminal (SLURM, CI, a pipe), Lightning's progress bar gives way to
   ``LineProgress``: one line every 50 steps (``enable_progress_bar: false`` silences it too).
 """
@@ -33,6 +35,7 @@ from __future__ import annotations
 import difflib
 import importlib
 import itertools
+import json
 import re
 import sys
 import time
@@ -47,7 +50,9 @@ import torch
 from jsonargparse import ArgumentParser, DefaultHelpFormatter, Namespace
 from pytorch_lightning.cli import LightningArgumentParser, SaveConfigCallback
 
-from ..compat import argument_error_text, lightning_cli, option_strings, subcommand_parsers
+from ..compat import argument_error_text, hold_resumed_epochs, lightning_cli, option_strings, subcommand_parsers
+from ..data.classes import CLASSES_FILE, ClassTable
+from ..data.errors import DatasetError
 from ..data.loading import DataPlan
 from ..distributed import first_process
 from ..errors import ConfigError, UserError, UserErrors
@@ -179,6 +184,54 @@ def plan_lines(config: Namespace) -> list[str]:
     return lines + (memory.lines if memory else []) + (planned.lines if planned else []) + weights
 
 
+def _plain_args(entry: Namespace) -> dict[str, Any]:
+    """A class's init arguments in ``entry`` as plain values, a nested class's (``norm_policy``) as one mapping."""
+    return runs.plain((entry.get("init_args") or Namespace()).as_dict())
+
+
+def run_settings(class_path: str) -> frozenset[str]:
+    """The init arguments of the class at ``class_path`` that change how its run runs, not what it trains (its
+    ``run_settings``; none where it names none): a resume takes them as given."""
+    return frozenset(getattr(_import(class_path), "run_settings", ()))
+
+
+def experiment(config: Namespace) -> dict[str, Any]:
+    """What makes the fit of ``config`` its experiment, each argument named as on the command line: the model's
+    and the data's class paths and init arguments (the data folder resolved), less their ``run_settings`` and the
+    model's ``num_classes``, which the data decides (``add_arguments_to_parser``); and the data folder's class
+    table (``classes.yaml``) where it has one. The trainer's settings (how long, on which devices) are not."""
+    found: dict[str, Any] = {}
+    for section in ("model", "data"):
+        entry = config.get(section)
+        if not isinstance(entry, Namespace) or "class_path" not in entry:
+            continue
+        found[f"--{section}"] = entry.class_path
+        left_out = run_settings(entry.class_path) | ({"num_classes"} if section == "model" else set())
+        for key, value in _plain_args(entry).items():
+            if key not in left_out:
+                found[f"--{section}.init_args.{key}"] = value
+    data_dir = found.get("--data.init_args.data_dir")
+    if isinstance(data_dir, str):
+        found["--data.init_args.data_dir"] = str(Path(data_dir).resolve())
+        table = Path(data_dir) / CLASSES_FILE
+        try:
+            found["the class table"] = {k: v for k, v in ClassTable.read(table).as_dict().items() if k != "source"}
+        except DatasetError:  # none, or one the data's own checks refuse, naming the file
+            pass
+    return found
+
+
+def checkpoint_experiment(hparams: dict[str, Any]) -> dict[str, Any]:
+    """The model's part of ``experiment`` from a checkpoint's hyperparameters (``task_hparams``'s, as the task
+    takes them): what a run that recorded no experiment is compared with."""
+    found: dict[str, Any] = {"--model": hparams["_class_path"]} if "_class_path" in hparams else {}
+    left_out = run_settings(hparams["_class_path"]) if "_class_path" in hparams else frozenset()
+    for key, value in hparams.items():
+        if not key.startswith("_") and key not in left_out | {"num_classes"}:
+            found[f"--model.init_args.{key}"] = value
+    return found
+
+
 def check_export(config: Namespace) -> None:
     """Stage 1 exports its backbone at the end: refuse, before training, to replace one that another run wrote
     (a backbone records its run's folder)."""
@@ -231,6 +284,30 @@ def check_fit_config(config: Namespace) -> None:
         raise ConfigError("trainer.default_root_dir is not set: the run needs a folder of its own")
     if "export_dir" in config.model.init_args:
         check_export(config)
+
+
+def checkpoint_dirs(config: Namespace, folder: Path) -> list[Path]:
+    """The folders the run's checkpoints go to (``mabn.run.folder.checkpoint_dirs``): each ModelCheckpoint's
+    ``dirpath``, ``<folder>/checkpoints`` where it names none, spelt from ``folder``. A ``dirpath`` outside the run's
+    folder is a ``ConfigError``: a resume, the check that a new run's folder is free and ``last.ckpt`` look for the
+    run's checkpoints inside its folder."""
+    dirs = []
+    for callback in _entries(config.trainer.get("callbacks")):
+        if callback.class_path != CHECKPOINT_CALLBACK:
+            continue
+        given = callback.init_args.get("dirpath")
+        if not given:
+            dirs.append(folder / runs.CHECKPOINTS)
+            continue
+        try:
+            dirs.append(folder / Path(given).resolve().relative_to(folder.resolve()))
+        except ValueError:
+            raise ConfigError(
+                f"ModelCheckpoint's dirpath {given} is outside the run's folder {folder}: a resume and last.ckpt look "
+                f"for the run's checkpoints inside it; leave dirpath unset ({folder / runs.CHECKPOINTS}) or name a "
+                "folder inside the run"
+            ) from None
+    return list(dict.fromkeys(dirs))
 
 
 def place_run(config: Namespace, folder: Path) -> None:
@@ -387,6 +464,8 @@ class MabnCLI(lightning_cli()):
         self.plan_lines: list[str] = []
         self.notes: list[str] = []
         self.problems: list[str] = []  # a dry run's, each a line; a run stops at its first
+        self.experiment: dict[str, Any] = {}  # a fit's, as given (``experiment``)
+        self.dirs: list[Path] = []  # a fit's checkpoint folders (``checkpoint_dirs``); none: the default
         # The parser of the subcommand asked for alone: LightningCLI builds one per subcommand (fit, validate, test,
         # predict), each from the trainer's, model's and data's signatures, a third of a dry run's time for three
         # parsers that are never used. Without a known subcommand first (the command line's own, --help), all four.
@@ -435,6 +514,10 @@ class MabnCLI(lightning_cli()):
             # Every check that needs no data comes first: a mistake stops before anything, the lock included, is
             # written.
             check_fit_config(config)
+            try:
+                self.dirs = checkpoint_dirs(config, folder)
+            except ConfigError as err:
+                self.problem(str(err))
             accelerator = accelerator_problem(config)
             if accelerator and not (self.dry_run and self.gpus_planned):
                 self.problem(accelerator)
@@ -449,14 +532,30 @@ class MabnCLI(lightning_cli()):
                         self.notes.append(f"{busy}: a run of this command started now would stop with exit code 2")
             report = (lambda _: None) if self.dry_run else runs.say_once  # a dry run's plan is printed whole
             try:
-                self.plan = runs.plan(folder, config.get("ckpt_path"), identity, first_process(), report)
+                self.plan = runs.plan(folder, config.get("ckpt_path"), identity, first_process(), report, self.dirs)
             except ConfigError as err:  # a dry run goes on to check the data
                 self.problem(str(err))
                 self.plan = runs.Plan(folder, None)
             config.ckpt_path = None if self.plan.resume is None else str(self.plan.resume.path)
+            # As given, before a checkpoint's hyperparameters are merged in: what the run is recorded as.
+            self.experiment = experiment(config)
+            if self.plan.resume is not None:
+                self.check_experiment(config, self.plan.resume)
+                reached = self.plan.resume.finished(config.trainer.get("max_epochs"), config.trainer.get("max_steps"))
+                if reached:  # Lightning then returns at once: say why nothing trains
+                    line = (
+                        f"{folder}'s run is finished ({reached}): nothing to train; raise --trainer.max_epochs "
+                        "or --trainer.max_steps to train on"
+                    )
+                    if self.dry_run:
+                        self.notes.append(line)
+                    else:
+                        runs.say_once(line)
+        subcommand = self.config.get("subcommand")
+        if subcommand in ("validate", "test", "predict") and not self.config[subcommand].get("ckpt_path"):
+            self.take_run_checkpoint(self.config[subcommand], subcommand)
         # Lightning's own merge of the checkpoint's hyperparameters into the config, with the task's settings
         # under the keys the task takes (task_hparams translates those of older checkpoints).
-        subcommand = self.config.get("subcommand")
         ckpt_path = subcommand and self.config[subcommand].get("ckpt_path")
         if not (ckpt_path and Path(ckpt_path).is_file()):
             return
@@ -466,12 +565,61 @@ class MabnCLI(lightning_cli()):
         hparams.pop("_instantiator", None)
         if not hparams:
             return
+        if subcommand == "fit":  # a run setting given for the resume is taken, and said, not the checkpoint's
+            given = self.config.fit.model.get("init_args") or Namespace()
+            for key in sorted(run_settings(self.config.fit.model.class_path) & set(hparams)):
+                saved = hparams.pop(key)
+                if key in given and runs.plain(given[key]) != runs.plain(saved):
+                    shown = [json.dumps(runs.plain(value)) for value in (given[key], saved)]
+                    runs.say_once(f"Resuming with --model.init_args.{key} {shown[0]} (the checkpoint's: {shown[1]})")
         if "_class_path" in hparams:
             hparams = {"class_path": hparams.pop("_class_path"), "dict_kwargs": hparams}
         try:
             self.config = self.parser.parse_object({subcommand: {"model": hparams}}, self.config)
         except ArgumentError as err:
             raise ArgumentMistake(f"--ckpt_path {ckpt_path}: its hyperparameters do not fit: {err}") from err
+
+    def take_run_checkpoint(self, config: Namespace, subcommand: str) -> None:
+        """An evaluation without ``--ckpt_path`` evaluates its run's ``last.ckpt`` (the run of the config's
+        ``default_root_dir``), and says so; where there is none it stops: a freshly built model's scores filed
+        under a run would pass for the run's."""
+        refused = f"{subcommand} without --ckpt_path evaluates the run's last checkpoint, and"
+        how = "give the checkpoint to evaluate with --ckpt_path <file>"
+        root = config.trainer.get("default_root_dir")
+        if not root:
+            self.problem(f"{refused} the config names no run folder (trainer.default_root_dir): {how}")
+            return
+        folder = Path(root)
+        try:
+            last = runs.checkpoint_dirs(folder, checkpoint_dirs(config, folder))[0] / runs.LAST
+        except ConfigError as err:
+            self.problem(str(err))
+            return
+        if not last.is_file():
+            self.problem(f"{refused} {folder} holds no {last.relative_to(folder)}: {how}")
+            return
+        config.ckpt_path = str(last)
+        runs.say_once(f"{subcommand.capitalize()}: {last}, the run's latest state (--ckpt_path <file> picks another)")
+
+    def check_experiment(self, config: Namespace, resume: runs.Checkpoint) -> None:
+        """A resume continues the experiment its folder recorded (or, where it recorded none, the one its checkpoint
+        was trained as), or stops at one line naming each argument that differs and the two ways on."""
+        folder = Path(config.trainer.default_root_dir)
+        try:
+            recorded = runs.read_experiment(folder)
+        except ConfigError as err:
+            self.problem(str(err))
+            return
+        where = f"{folder} holds the run of another experiment"
+        if recorded is None:
+            recorded = checkpoint_experiment(task_hparams(resume.hparams))
+            where = f"{resume.path} was trained as another experiment"
+        changed = runs.experiment_differences(recorded, self.experiment)
+        if changed:
+            self.problem(
+                f"{where}: {'; '.join(changed)}. Start this one in a folder of its own (--run-dir, or "
+                "--trainer.default_root_dir) without --resume (--ckpt_path), or resume with the recorded values"
+            )
 
     def before_instantiate_classes(self) -> None:
         if self.dry_run:
@@ -493,9 +641,13 @@ class MabnCLI(lightning_cli()):
             return
         place_run(self.config.fit, self.plan.folder)
         if first_process():
-            runs.remove_stale_temporaries(self.plan.folder)
-            if self.plan.resume is not None and self.plan.resume.step is not None:
-                runs.cut_metrics(self.plan.folder / runs.METRICS, self.plan.resume.step)
+            runs.remove_stale_temporaries(self.plan.folder, self.dirs)
+            runs.record_experiment(self.plan.folder, self.experiment)
+            # A resume logs again from its checkpoint's step on; a new run (--ckpt_path auto where the run died
+            # before its first checkpoint) from step 0: the rows the run logged from there on go.
+            step = 0 if self.plan.resume is None else self.plan.resume.logged_step
+            if step is not None:
+                runs.cut_metrics(self.plan.folder / runs.METRICS, step)
 
     def instantiate_classes(self) -> None:
         if not self.dry_run:
@@ -512,6 +664,7 @@ class MabnCLI(lightning_cli()):
         if not any(isinstance(p, pl.plugins.CheckpointIO) for p in plugins):
             kwargs.setdefault("plugins", [*plugins, AtomicCheckpointIO()])
         trainer = super().instantiate_trainer(**kwargs)
+        hold_resumed_epochs(trainer)  # a resume with max_steps counts its epochs and logged steps rightly
         # Exact resume; CUDA out of memory in a training step as one line (before FailFast, which passes that line
         # to the other processes); a failing DDP process stops all; last.ckpt the latest state at every end, SLURM's
         # requeue signal and SIGTERM (scancel, preemption, kill) included. A trainer without checkpointing

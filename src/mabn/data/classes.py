@@ -68,6 +68,14 @@ def voc_palette(count: int) -> list[tuple[int, int, int]]:
     return colors
 
 
+def _number_text(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -153,8 +161,19 @@ class ClassTable:
 
     @classmethod
     def parse(cls, raw: Any, source: str = CLASSES_FILE) -> ClassTable:
-        """The table of a parsed ``classes.yaml`` (see the module's docstring); ``DatasetError`` naming ``source``."""
+        """The table of a parsed ``classes.yaml`` (see the module's docstring); ``DatasetError`` naming ``source``.
+        A table of one class is refused after every other check: every pixel of one class leaves nothing to learn,
+        and a mean over one class's IoU is no table."""
+        table = cls._parse(raw, source)
+        if len(table.names) < 2:
+            raise DatasetError(
+                f"classes file {source}: 1 class ({table.names[0]!r}): a segmentation needs at least 2 classes, "
+                f"e.g. classes: [background, {table.names[0]}]"
+            )
+        return table
 
+    @classmethod
+    def _parse(cls, raw: Any, source: str) -> ClassTable:
         def bad(why: str) -> DatasetError:
             return DatasetError(f"classes file {source}: {why}")
 
@@ -191,6 +210,13 @@ class ClassTable:
         elif not (isinstance(colors, list) and len(colors) == count and all(_is_color(c) for c in colors)):
             raise bad(f"colors must hold one [R, G, B] (each 0..255) per class, {count} in all; got {colors!r}")
         weights = raw.get("weights")
+        # PyYAML (YAML 1.1) reads a number with an exponent only with a dot and a signed exponent: 1e-3 is text.
+        text = [w for w in weights if isinstance(w, str) and _number_text(w)] if isinstance(weights, list) else []
+        if text:
+            raise bad(
+                f"weights: YAML reads {text[0]!r} as text, not a number (it takes an exponent only after a dot and "
+                f"with a sign, 1.0e-3): write {float(text[0])!r}"
+            )
         if weights is not None and not (
             isinstance(weights, list)
             and len(weights) == count

@@ -831,6 +831,8 @@ class FolderDataModule(pl.LightningDataModule):
     # those of the data folder's classes.yaml, which the checkpoints record and whose masks are checked for values
     # of no class before a fit.
     fixed_classes: ClassTable | None = None
+    # Init arguments that change how a run reads its data, not what it trains on (mabn.cli.lightning.run_settings).
+    run_settings = frozenset({"num_workers", "val_batch_size"})
     class_pixels: ClassPixels | None = None
 
     def __init__(

@@ -72,6 +72,9 @@ class ImageFolderDataModule(pl.LightningDataModule):
         crop_scale: the smallest and largest area of a random training crop, as fractions of the image's area.
     """
 
+    # Init arguments that change how a run reads its data, not what it trains on (mabn.cli.lightning.run_settings).
+    run_settings = frozenset({"num_workers"})
+
     def __init__(
         self,
         data_dir: str,

@@ -38,7 +38,8 @@ def augmentation_seed(rank: int) -> int:
 
 
 def start_worker(worker_id: int, rank: int = 0) -> None:
-    """DataLoader ``worker_init_fn``: the worker ignores SIGTERM and gets its own albumentations random stream.
+    """DataLoader ``worker_init_fn``: the worker ignores SIGTERM (and SIGHUP and SIGUSR1, which stop a run too) and
+    gets its own albumentations random stream.
 
     SLURM ends a job (``scancel``, preemption, the time limit) by sending SIGTERM to every process of the job, the
     loader workers included. torch's worker handler dies of a SIGTERM that is not its parent's, and the main
@@ -52,7 +53,8 @@ def start_worker(worker_id: int, rank: int = 0) -> None:
     main process seed, so runs stay reproducible under ``seed_everything``. Bind ``rank`` with
     ``functools.partial`` in the main process: a worker need not see the process group.
     """
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    for stop in (signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1):  # the stops LastCheckpoint acts on, also SLURM's
+        signal.signal(stop, signal.SIG_IGN)
     transform = getattr(get_worker_info().dataset, "transform", None)
     if isinstance(transform, A.Compose):
         transform.set_random_seed(augmentation_seed(rank))

@@ -13,6 +13,7 @@ temporary file is removed: the target keeps its previous, whole content.
 from __future__ import annotations
 
 import errno
+import hashlib
 import os
 import re
 import tempfile
@@ -26,6 +27,7 @@ from lightning_fabric.plugins.io.torch_io import TorchCheckpointIO
 
 from ..errors import ConfigError, WriteError
 
+DIGEST_KEY = "content_sha256"  # in a checkpoint the product saved: ``content_digest`` of the rest of it
 TMP_SUFFIX = ".tmp"  # what a write in progress (or one killed half-way) is called: <folder>/.<name>.<random>.tmp
 # The OSErrors of a write that are the disk's or the folder's, not the program's: one line, no traceback.
 WRITE_FAULTS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EFBIG}
@@ -111,14 +113,52 @@ def write_text_atomic(path: str | Path, text: str) -> Path:
     return write_atomic(path, lambda tmp: tmp.write_text(text))
 
 
+def _feed(digest: Any, value: Any) -> None:
+    if isinstance(value, torch.Tensor):
+        flat = value.detach().cpu().contiguous().reshape(-1)
+        digest.update(f"tensor {flat.dtype} {tuple(value.shape)}\0".encode())
+        digest.update(flat.view(torch.uint8).numpy())  # the bytes of any dtype, bfloat16 included
+    elif isinstance(value, dict):
+        digest.update(f"dict {len(value)}\0".encode())
+        for key, item in value.items():
+            _feed(digest, key)
+            _feed(digest, item)
+    elif isinstance(value, list | tuple):
+        digest.update(f"{type(value).__name__} {len(value)}\0".encode())
+        for item in value:
+            _feed(digest, item)
+    else:  # numbers (repr round-trips a float exactly), text, None
+        digest.update(f"{type(value).__name__} {value!r}\0".encode())
+
+
+def content_digest(value: Any) -> str:
+    """The SHA-256 of a checkpoint's content: every tensor's dtype, shape and bytes and every other value, in
+    order. torch checks none of a file's bytes as it loads it, so bytes overwritten inside a tensor load as other
+    values; the digest of what loaded then differs from the one recorded at the save."""
+    digest = hashlib.sha256()
+    _feed(digest, value)
+    return digest.hexdigest()
+
+
+def intact(checkpoint: dict[str, Any]) -> bool | None:
+    """Whether a loaded ``checkpoint`` holds what was saved (its ``content_digest`` is the recorded one); None where
+    it records none (saved by something else)."""
+    recorded = checkpoint.get(DIGEST_KEY)
+    if recorded is None:
+        return None
+    return content_digest({key: value for key, value in checkpoint.items() if key != DIGEST_KEY}) == recorded
+
+
 class AtomicCheckpointIO(TorchCheckpointIO):
     """Lightning's checkpoint IO, writing through ``atomic_path`` in the checkpoint's own folder and loading
     with ``weights_only=True`` whatever the caller or ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD`` asks: a checkpoint
-    holds tensors and plain containers only, and loading one never runs code from the file."""
+    holds tensors and plain containers only, and loading one never runs code from the file. Each checkpoint
+    records the digest of its content (``DIGEST_KEY``, ``content_digest``), which a resume checks (``intact``)."""
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__} takes no storage_options")
+        checkpoint = {**checkpoint, DIGEST_KEY: content_digest(checkpoint)}  # Lightning's dict stays as it was
         write_atomic(path, lambda tmp: self._write(checkpoint, tmp))
 
     @staticmethod

@@ -7,7 +7,9 @@ that file instead and writes it (atomically, through the trainer's CheckpointIO)
 - after every validation of the fit, after ModelCheckpoint so that the file holds its new best (a validation at
   an epoch's end: at the epoch's end, where ModelCheckpoint saves it by default);
 - every ``every_minutes`` of training, at the end of a training batch;
-- when SLURM's requeue signal or SIGTERM arrived (see below);
+- when SLURM's requeue signal or SIGTERM arrived (see below), or SIGHUP (a dropped ssh session) or SIGUSR1
+  outside SLURM's requeue, which stop the run as SIGTERM does (exit status 128 + the signal's number) where they
+  are not ignored (``nohup``);
 - at the end of the fit (``max_steps``, ``max_epochs``, early stopping), unless the file already holds that step;
 - when the fit raises (an error, Ctrl-C) in a single process, unless the model holds non-finite values or the
   error was a refused write. Under DDP the other processes may be anywhere, and a save is a collective (random
@@ -55,7 +57,7 @@ from ..compat import cluster_environment, record_sigterm
 from ..distributed import agree, world_size
 from ..errors import WriteError
 from .folder import CHECKPOINTS, LAST
-from .requeue import TERMINATED_EXIT, Terminated, requeue_job
+from .requeue import Terminated, requeue_job
 
 
 def _finite(module: torch.nn.Module) -> bool:
@@ -83,6 +85,8 @@ class LastCheckpoint(Checkpoint):
         self._previous: dict[int, Any] = {}  # signal -> the handler ours replaced
         self._recording = False  # our handlers installed and in force
         self._term = self._requeue = self._requeued = self._stopping = False
+        self._stop_signal = signal.SIGTERM  # the signal that stops the run: SIGTERM, or SIGHUP or SIGUSR1 (below)
+        self._requeue_signal: int | None = None  # SLURM's, where it requeues the job
         self._epoch_end = self._validated = False  # the batch ended an epoch; its validation awaits the save
         self._saved_step: int | None = None
         self._start_step: int | None = None
@@ -101,6 +105,7 @@ class LastCheckpoint(Checkpoint):
         own = Path(trainer.default_root_dir) / CHECKPOINTS
         self.dirpath = Path(best.dirpath) if best is not None and best.dirpath else own
         self._term = self._requeue = self._requeued = self._stopping = False
+        self._stop_signal = signal.SIGTERM
         self._epoch_end = self._validated = False
         self._saved_step = self._start_step = None
         if threading.current_thread() is not threading.main_thread():
@@ -111,19 +116,25 @@ class LastCheckpoint(Checkpoint):
         record_sigterm(trainer, self._record)
         self._previous = {signal.SIGTERM: signal.signal(signal.SIGTERM, self._record)}
         environment = cluster_environment(trainer)  # what Lightning's handler consults
+        self._requeue_signal = None
         if isinstance(environment, SLURMEnvironment) and environment.auto_requeue:
             # Installed before Lightning registers its handlers: Lightning keeps a requeue-signal handler that is
             # already there instead of adding its own.
-            requeue_signal = environment.requeue_signal
-            self._previous[requeue_signal] = signal.signal(requeue_signal, self._record)
+            self._requeue_signal = environment.requeue_signal
+            self._previous[self._requeue_signal] = signal.signal(self._requeue_signal, self._record)
+        # SIGHUP (a dropped ssh session) and SIGUSR1 (outside SLURM's requeue) end a process by default, without a
+        # save: they stop the run as SIGTERM does. Where they are ignored (nohup), they stay ignored.
+        for stop in (signal.SIGHUP, signal.SIGUSR1):
+            if stop != self._requeue_signal and signal.getsignal(stop) != signal.SIG_IGN:
+                self._previous[stop] = signal.signal(stop, self._record)
         self._recording = True
 
     def _record(self, signum: int, frame: FrameType | None) -> None:
         if self._recording:  # nothing else: the main thread may be inside a collective or holding any lock
-            if signum == signal.SIGTERM:
-                self._term = True
-            else:
+            if signum == self._requeue_signal:
                 self._requeue = True
+            else:  # SIGTERM, SIGHUP, SIGUSR1 outside SLURM's requeue
+                self._term, self._stop_signal = True, signal.Signals(signum)
             return
         # Left installed after the fit (Lightning restores the handlers it found, ours, after an exception):
         # behave as the handler that was there before.
@@ -157,12 +168,12 @@ class LastCheckpoint(Checkpoint):
     def _terminate(self, trainer: pl.Trainer) -> None:
         if trainer.is_global_zero:
             print(
-                f"SIGTERM: checkpoint saved at step {self._saved_step} in {self.path}; the run stops here, and "
-                "--resume auto goes on from it",
+                f"{self._stop_signal.name}: checkpoint saved at step {self._saved_step} in {self.path}; the run stops "
+                "here, and --resume auto goes on from it",
                 file=sys.stderr,
                 flush=True,
             )
-        raise Terminated(TERMINATED_EXIT)
+        raise Terminated(128 + self._stop_signal)  # what a shell reports for a process ended by the signal
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._saved_at = time.monotonic()

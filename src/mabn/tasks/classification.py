@@ -70,6 +70,8 @@ class ClassificationTask(NormTask):
             BN's (``mabn.models.warm_start``; docs/backbones.md); null: random weights.
     """
 
+    run_settings = NormTask.run_settings | {"export_dir"}  # where the backbone goes at the end
+
     def __init__(
         self,
         num_classes: int = 1000,

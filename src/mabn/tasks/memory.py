@@ -15,9 +15,12 @@ import torch
 from torch import nn
 
 from ..distributed import gather_objects, say
+from ..errors import ConfigError
 from ..models import DEFAULT_ARCH, DEFAULT_DECODER, build_segmentation_model
 from ..norm import NORM_PRESETS, norm_entry
-from ..run.memory import Budget, activation_bytes, device_budget, estimate, fit_batch
+from ..run.memory import Budget, activation_bytes, device_budget, estimate, fit_batch, gb
+
+LAYOUT_KEY = "batch_layout"  # in a stage-2 checkpoint: the batch the fit trained with (``layout``)
 
 
 def per_pixel(hp: Mapping[str, Any]) -> int | None:
@@ -109,12 +112,20 @@ def plan(
     return MemoryPlan(fit.per_device, fit.accumulate, [fit.line(network(hp), global_batch)])
 
 
+def layout(task: Any) -> dict[str, int]:
+    """The batch a fit trains with: the per-device batch, the gradient accumulation and the processes, which a
+    checkpoint records (``LAYOUT_KEY``) and a resume keeps (``fit``)."""
+    trainer = task.trainer
+    per_device = trainer.datamodule.batch_size
+    return {"per_device": per_device, "accumulate": trainer.accumulate_grad_batches, "processes": trainer.world_size}
+
+
 def fit(task: Any) -> None:
     """At the start of a fit (``SegmentationTask.setup``, after the data module's): the estimate on the device the
     run trains on, said in one line, and where the data module's per-device batch does not fit, the largest that
     does with the Trainer's gradient accumulation multiplied to keep the global batch. Every process takes the
     smallest budget of all, so that all take one batch; a ``ConfigError`` where one normalization batch does not
-    fit."""
+    fit. The budget and the estimate stay with the task for ``keep``."""
     trainer, hp = task.trainer, task.hparams
     data = trainer.datamodule
     bpp = per_pixel(hp)
@@ -125,6 +136,8 @@ def fit(task: Any) -> None:
     least = min(gather_objects(local.bytes), key=lambda n: float("inf") if n is None else n)
     budget = local if least == local.bytes else Budget(least, f"the least of the processes'; here {local.source}")
     params, buffers = sizes(task.model)
+    crop = data.crop_size
+    task.memory_fit = budget, lambda n: estimate(params, buffers, bpp, crop, n)
     found = fit_batch(
         data.batch_size,
         hp.get("norm_batch_size"),
@@ -136,3 +149,25 @@ def fit(task: Any) -> None:
     data.batch_size = found.per_device
     trainer.accumulate_grad_batches *= found.accumulate
     say(found.line(network(hp), global_batch))
+
+
+def keep(task: Any, recorded: dict[str, int] | None) -> None:
+    """On a resume (``SegmentationTask.on_load_checkpoint``: after ``fit``, before the loaders and the optimizer
+    are made), the layout the checkpoint ``recorded`` (``layout``), where the run has as many processes: another
+    split of the same global batch draws other batches (the loader drops another remainder), so an epoch has
+    other steps and the schedule changes. Where that layout does not fit the budget here, a ``ConfigError``."""
+    trainer, data = task.trainer, task.trainer.datamodule
+    fitted = getattr(task, "memory_fit", None)  # None: no estimate for this network, the recipe's batch as given
+    if recorded is None or fitted is None or recorded["processes"] != trainer.world_size or layout(task) == recorded:
+        return
+    budget, estimate_at = fitted
+    need = estimate_at(recorded["per_device"]).total
+    kept = f"{recorded['per_device']} per device x {recorded['accumulate']} accumulated"
+    if budget.bytes is not None and need > budget.bytes:
+        raise ConfigError(
+            f"{trainer.ckpt_path} was trained with a batch of {kept}, which needs ~{gb(need)} per device, more "
+            f"than the {gb(budget.bytes)} here ({budget.source}): resume where it fits (a resume keeps its batch "
+            "layout; another changes the steps of an epoch and the schedule)"
+        )
+    data.batch_size, trainer.accumulate_grad_batches = recorded["per_device"], recorded["accumulate"]
+    say(f"batch: {kept}, as {trainer.ckpt_path} was trained (~{gb(need)} per device)")

@@ -12,6 +12,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from pytorch_lightning.loggers import WandbLogger
+from pytorch_lightning.trainer.states import TrainerFn
 from pytorch_lightning.utilities import rank_zero_info, rank_zero_warn
 
 from ..data.classes import IGNORE_INDEX, ClassTable
@@ -110,6 +111,8 @@ class SegmentationTask(NormTask):
             preset says, except for BN weights (``backbone``) converted to a MABN norm, which keep BN's function
             with uncentred convs (docs/backbones.md); a fit records what it built.
     """
+
+    run_settings = NormTask.run_settings | {"log_predictions_every_n_epochs", "num_logged_predictions"}
 
     def __init__(
         self,
@@ -487,6 +490,18 @@ class SegmentationTask(NormTask):
             )
             for line in lines:
                 say(line)
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        if hasattr(self.trainer.datamodule, "batch_size"):
+            checkpoint[memory.LAYOUT_KEY] = memory.layout(self)  # what a resume keeps (memory.keep)
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        try:
+            fitting = self.trainer.state.fn == TrainerFn.FITTING
+        except RuntimeError:  # loaded outside a Trainer (load_from_checkpoint): no batch to keep
+            return
+        if fitting:
+            memory.keep(self, checkpoint.get(memory.LAYOUT_KEY))
 
     @staticmethod
     def memory_plan(*args: Any) -> memory.MemoryPlan:
