@@ -8,7 +8,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 # Operators whose result the host reads, or whose output's size depends on the values: on a GPU each waits for the
 # device, which a stream under capture refuses ("operation not permitted when stream is capturing").
-_HOST_READS = {
+HOST_READS = {
     torch.ops.aten._local_scalar_dense,  # .item(), bool(), int() and float() of a tensor
     torch.ops.aten.equal,
     torch.ops.aten.nonzero,
@@ -16,7 +16,19 @@ _HOST_READS = {
     torch.ops.aten._unique2,
     torch.ops.aten.unique_consecutive,
     torch.ops.aten.unique_dim,
+    torch.ops.aten.bincount,  # its length is the input's maximum, read by the host
 }
+_INDEXING = {torch.ops.aten.index, torch.ops.aten.index_put, torch.ops.aten._index_put_impl_}
+
+
+def reads_the_host(func, args) -> bool:
+    """Whether the operator ``func`` on ``args`` reads the device from the host on a GPU: one of ``HOST_READS``, or
+    indexing by a boolean mask, whose output's size is the mask's count (a ``nonzero`` inside the operator)."""
+    if func.overloadpacket in HOST_READS:
+        return True
+    if func.overloadpacket in _INDEXING:
+        return any(isinstance(t, torch.Tensor) and t.dtype in (torch.bool, torch.uint8) for t in args[1])
+    return False
 
 
 def _storage(t: torch.Tensor) -> int:
@@ -47,7 +59,7 @@ class _Trace(TorchDispatchMode):
         self.capturing = capturing
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if self.capturing and func.overloadpacket in _HOST_READS:
+        if self.capturing and reads_the_host(func, args):
             raise RuntimeError(
                 f"{func} reads the device from the host during a CUDA-graph capture (on a GPU: operation not "
                 "permitted when stream is capturing)"
