@@ -50,10 +50,20 @@ def record_sigterm(trainer: Any, record: Callable[[int, Any], None]) -> None:
     connector's bound ``_sigterm_notifier_fn`` (broadcasts a flag from rank 0, inside the signal handler) and
     ``_sigterm_handler_fn`` (forwards the signal) are replaced on this trainer only. ``LastCheckpoint`` records the
     signal and acts on it between batches. If renamed, Lightning's own handler runs again inside the signal handler,
-    where a collective can pair up wrongly or hang."""
+    where a collective can pair up wrongly or hang.
+
+    The flag that handler set (``received_sigterm``) then stays False, so the training loop's broadcast of it at
+    the start of every batch under DDP (``_broadcast_sigterm_tensor``: a device tensor, read back by the host,
+    which waits for the device's queued kernels) is skipped on this trainer too. If renamed, that broadcast runs
+    again, costing a wait per batch and nothing else."""
     connector = trainer._signal_connector
     connector._sigterm_notifier_fn = record
     connector._sigterm_handler_fn = record
+    trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor = _never_terminated
+
+
+def _never_terminated() -> None:
+    """The training loop's SIGTERM broadcast where no handler sets the flag it broadcasts (``record_sigterm``)."""
 
 
 def cluster_environment(trainer: Any) -> Any:
