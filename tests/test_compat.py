@@ -349,3 +349,12 @@ def test_record_sigterm_skips_the_loops_per_batch_broadcast_of_the_flag_it_leave
     monkeypatch.setattr(torch.distributed, "broadcast", lambda *args, **kwargs: broadcasts.append(args))
     trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor()
     assert broadcasts == []
+
+
+def test_torch_cuda_graph_takes_a_capture_mode_and_make_graphed_callables_captures_through_it():
+    """What ``make_graphed_callables_thread_local`` relies on where make_graphed_callables has no mode of its own: the
+    mode of ``torch.cuda.graph``, and make_graphed_callables capturing through that name."""
+    import torch.cuda.graphs
+
+    assert inspect.signature(torch.cuda.graph).parameters["capture_error_mode"].default == "global"
+    assert "torch.cuda.graph(" in inspect.getsource(torch.cuda.graphs)
