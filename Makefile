@@ -38,7 +38,7 @@ STAGE_ARGS = $(NORM_ARGS) --gpus $(GPUS) --nodes $(NODES) $(if $(RESUME),--resum
 STAGE    ?= cityscapes
 AFTER    ?=
 
-.PHONY: venv test test-slow test-torch test-gpu gpu-check gpu-wheels lint pretrain cityscapes segment slurm export test-split predict plots bench bench-norm ablation clean
+.PHONY: venv test test-slow triton-compilers test-torch test-gpu gpu-check gpu-wheels lint pretrain cityscapes segment slurm export test-split predict plots bench bench-norm ablation clean
 
 venv: $(STAMP)
 
@@ -60,6 +60,15 @@ test: lint
 # few tests of very different lengths.
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow -n auto --dist worksteal
+
+# The Tritons of the supported torch releases besides the environment's own (3.6.0: torch 2.11's), each in
+# .venv-triton<version>/ (git-ignored, Triton alone), where tests/test_kernels_compile.py (make test-slow) compiles
+# every kernel with it; a second call installs nothing. CI runs it before make test-slow.
+TRITONS ?= 3.6.0
+triton-compilers: $(STAMP)
+	for v in $(TRITONS); do \
+		test -d .venv-triton$$v/triton || $(PY) -m pip install --quiet --no-deps --target .venv-triton$$v "triton==$$v" || exit 1; \
+	done
 
 # The suite against a second torch, in an environment built as a user's is: a new $(TORCH_VENV) (git-ignored) with
 # torch $(TORCH) and torchvision $(TORCHVISION) installed first, then `pip install ".[dev]"` without constraints.txt,
@@ -176,4 +185,4 @@ ablation: $(STAMP)
 	$(PY) -m mabn ablation $(if $(DATA),--data "$(DATA)") $(ARGS)
 
 clean:
-	rm -rf $(VENV) .venv-torch* .pytest_cache build src/*.egg-info
+	rm -rf $(VENV) .venv-torch* .venv-triton* .pytest_cache build src/*.egg-info
