@@ -96,14 +96,16 @@ test-torch:
 test-gpu: $(if $(filter $(VENV)/bin/python,$(PY)),$(STAMP))
 	MABN_TEST_DEVICE=cuda PYTHONPATH="$(CURDIR)/src$(if $(PYTHONPATH),:$(PYTHONPATH))" $(PY) -m pytest -q -m gpu
 
-# The first thing to run whenever a GPU is at hand (docs/testing.md#on-a-gpu), in one call of at most 8 minutes:
-# sections in order of value, each stopped at its own time limit (480 s in all), the report in
-# runs/bench/bench-cuda.md (OUT=docs: docs/bench-cuda.md) rewritten as each ends: the kernel tests on the device
-# (the compiled Triton kernels against the float64 references), the chain of a real stage-2 run
-# (fits killed and resumed, CUDA graphs against eager, test, predict, export, two ranks under bf16-mixed), stage 2's
-# PSPNet-101 step, stage 1's ResNet-101 step and its kernels' GPU time; each ratio MABN / BN against its target.
-# SECTIONS=compiled: stage 2's step compiled, a call of its own (480 s). SECTIONS=stage2,stage1: some of them
-# (kernels, chain, stage2, stage1, profile, compiled);
+# The first thing to run whenever a GPU is at hand (docs/testing.md#on-a-gpu), in one call of under 8 minutes:
+# sections in order of value, each stopped at its own time limit (475 s in all), the report in
+# runs/bench/bench-cuda.md (OUT=docs: docs/bench-cuda.md; on a machine lent for one call, OUT="$OUT") rewritten as
+# each ends, every row naming the commit and the path MABN's steps took: the recipes' kernel variants and the
+# history shift on the device (the compiled Triton kernels against the float64 references), stage 2's PSPNet-101
+# step in float32 through CUDA graphs captured whole and per stage, the chain of a real stage-2 run (fits killed
+# and resumed, CUDA graphs against eager, test, predict, export, two ranks under bf16-mixed), stage 1's ResNet-101
+# step, both stages' kernels' GPU time, stage 2's other paths, the other kernel tests; each ratio MABN / BN against
+# its target. SECTIONS=compiled: stage 2's step compiled, a call of its own (480 s). SECTIONS=stage1,stage2: some
+# of them, in the order given (kernels, stage2, chain, stage1, profile, stage2_more, more_kernels, compiled);
 # DRY_RUN=1: the sections, their limits and the report's path; ARGS: further options of scripts/gpu/check.py,
 # e.g. ARGS="--limits chain=240". The check is a tool of the checkout, not of the package: it runs the checkout's
 # tests and measures with the package's benchmarks.

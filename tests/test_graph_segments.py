@@ -17,7 +17,13 @@ from mabn.models.decoders import build_segmentation_model
 from mabn.models.pspnet import PSPNet
 from mabn.norm import convert_norm
 from mabn.tasks.base import NormTask
-from mabn.tasks.cudagraph import SecondForwardError, drop_graph_gradients, graph_training_forward, release_graphs
+from mabn.tasks.cudagraph import (
+    SecondForwardError,
+    capture_mode,
+    drop_graph_gradients,
+    graph_training_forward,
+    release_graphs,
+)
 from mabn.tasks.segmentation import SegmentationTask
 
 
@@ -59,6 +65,8 @@ def test_every_capture_is_thread_local_on_a_single_device(graph_stand_in, segmen
     graph_training_forward(model, torch.randn(2, 3, 32, 32, dtype=torch.float64), warmup_iters=1, segments=segments)
     assert graph_stand_in.modes == ["thread_local"]
     assert torch.cuda.graph is graph
+    via = "make_graphed_callables" if graph_stand_in.takes_mode else "torch.cuda.graph"
+    assert capture_mode() == f"thread-local (capture_error_mode of {via})"  # as the GPU check's report says
 
 
 def test_release_graphs_drops_the_gradients_held_in_the_static_buffers(graph_stand_in):

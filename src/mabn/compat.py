@@ -216,6 +216,11 @@ def _reasons(block: str) -> list[str]:
 # bench's operator table cannot be made.
 
 
+def graphed_callables_take_capture_mode() -> bool:
+    """Whether this torch's ``make_graphed_callables`` takes ``capture_error_mode`` (2.12 on)."""
+    return "capture_error_mode" in inspect.signature(torch.cuda.make_graphed_callables).parameters
+
+
 def make_graphed_callables_thread_local(callables: Any, sample_args: Any, **options: Any) -> Any:
     """``torch.cuda.make_graphed_callables(callables, sample_args, **options)`` with every capture it makes in
     thread-local mode: a CUDA call of another thread during the capture (the loader's pin-memory thread pinning a
@@ -225,7 +230,7 @@ def make_graphed_callables_thread_local(callables: Any, sample_args: Any, **opti
     since 2.1: ``torch.cuda.graph`` is that class with the mode bound for the duration of the call (captures run
     on one thread at a time). Relies on the older ``make_graphed_callables`` making its graphs through the name
     ``torch.cuda.graph``; if it stops doing so there, its captures run in global mode again."""
-    if "capture_error_mode" in inspect.signature(torch.cuda.make_graphed_callables).parameters:
+    if graphed_callables_take_capture_mode():
         return torch.cuda.make_graphed_callables(callables, sample_args, capture_error_mode="thread_local", **options)
     graph = torch.cuda.graph
     torch.cuda.graph = functools.partial(graph, capture_error_mode="thread_local")

@@ -51,7 +51,7 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import Tensor, nn
 
-from ..compat import make_graphed_callables_thread_local, tree_leaves
+from ..compat import graphed_callables_take_capture_mode, make_graphed_callables_thread_local, tree_leaves
 from ..distributed import sync_group
 from ..errors import ConfigError
 from ..norm import BatchRenorm2d, MABN2d
@@ -389,6 +389,13 @@ def release_graphs(model: nn.Module) -> None:
     # The graphs and their memory pool sit in reference cycles (torch's Graphed class): collected now, before the
     # next capture allocates a pool beside them.
     gc.collect()
+
+
+def capture_mode() -> str:
+    """How this torch's captures are made, in words for a report: thread-local, through make_graphed_callables' own
+    ``capture_error_mode`` or through ``torch.cuda.graph``'s (``mabn.compat.make_graphed_callables_thread_local``)."""
+    via = "make_graphed_callables" if graphed_callables_take_capture_mode() else "torch.cuda.graph"
+    return f"thread-local (capture_error_mode of {via})"
 
 
 def training_call(model: nn.Module, x: Tensor, cuda_graph: bool, segments: str = "whole") -> object:
