@@ -1,16 +1,19 @@
-"""A steady-state training step never waits for the device in the project's own code.
+"""A steady-state training step never waits for the device: not in the project's code, nor in Lightning's loop, the
+metrics or the loss it runs.
 
-On a GPU every host read of a device tensor (``item``, ``bool``, ``float``, ``tolist``, ``cpu``...) waits until
+On a GPU every host read of a device tensor (``item``, ``bool``, ``float``, ``tolist``, ``cpu``...) and every
+operator whose output's size comes from the device (``bincount``, ``nonzero``, boolean-mask indexing) waits until
 the device has run everything queued before it: the host stops issuing kernels, the GPU then runs dry, and an eager
-step at MABN's small per-device batches is bound by the host issuing kernels. So nothing the project runs in a
-training step may read the device; the one verdict it needs on the host, whether a MABN2d or BatchRenorm2d layer met
-a non-finite statistic, MABNCallback reads one optimizer step late from a copy in pinned host memory, which the GPU
-finished long before.
+step at MABN's small per-device batches is bound by the host issuing kernels. So nothing a training step runs may
+read the device; the one verdict the project needs on the host, whether a MABN2d or BatchRenorm2d layer met a
+non-finite statistic, MABNCallback reads one optimizer step late from a copy in pinned host memory, which the GPU
+finished long before. Lightning reads logged values every ``log_every_n_steps`` steps, and those on the progress bar
+after every step: the training scalars are not on it.
 
 The count runs on the CPU, where every tensor is a host tensor, so a read cannot be told from a device read by its
-tensor: each read the project's own code makes is recorded as (file, function, operation) and the test holds the
-exact set, with the late flag read as its one member. ``reads_at_once`` is patched so the CPU layers keep their
-verdicts in device flags as CUDA layers do, instead of reading them at once.
+tensor: each read of any code is recorded as (file, function, operation) (``helpers.host_reads``) and the test
+holds the exact set, with the late flag read as its one member. ``reads_at_once`` is patched so the CPU layers keep
+their verdicts in device flags as CUDA layers do, instead of reading them at once.
 """
 
 from __future__ import annotations
