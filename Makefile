@@ -38,7 +38,7 @@ STAGE_ARGS = $(NORM_ARGS) --gpus $(GPUS) --nodes $(NODES) $(if $(RESUME),--resum
 STAGE    ?= cityscapes
 AFTER    ?=
 
-.PHONY: venv test test-slow test-torch test-gpu gpu-check gpu-wheels lint pretrain cityscapes segment slurm export test-split predict plots bench bench-norm ablation clean
+.PHONY: venv test test-slow triton-compilers test-torch test-gpu gpu-check gpu-wheels lint pretrain cityscapes segment slurm export test-split predict plots bench bench-norm ablation clean
 
 venv: $(STAMP)
 
@@ -60,6 +60,15 @@ test: lint
 # few tests of very different lengths.
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow -n auto --dist worksteal
+
+# The Tritons of the supported torch releases besides the environment's own (3.6.0: torch 2.11's), each in
+# .venv-triton<version>/ (git-ignored, Triton alone), where tests/test_kernels_compile.py (make test-slow) compiles
+# every kernel with it; a second call installs nothing. CI runs it before make test-slow.
+TRITONS ?= 3.6.0
+triton-compilers: $(STAMP)
+	for v in $(TRITONS); do \
+		test -d .venv-triton$$v/triton || $(PY) -m pip install --quiet --no-deps --target .venv-triton$$v "triton==$$v" || exit 1; \
+	done
 
 # The suite against a second torch, in an environment built as a user's is: a new $(TORCH_VENV) (git-ignored) with
 # torch $(TORCH) and torchvision $(TORCHVISION) installed first, then `pip install ".[dev]"` without constraints.txt,
@@ -87,14 +96,16 @@ test-torch:
 test-gpu: $(if $(filter $(VENV)/bin/python,$(PY)),$(STAMP))
 	MABN_TEST_DEVICE=cuda PYTHONPATH="$(CURDIR)/src$(if $(PYTHONPATH),:$(PYTHONPATH))" $(PY) -m pytest -q -m gpu
 
-# The first thing to run whenever a GPU is at hand (docs/testing.md#on-a-gpu), in one call of at most 8 minutes:
-# sections in order of value, each stopped at its own time limit (480 s in all), the report in
-# runs/bench/bench-cuda.md (OUT=docs: docs/bench-cuda.md) rewritten as each ends: the kernel tests on the device
-# (the compiled Triton kernels against the float64 references), the chain of a real stage-2 run
-# (fits killed and resumed, CUDA graphs against eager, test, predict, export, two ranks under bf16-mixed), stage 2's
-# PSPNet-101 step, stage 1's ResNet-101 step and its kernels' GPU time; each ratio MABN / BN against its target.
-# SECTIONS=compiled: stage 2's step compiled, a call of its own (480 s). SECTIONS=stage2,stage1: some of them
-# (kernels, chain, stage2, stage1, profile, compiled);
+# The first thing to run whenever a GPU is at hand (docs/testing.md#on-a-gpu), in one call of under 8 minutes:
+# sections in order of value, each stopped at its own time limit (475 s in all), the report in
+# runs/bench/bench-cuda.md (OUT=docs: docs/bench-cuda.md; on a machine lent for one call, OUT="$OUT") rewritten as
+# each ends, every row naming the commit and the path MABN's steps took: the recipes' kernel variants and the
+# history shift on the device (the compiled Triton kernels against the float64 references), stage 2's PSPNet-101
+# step in float32 through CUDA graphs captured whole and per stage, the chain of a real stage-2 run (fits killed
+# and resumed, CUDA graphs against eager, test, predict, export, two ranks under bf16-mixed), stage 1's ResNet-101
+# step, both stages' kernels' GPU time, stage 2's other paths, the other kernel tests; each ratio MABN / BN against
+# its target. SECTIONS=compiled: stage 2's step compiled, a call of its own (480 s). SECTIONS=stage1,stage2: some
+# of them, in the order given (kernels, stage2, chain, stage1, profile, stage2_more, more_kernels, compiled);
 # DRY_RUN=1: the sections, their limits and the report's path; ARGS: further options of scripts/gpu/check.py,
 # e.g. ARGS="--limits chain=240". The check is a tool of the checkout, not of the package: it runs the checkout's
 # tests and measures with the package's benchmarks.
@@ -176,4 +187,4 @@ ablation: $(STAMP)
 	$(PY) -m mabn ablation $(if $(DATA),--data "$(DATA)") $(ARGS)
 
 clean:
-	rm -rf $(VENV) .venv-torch* .pytest_cache build src/*.egg-info
+	rm -rf $(VENV) .venv-torch* .venv-triton* .pytest_cache build src/*.egg-info

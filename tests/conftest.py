@@ -61,10 +61,11 @@ def device():
 
 
 @pytest.fixture
-def graph_stand_in(monkeypatch):
+def graph_stand_in(monkeypatch, request):
     """CUDA-graph capture on the CPU: the GPU checks pass, a ``GraphStandIn`` replaces torch's capture, and the
     managed norms keep their non-finite verdicts in their flags as on a GPU (``reads_at_once``), where the
-    warm-ups' NaN gradients would otherwise raise at once."""
+    warm-ups' NaN gradients would otherwise raise at once. Parametrized indirectly with False, the stand-in is the
+    ``make_graphed_callables`` of a torch without ``capture_error_mode`` (2.11 and before)."""
     import torch
 
     import mabn.norm.managed
@@ -78,7 +79,7 @@ def graph_stand_in(monkeypatch):
     monkeypatch.setattr(mabn.tasks.cudagraph, "check_capturable", no_check)
     monkeypatch.setattr(mabn.tasks.base, "check_capturable", no_check)
     monkeypatch.setattr(mabn.norm.managed, "reads_at_once", lambda device: False)
-    stand_in = GraphStandIn()
+    stand_in = GraphStandIn(takes_mode=getattr(request, "param", True))
     monkeypatch.setattr(torch.cuda, "make_graphed_callables", stand_in)
     return stand_in
 

@@ -432,3 +432,23 @@ def test_triton_launch_runs_a_compiled_kernel_on_cuda():
     compat.launch(compiled, (1, 1, 1), stream, [y.data_ptr(), again.data_ptr(), 100, 128], triton.knobs.runtime)
     torch.cuda.synchronize()
     torch.testing.assert_close(again, y + 1)
+
+
+def test_record_sigterm_skips_the_loops_per_batch_broadcast_of_the_flag_it_leaves_unset(monkeypatch):
+    """Under DDP Lightning's training loop broadcasts ``received_sigterm`` at the start of every batch and reads it
+    back on the host; with the notifier that set it replaced, the broadcast carries nothing and is not made."""
+    trainer = pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False)
+    compat.record_sigterm(trainer, lambda signum, frame: None)
+    broadcasts = []
+    monkeypatch.setattr(torch.distributed, "broadcast", lambda *args, **kwargs: broadcasts.append(args))
+    trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor()
+    assert broadcasts == []
+
+
+def test_torch_cuda_graph_takes_a_capture_mode_and_make_graphed_callables_captures_through_it():
+    """What ``make_graphed_callables_thread_local`` relies on where make_graphed_callables has no mode of its own: the
+    mode of ``torch.cuda.graph``, and make_graphed_callables capturing through that name."""
+    import torch.cuda.graphs
+
+    assert inspect.signature(torch.cuda.graph).parameters["capture_error_mode"].default == "global"
+    assert "torch.cuda.graph(" in inspect.getsource(torch.cuda.graphs)

@@ -428,26 +428,6 @@ def test_stage_configs_let_cudnn_pick_its_algorithms_once(stage):
     assert config["trainer"]["benchmark"] is True
 
 
-@pytest.mark.parametrize("has_option", [True, False])
-def test_capture_under_ddp_asks_for_thread_local_errors_only_where_torch_has_them(
-    has_option, graph_stand_in, monkeypatch
-):
-    """Under a process group DDP's threads keep working during the capture, so it asks for thread-local capture
-    errors; a torch whose make_graphed_callables has no such option (GPU machines bring their own torch) captures
-    in its global mode instead of failing at the first training batch."""
-    seen = []
-
-    def strict(model, sample_args, num_warmup_iters, allow_unused_input, **options):
-        seen.append(options)
-        return graph_stand_in(model, sample_args, num_warmup_iters, allow_unused_input)
-
-    monkeypatch.setattr(torch.cuda, "make_graphed_callables", strict)
-    monkeypatch.setattr(cudagraph, "has_process_group", lambda: True)
-    monkeypatch.setattr(cudagraph, "_HAS_CAPTURE_MODE", has_option)
-    cudagraph.graph_training_forward(small_net(), torch.randn(4, 3, 6, 6), warmup_iters=1)
-    assert seen == [{"capture_error_mode": "thread_local"} if has_option else {}]
-
-
 # -- across fits, and one set of saved activations ------------------------------------------------------------------
 def _fit_twice(tmp_path: Path, cuda_graph: bool, first: str) -> GraphTask:
     """Two fits of one task, each on its own Trainer as a user's second ``fit()`` runs: the first in ``first``

@@ -25,7 +25,18 @@ from pytorch_lightning.strategies import DDPStrategy
 from torch import nn
 from torch.utils.data import DataLoader, Subset
 
-from helpers.ddp_layers import STEPS, WORLD, B, G, layer_data, layer_worker, make_layer, run_layer
+from helpers.ddp_layers import (
+    AGREE_FLAGS,
+    STEPS,
+    WORLD,
+    B,
+    G,
+    agree_worker,
+    layer_data,
+    layer_worker,
+    make_layer,
+    run_layer,
+)
 from helpers.ddp_task import Tiny, tiny_dataset
 from helpers.trainer import BARE, QUIET
 from mabn import MABN2d, convert_norm
@@ -54,6 +65,18 @@ def _fresh_port(monkeypatch):
     from lightning_fabric.plugins.environments.lightning import find_free_network_port
 
     monkeypatch.setenv("MASTER_PORT", str(find_free_network_port()))
+
+
+def test_agree_combines_host_flags_over_a_gloo_group_beside_an_nccl_default_group(tmp_path):
+    """LastCheckpoint's per-batch agreement never goes through the device: under a default group that is NCCL (a GPU
+    run's), the flags are a CPU tensor all-reduced over a gloo group of the same processes, made once; every rank
+    gets each flag set on any rank."""
+    mp.spawn(agree_worker, args=(str(tmp_path),), nprocs=WORLD)
+    expected = [any(flags) for flags in zip(*AGREE_FLAGS)]
+    for r in range(WORLD):
+        saved = torch.load(tmp_path / f"agree{r}.pt")
+        assert saved["results"] == [expected, expected]
+        assert saved["seen"] == [("cpu", "gloo"), ("cpu", "gloo")]
 
 
 # ----------------------------------------------------------------------------------- layers, synced

@@ -141,6 +141,10 @@ def test_a_failing_launch_falls_back_to_torch_ops(failure, device, new_process, 
     assert len(messages) == 1, messages
     assert reason in messages[0] and "torch-op path" in messages[0], messages[0]
     assert "\n" not in messages[0] and "Traceback" not in messages[0] + capsys.readouterr().err
+    # What the GPU check's report says of the path its steps took.
+    assert fused.path().startswith("torch ops (") and reason in fused.path()
+    monkeypatch.setenv("MABN_FUSED", "0")
+    assert fused.path() == "torch ops (MABN_FUSED=0)"
 
 
 class _Recorder:

@@ -17,7 +17,13 @@ from mabn.models.decoders import build_segmentation_model
 from mabn.models.pspnet import PSPNet
 from mabn.norm import convert_norm
 from mabn.tasks.base import NormTask
-from mabn.tasks.cudagraph import SecondForwardError, drop_graph_gradients, graph_training_forward, release_graphs
+from mabn.tasks.cudagraph import (
+    SecondForwardError,
+    capture_mode,
+    drop_graph_gradients,
+    graph_training_forward,
+    release_graphs,
+)
 from mabn.tasks.segmentation import SegmentationTask
 
 
@@ -44,6 +50,35 @@ def tiny_pspnet() -> nn.Module:
 def _outputs(out) -> tuple[torch.Tensor, ...]:
     """A training forward's outputs: PSPNet's (main, auxiliary) logits, or the one tensor."""
     return out if isinstance(out, tuple) else (out,)
+
+
+@pytest.mark.parametrize(
+    "graph_stand_in", [True, False], indirect=True, ids=["make_graphed_callables takes the mode", "torch 2.11"]
+)
+@pytest.mark.parametrize("segments", ["whole", "stages"])
+def test_every_capture_is_thread_local_on_a_single_device(graph_stand_in, segments):
+    """Without a process group too, the loader's pin-memory thread works during the capture: the capture is made in
+    thread-local mode, given to a make_graphed_callables that takes it, or through ``torch.cuda.graph``'s own mode
+    where it does not (torch 2.11); that class is torch's own again afterwards."""
+    graph = torch.cuda.graph
+    model = tiny_resnet().train()
+    graph_training_forward(model, torch.randn(2, 3, 32, 32, dtype=torch.float64), warmup_iters=1, segments=segments)
+    assert graph_stand_in.modes == ["thread_local"]
+    assert torch.cuda.graph is graph
+    via = "make_graphed_callables" if graph_stand_in.takes_mode else "torch.cuda.graph"
+    assert capture_mode() == f"thread-local (capture_error_mode of {via})"  # as the GPU check's report says
+
+
+def test_release_graphs_drops_the_gradients_held_in_the_static_buffers(graph_stand_in):
+    """A re-fit releases the graphs before it captures its own: gradients still held in the old graphs' buffers
+    (a backward without an optimizer step) are let go with them, not kept alive through the new capture."""
+    model = tiny_resnet().train()
+    x = torch.randn(2, 3, 32, 32, dtype=torch.float64)
+    graph_training_forward(model, x, warmup_iters=1, segments="stages")
+    model(x).sum().backward()
+    assert all(p.grad is not None for p in model.parameters())
+    release_graphs(model)
+    assert all(p.grad is None for p in model.parameters())
 
 
 @pytest.mark.parametrize(

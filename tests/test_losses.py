@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 
+from helpers.host_reads import HostReads
 from helpers.own_dataset import bands, line, segment
 from helpers.trainer import fit_flags
 from mabn.data.classes import ClassTable
@@ -178,6 +179,30 @@ def test_a_batch_of_ignored_pixels_only_trains_nothing(name):
     loss = PixelLoss({name: 1.0}, None, 0.7, 1)(logits, torch.full((1, 2, 2), IGNORE))
     loss.backward()
     assert loss.item() == 0.0 and torch.equal(logits.grad, torch.zeros_like(logits))
+
+
+@pytest.mark.parametrize(
+    ("name", "weights", "reads"),
+    [
+        ("ce", None, False),
+        ("ce", [1.0, 2.0, 0.5, 1.0], False),
+        ("ohem", None, True),
+        ("focal", None, True),
+        ("lovasz", None, True),
+    ],
+    ids=["ce", "ce weighted", "ohem", "focal", "lovasz"],
+)  # not dice: smp's one_hot checks the labels on the host on the CPU, where a GPU's leaves it to its kernel
+def test_the_loss_reads_the_host_as_its_doc_says(name, weights, reads, monkeypatch):
+    """The recipe's cross-entropy, weighted or not, reads nothing from the device in a step's forward and backward;
+    OHEM, Focal and Lovász do, as docs/mabn-callback.md says (``helpers.host_reads``)."""
+    logits, labels = _batch()
+    logits.requires_grad_()
+    recorder = HostReads()
+    recorder.install(monkeypatch)
+    with recorder.recording():
+        PixelLoss({name: 1.0}, weights, 0.7, 1)(logits, labels).backward()
+    monkeypatch.undo()
+    assert bool(recorder.reads) == reads, recorder.reads
 
 
 @pytest.mark.parametrize(

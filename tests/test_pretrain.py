@@ -202,3 +202,29 @@ def test_stage1_mabn_timelines(norm, timeline, demo, tiny_imagenet, tmp_path, mo
     if norm == "mabn-det":  # stage 2 starts from its backbone as NORM=mabn
         with pytest.raises(launch.LaunchError, match="NORM=mabn with BACKBONE=pretrain/mabn-det/resnet101-mabn.pt"):
             launch.build_args("cityscapes", None, norm, 0, 1, [])
+
+
+def test_top1_and_top5_are_the_shares_of_samples_with_their_label_among_the_best_logits():
+    """On unbalanced labels (class 0 frequent and mostly found, the rare classes missed), top-1 and top-5 are the
+    share of samples whose label is among the 1 and 5 highest logits, over all batches seen: not the mean of the
+    per-class shares, which weighs each rare class as much as the frequent one."""
+    task = ClassificationTask(num_classes=8, norm="bn", arch=ARCH, export_dir=None)
+    gen = torch.Generator().manual_seed(0)
+    batches = []
+    for labels in ([0] * 9 + [1, 2, 3], [0] * 5 + [4, 5, 6, 7]):
+        labels = torch.tensor(labels)
+        logits = torch.randn(len(labels), 8, generator=gen)
+        logits[labels == 0, 0] += 3.0  # the frequent class is mostly predicted right
+        batches.append((logits, labels))
+        task.train_top1(logits, labels)
+        task.val_top1(logits, labels)
+        task.val_top5(logits, labels)
+    logits = torch.cat([b[0] for b in batches]).double()
+    labels = torch.cat([b[1] for b in batches])
+    ranks = (logits > logits.gather(1, labels[:, None])).sum(1)  # logits above the label's: its 0-based rank
+    top1, top5 = (ranks < 1).double().mean(), (ranks < 5).double().mean()
+    per_class = torch.stack([(ranks[labels == c] < 1).double().mean() for c in labels.unique()]).mean()
+    assert abs(top1 - per_class) > 0.1  # the data tell the two averages apart
+    assert task.train_top1.compute().item() == pytest.approx(top1.item(), abs=1e-6)
+    assert task.val_top1.compute().item() == pytest.approx(top1.item(), abs=1e-6)
+    assert task.val_top5.compute().item() == pytest.approx(top5.item(), abs=1e-6)

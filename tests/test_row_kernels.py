@@ -15,8 +15,10 @@ from mabn.norm import row_kernels
 
 pytestmark = pytest.mark.gpu
 
-# (N, C, H, W): rows of 2500 (two steps of the 2048-element tile, one row a program, 15 programs); rows of 9 (128
-# rows a program, 3 programs, the last partial); a pointwise pass of 3 * 70 * 9 = 1890 elements (2 programs).
+# (N, C, H, W): rows of 2500 (the row sums: two steps of the 2048-element tile, one row a program, 15 programs; the
+# pointwise passes: 3 blocks of 1024 columns a row, the last partial, loads of 4 float32 or bfloat16 and 2
+# float64 elements); rows of 9 (the row sums: 128 rows a program, 3 programs, the last partial; the pointwise
+# passes: 64 channels a program, 2 a sample, the last partial, single-element loads).
 SHAPES = {"long-rows": (3, 5, 50, 50), "short-rows": (3, 70, 3, 3)}
 # One unit in the last place of the output's dtype (Triton's interpreter casts to bfloat16 by truncation, a GPU
 # rounds to nearest), float32 accumulation over a row of 2500 for the sums.

@@ -1,22 +1,26 @@
 #!/usr/bin/env python
 """``make gpu-check`` (``python scripts/gpu/check.py``): what a GPU session checks and measures, as sections in order
-of value, each with its own time limit, so that one GPU call of ``total_limit()`` seconds (at most 8 minutes) brings
+of value, each with its own time limit, so that one GPU call of ``total_limit()`` seconds (under 8 minutes) brings
 back the most it can. A tool of the checkout, not of the package: it runs the checkout's tests, and measures with
 the package's benchmarks (``mabn.tools.bench``), imported from the ``src/`` on its path.
 
-0. ``kernels``: the checkout's kernel tests on the device (``devicetests.py``): the compiled Triton kernels against
-   the float64 references, before anything is measured with them;
-1. ``chain``: the chain of a real stage-2 run (``chain.py``): fits killed and resumed, graphed against eager, test,
+0. ``kernels``: the recipe's kernel variants and the history shift on the device (``devicetests.RECIPE_KERNELS``):
+   the compiled Triton kernels against the float64 references, before anything is measured with them;
+1. ``stage2``: stage 2's training step, PSPNet-101 at batch 2 and crop 713, MABN against BN in float32 through CUDA
+   graphs, captured whole and per stage (``graph_segments: stages``), the paper's claim on the default path;
+2. ``chain``: the chain of a real stage-2 run (``chain.py``): fits killed and resumed, graphed against eager, test,
    predict, export, two ranks under bf16-mixed;
-2. ``stage2``: stage 2's training step, PSPNet-101 at batch 2 and crop 713, MABN against BN, CUDA graphs and eager,
-   float32 and bf16-mixed, and MABN's step captured per stage (``graph_segments: stages``) against captured whole;
 3. ``stage1``: stage 1's training step, ResNet-101 at 32 images of 224 px in ghost batches of 2 against BN over
    the 32 (the ``bn32`` backbone), CUDA graphs and eager, with the hours of the recipe on 8 GPUs;
-4. ``profile``: where stage 1's eager step spends its GPU time, kernel by kernel, BN beside MABN
+4. ``profile``: where each stage's eager step spends its GPU time, kernel by kernel, BN beside MABN
    (``mabn.tools.bench.profile``), so that a ratio that misses its target names the kernels behind it;
-5. ``compiled``: a compiled MABN step against the eager one on the device (``devicetests.COMPILED``), then stage
+5. ``stage2_more``: stage 2's step eager in float32, and through CUDA graphs and eager in bf16-mixed;
+6. ``more_kernels``: the other kernel tests on the device (``devicetests.KERNELS``);
+7. ``compiled``: a compiled MABN step against the eager one on the device (``devicetests.COMPILED``), then stage
    2's step through ``torch.compile``, the first (compiling) step's seconds included: a GPU call of its own
    (``--sections compiled``), since compiling PSPNet-101 takes minutes.
+
+``--sections`` runs the sections it names in the order it names them.
 
 Where each runs. The chain's links are commands of the product and stay subprocesses, started from this process,
 which stops them at the section's limit itself. The step sections run one after another in ONE child process
@@ -29,7 +33,9 @@ return their measurements as values instead of text to parse.
 
 The report (``runs/bench/bench-cuda.md``, or ``--out``) is rewritten, whole and atomically, whenever a section
 (or a link of the chain) ends: the sections' table, the targets (each ratio MABN / BN measured against its goal,
-met or not met), then each section's tables. The step sections time bn and mabn alone, ``repeats`` interleaved
+met or not met), then each section's tables. Every row of the two tables names the checkout's commit and the path
+MABN's steps took where the section ran them (Triton with the fast launch, Triton, or torch ops and why; the
+capture mode of CUDA graphs). The step sections time bn and mabn alone, ``repeats`` interleaved
 rounds each, medians, cuDNN's benchmark mode off (as ``bench step``).
 --dry-run: check the options, print the sections, their limits, what each measures and the report's path; measure
 and write nothing (planned for CUDA on any machine).
@@ -42,6 +48,7 @@ import gc
 import multiprocessing
 import queue
 import shlex
+import subprocess
 import sys
 import time
 import traceback
@@ -56,6 +63,7 @@ import torch
 import yaml
 
 from mabn.cli.help import HelpFormatter, positive
+from mabn.norm import fused
 from mabn.recipes import CONFIGS
 from mabn.run import device_batch, loader_batches, total_iterations
 from mabn.tools.bench import profile, report, workloads
@@ -107,11 +115,21 @@ class Job:
 
 @dataclass(frozen=True)
 class Measured:
-    """A section's result: its Markdown, its ratios MABN / BN by target label, and what failed in it."""
+    """A section's result: its Markdown, its ratios MABN / BN by target label, what failed in it, and the path
+    MABN's steps took where it ran them (``steps_path``; empty where the section runs tests or commands)."""
 
     markdown: str
     ratios: dict[str, float] = field(default_factory=dict)
     failures: tuple[str, ...] = ()
+    path: str = ""
+
+
+def steps_path(graphs: bool) -> str:
+    """The path MABN's steps took in this process: the kernels' (``fused.path``), and with ``graphs`` the capture
+    mode of CUDA graphs."""
+    from mabn.tasks.cudagraph import capture_mode  # here: it imports torchvision, which the kernel tests need not
+
+    return fused.path() + (f"; CUDA graphs {capture_mode()}" if graphs else "")
 
 
 @dataclass(frozen=True)
@@ -121,10 +139,10 @@ class Target:
     label: str
     limit: float
 
-    def row(self, ratio: float | None) -> str:
+    def row(self, ratio: float | None, commit: str, path: str) -> str:
         verdict = "not measured" if ratio is None else "met" if ratio <= self.limit else "not met"
         shown = "" if ratio is None else f"{ratio:.3f}"
-        return f"| {self.label} | {shown} | <= {self.limit:g} | {verdict} |"
+        return f"| {self.label} | {shown} | <= {self.limit:g} | {verdict} | {commit} | {path or '-'} |"
 
 
 @dataclass(frozen=True)
@@ -227,7 +245,8 @@ def measure_steps(work: StepWork, job: Job) -> Measured:
         parts.append(line)
         job.show("\n\n".join(parts))
         _release()  # step.run's models, whose CUDA graphs hold memory in reference cycles
-    return Measured("\n\n".join(parts), ratios)
+    graphs = any(p.how == "graphs" for p in work.paths)
+    return Measured("\n\n".join(parts), ratios, path=steps_path(graphs))
 
 
 def run_chain(job: Job) -> Measured:
@@ -249,14 +268,14 @@ def _device_tests(job: Job, suite: devicetests.Suite, deadline: float) -> Measur
     return Measured(outcome.markdown, failures=() if outcome.passed else (suite.title,))
 
 
-def run_kernel_tests(job: Job) -> Measured:
-    """The kernels section (in the check's process)."""
-    return _device_tests(job, devicetests.KERNELS, job.deadline)
+def run_kernel_tests(suite: devicetests.Suite, job: Job) -> Measured:
+    """A kernels section (in the check's process)."""
+    return _device_tests(job, suite, job.deadline)
 
 
-def _describe_kernel_tests(options: Options) -> str:
+def _describe_kernel_tests(suite: devicetests.Suite, options: Options) -> str:
     return (
-        f"the kernel tests of the default suite ({', '.join(devicetests.KERNELS.tests)}) with "
+        f"the kernel tests of the default suite ({', '.join(suite.tests)}) with "
         f"MABN_TEST_DEVICE={options.device}: the compiled Triton kernels against the float64 references"
     )
 
@@ -279,25 +298,31 @@ def _describe_compiled(options: Options) -> str:
     )
 
 
-PROFILED = ("resnet101", 32, 224)  # stage 1's step: the bulk of the recipe's compute, and its largest ratio
+# Each stage's step: stage 1's the bulk of the recipe's compute, with its largest ratio; stage 2's the paper's.
+PROFILED = ((1, "resnet101", 32, 224), (2, "pspnet101", 2, 713))
 
 
 def run_profile(job: Job) -> Measured:
     """The profile section (in the step process)."""
     device = torch.device(job.options.device)
-    model, batch, crop = PROFILED
-    results = profile.run(device, model, batch, crop, say=job.say)
-    title = f"{workloads.MODELS[model].split(' (')[0]} (stage 1) batch {batch}, {crop}x{crop}, eager, float32"
-    markdown = profile.table(results, title, device)
-    job.show(markdown)
-    return Measured(markdown)
+    parts = []
+    for stage, model, batch, crop in PROFILED:
+        results = profile.run(device, model, batch, crop, say=job.say)
+        title = f"{workloads.MODELS[model].split(' (')[0]} (stage {stage}) batch {batch}, {crop}x{crop}, eager, float32"
+        parts.append(profile.table(results, title, device))
+        job.show("\n\n".join(parts))
+        _release()
+    return Measured("\n\n".join(parts), path=steps_path(graphs=False))
 
 
 def _describe_profile(options: Options) -> str:
-    model, batch, crop = PROFILED
+    steps = " and ".join(
+        f"{workloads.MODELS[model].split(' (')[0]} (stage {stage}) batch {batch}, {crop}x{crop}"
+        for stage, model, batch, crop in PROFILED
+    )
     return (
-        f"{workloads.MODELS[model]} training step, batch {batch}, {crop}x{crop}, eager: each kernel's GPU time per "
-        f"step under torch.profiler, {' and '.join(profile.NORMS)} side by side"
+        f"each stage's eager training step ({steps}): each kernel's GPU time per step under torch.profiler, "
+        f"{' and '.join(profile.NORMS)} side by side"
     )
 
 
@@ -320,31 +345,40 @@ def _steps(key: str, limit_s: int, work: StepWork) -> Section:
     return Section(key, limit_s, partial(measure_steps, work), work.describe, work.targets())
 
 
-STAGE2 = StepWork(
-    2,
-    "pspnet101",
-    2,
-    713,
-    (
-        *(StepPath(h, p) for p in (None, workloads.BF16) for h in ("graphs", "eager")),
-        StepPath("graphs", None, "stages"),
-    ),
+STAGE2 = StepWork(2, "pspnet101", 2, 713, (StepPath("graphs"), StepPath("graphs", None, "stages")))
+STAGE2_MORE = StepWork(
+    2, "pspnet101", 2, 713, (StepPath("eager"), StepPath("graphs", workloads.BF16), StepPath("eager", workloads.BF16))
 )
 STAGE1 = StepWork(1, "resnet101", 32, 224, (StepPath("graphs"), StepPath("eager")))
 COMPILED = StepWork(2, "pspnet101", 2, 713, (StepPath("compiled"),))
-# The order is the value: the kernel tests say whether what follows runs MABN's maths; the chain finds what breaks
-# a real run; the stage-2 ratios of the default path are the
-# paper's claim; stage 1's step gives its hours, and its profile the kernels behind its ratio. Compiling PSPNet-101
-# takes minutes (the first compiled step 82 s for BN, 302 s for MABN on an H200, docs/bench-compiled-cuda.md):
-# ``compiled`` is a GPU call of its own.
-# The kernel tests' limit holds their Triton compiles from a cold cache; the step sections' keep room over what they
-# took on an H200 (stage 2 39 s, stage 1 9 s: docs/bench-cuda.md), so that the plan stays within one call.
+# The order is the value: the recipe's kernel variants say whether what follows runs MABN's maths; stage 2's step
+# on the default path (float32, captured whole and per stage) is the paper's claim; the chain finds what breaks a
+# real run; stage 1's step gives its hours, and both stages' profiles the kernels behind their ratios; then stage
+# 2's other paths and the kernels' other configurations. Compiling PSPNet-101 takes minutes (the first compiled
+# step 82 s for BN, 302 s for MABN on an H200, docs/bench-compiled-cuda.md): ``compiled`` is a GPU call of its own.
+# The kernel tests' limit holds their Triton compiles from a cold cache; the step sections' keep room over what
+# their paths took on an H200 (about 10 s a path of stage 2, 9 s for stage 1: docs/bench-cuda.md), so that the
+# plan stays within one call of under 8 minutes.
 SECTIONS = (
-    Section("kernels", 180, run_kernel_tests, _describe_kernel_tests, here=True),
-    Section("chain", 180, run_chain, _describe_chain, here=True),
-    _steps("stage2", 60, STAGE2),
+    Section(
+        "kernels",
+        110,
+        partial(run_kernel_tests, devicetests.RECIPE_KERNELS),
+        partial(_describe_kernel_tests, devicetests.RECIPE_KERNELS),
+        here=True,
+    ),
+    _steps("stage2", 40, STAGE2),
+    Section("chain", 150, run_chain, _describe_chain, here=True),
     _steps("stage1", 30, STAGE1),
-    Section("profile", 30, run_profile, _describe_profile),
+    Section("profile", 60, run_profile, _describe_profile),
+    _steps("stage2_more", 45, STAGE2_MORE),
+    Section(
+        "more_kernels",
+        40,
+        partial(run_kernel_tests, devicetests.KERNELS),
+        partial(_describe_kernel_tests, devicetests.KERNELS),
+        here=True,
+    ),
     Section("compiled", 480, measure_compiled, _describe_compiled, COMPILED.targets(), alone=True),
 )
 # The budget of one GPU call that each plan keeps to (tests/test_gpu_check.py): a section's limit in the default
@@ -359,8 +393,9 @@ def total_limit(sections: tuple[Section, ...] | list[Section] = SECTIONS) -> int
 
 def select(keys: str | None, limits: str | None = None) -> list[Section]:
     """The sections named in ``keys`` (comma-separated, e.g. ``stage2,stage1``; None: the default plan, every
-    section but those that need a call of their own) in the check's order, with the time limits ``limits`` gives
-    (``key=seconds,...``) in place of their own. A ValueError names an unknown key or a bad limit."""
+    section but those that need a call of their own, in the check's order) in the order named, with the time limits
+    ``limits`` gives (``key=seconds,...``) in place of their own. A ValueError names an unknown or repeated key or a
+    bad limit."""
     known = [s.key for s in SECTIONS]
     default = [s.key for s in SECTIONS if not s.alone]
     wanted = default if keys is None else [k.strip() for k in keys.split(",") if k.strip()]
@@ -374,7 +409,11 @@ def select(keys: str | None, limits: str | None = None) -> list[Section]:
     unknown = [k for k in [*wanted, *seconds] if k not in known]
     if unknown or not wanted:
         raise ValueError(f"unknown section(s) {', '.join(unknown) or '(none given)'}; choose from {', '.join(known)}")
-    return [replace(s, limit_s=seconds.get(s.key, s.limit_s)) for s in SECTIONS if s.key in wanted]
+    repeated = sorted({k for k in wanted if wanted.count(k) > 1})
+    if repeated:
+        raise ValueError(f"section(s) named twice: {', '.join(repeated)}")
+    by_key = {s.key: s for s in SECTIONS}
+    return [replace(by_key[k], limit_s=seconds.get(k, by_key[k].limit_s)) for k in wanted]
 
 
 def plan_lines(sections: list[Section], options: Options, out: Path) -> list[str]:
@@ -401,14 +440,16 @@ class Outcome:
     markdown: str = ""
     lines: list[str] = field(default_factory=list)
     ratios: dict[str, float] = field(default_factory=dict)
+    path: str = ""
 
     @property
     def ok(self) -> bool:
         return self.status == "ok"
 
-    def row(self) -> str:
+    def row(self, commit: str) -> str:
         seconds = "" if self.seconds is None else f"{self.seconds:.0f}"
-        return f"| {self.section.key} | {self.section.limit_s} | {self.status} | {seconds} |"
+        path = self.path or "-"
+        return f"| {self.section.key} | {self.section.limit_s} | {self.status} | {seconds} | {commit} | {path} |"
 
     def part(self) -> str:
         """The section's Markdown in the report: its tables, and for one cut short what it said before."""
@@ -419,20 +460,21 @@ class Outcome:
         return text.strip()
 
 
-def report_parts(outcomes: list[Outcome]) -> list[str]:
-    """The report's sections: the sections' table, the targets, each section's own Markdown."""
+def report_parts(outcomes: list[Outcome], commit: str) -> list[str]:
+    """The report's sections: the sections' table, the targets, each section's own Markdown; each row names
+    ``commit`` and the path the section's steps took."""
     total = sum(o.section.limit_s for o in outcomes)
-    sections = "\n".join(o.row() for o in outcomes)
-    targets = "\n".join(t.row(o.ratios.get(t.label)) for o in outcomes for t in o.section.targets)
+    sections = "\n".join(o.row(commit) for o in outcomes)
+    targets = "\n".join(t.row(o.ratios.get(t.label), commit, o.path) for o in outcomes for t in o.section.targets)
     parts = [
         f"### Sections\n\n`python scripts/gpu/check.py`: each section stopped at its limit (in all {total} s)\n\n"
-        f"| section | limit (s) | status | s |\n|---|---:|---|---:|\n{sections}"
+        f"| section | limit (s) | status | s | commit | path |\n|---|---:|---|---:|---|---|\n{sections}"
     ]
     if targets:
         parts.append(
             "### Targets: MABN / BN\n\nEach ratio of a step section against its goal (time: median s / step; "
             "memory: peak above the weights; compiled: also the first, compiling step).\n\n"
-            f"| MABN / BN | measured | target | |\n|---|---:|---:|---|\n{targets}"
+            f"| MABN / BN | measured | target | | commit | path |\n|---|---:|---:|---|---|---|\n{targets}"
         )
     return parts + [o.part() for o in outcomes if o.part()]
 
@@ -528,7 +570,7 @@ def run(sections: list[Section], options: Options, write: Callable[[list[Outcome
                     steps = None
             outcome.seconds = time.monotonic() - start
             if isinstance(result, Measured):
-                outcome.markdown, outcome.ratios = result.markdown, result.ratios
+                outcome.markdown, outcome.ratios, outcome.path = result.markdown, result.ratios, result.path
             late = outcome.seconds > section.limit_s
             if kind == "timeout" or (kind == "done" and late):
                 outcome.status = f"timed out after {section.limit_s} s"
@@ -557,6 +599,19 @@ def _here(section: Section, job: Job) -> tuple[str, Measured | str]:
 PROG = "python scripts/gpu/check.py"
 
 
+def commit() -> str:
+    """The checkout's commit (short hash, "+ changes" where its files differ from it), or why it is not known."""
+    root = Path(__file__).resolve().parents[2]
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True)
+        status = subprocess.run(["git", "status", "--porcelain"], cwd=root, capture_output=True, text=True)
+    except OSError:
+        return "unknown (no git)"
+    if head.returncode:
+        return "unknown (not a git checkout)"
+    return head.stdout.strip() + (" + changes" if status.stdout.strip() else "")
+
+
 def report_path(out: Path | None) -> Path:
     """The report: ``out`` when it names a markdown file, else ``bench-cuda.md`` in ``out`` or in runs/bench/."""
     if out is not None and out.suffix == ".md":
@@ -574,7 +629,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument(
         "--sections",
         metavar="KEY,...",
-        help="the sections to run, comma-separated, in the check's order (default: "
+        help="the sections to run, comma-separated, in the order given (default: "
         f"{', '.join(s.key for s in SECTIONS if not s.alone)}; "
         f"{', '.join(s.key for s in SECTIONS if s.alone)} in a GPU call of its own)",
     )
@@ -611,9 +666,11 @@ def main(argv: list[str]) -> int:
     env = report.header(device)
     print(env, flush=True)
     command = shlex.join([*PROG.split(), *argv])
+    checkout = commit()
+    print(f"commit: {checkout}", flush=True)
 
     def save(outcomes: list[Outcome]) -> None:
-        report.write(out, device, command, report_parts(outcomes), [], [], env, title="GPU check")
+        report.write(out, device, command, report_parts(outcomes, checkout), [], [], env, title="GPU check")
 
     outcomes = run(sections, options, save)
     broken = [o.section.key for o in outcomes if not o.ok]

@@ -30,19 +30,23 @@ class Suite:
     marks: str
 
 
-# The default suite's kernel tests: the Triton kernels against the float64 references. First every kernel variant
-# the recipes run (their ghost batches, histories and widths, float32 and bfloat16, channels_last; a non-finite value
-# in one program of 32; the direct launch against Triton's; CUDA graphs with accumulated micro-batches), whose cases
-# are slow only in Triton's interpreter: on the device the marker expression selects them all.
+# The default suite's kernel tests: the Triton kernels against the float64 references, in two suites. First every
+# kernel variant the recipes run (their ghost batches, histories and widths, float32 and bfloat16, channels_last; a
+# non-finite value in one program of 32; the direct launch against Triton's; CUDA graphs with accumulated
+# micro-batches) and the history shift across programs, whose cases are slow only in Triton's interpreter: on the
+# device the marker expression selects them all. Then the kernels' other configurations.
+RECIPE_KERNELS = Suite(
+    "Recipe kernel and history-shift tests on the device",
+    ("tests/test_recipe_kernels.py", "tests/test_history_shift.py"),
+    "gpu and not slow",
+)
 KERNELS = Suite(
     "Kernel tests on the device",
     (
-        "tests/test_recipe_kernels.py",
         "tests/test_mabn_kernels.py::test_fused_matches_reference",
         "tests/test_mabn_kernels.py::test_fused_low_precision_input_equals_torch_ops",
         "tests/test_row_kernels.py",
         "tests/test_recentre_kernel.py",
-        "tests/test_history_shift.py",
     ),
     "gpu and not slow",
 )

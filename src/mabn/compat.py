@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import inspect
 import re
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -50,10 +51,20 @@ def record_sigterm(trainer: Any, record: Callable[[int, Any], None]) -> None:
     connector's bound ``_sigterm_notifier_fn`` (broadcasts a flag from rank 0, inside the signal handler) and
     ``_sigterm_handler_fn`` (forwards the signal) are replaced on this trainer only. ``LastCheckpoint`` records the
     signal and acts on it between batches. If renamed, Lightning's own handler runs again inside the signal handler,
-    where a collective can pair up wrongly or hang."""
+    where a collective can pair up wrongly or hang.
+
+    The flag that handler set (``received_sigterm``) then stays False, so the training loop's broadcast of it at
+    the start of every batch under DDP (``_broadcast_sigterm_tensor``: a device tensor, read back by the host,
+    which waits for the device's queued kernels) is skipped on this trainer too. If renamed, that broadcast runs
+    again, costing a wait per batch and nothing else."""
     connector = trainer._signal_connector
     connector._sigterm_notifier_fn = record
     connector._sigterm_handler_fn = record
+    trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor = _never_terminated
+
+
+def _never_terminated() -> None:
+    """The training loop's SIGTERM broadcast where no handler sets the flag it broadcasts (``record_sigterm``)."""
 
 
 def hold_resumed_epochs(trainer: Any) -> None:
@@ -276,6 +287,30 @@ def _reasons(block: str) -> list[str]:
 # TorchDispatchMode (re-exported above): the base of a mode that sees every ATen operator call, documented in
 # "Extending PyTorch" at this private module's path; the bench's operator counts subclass it. If it moves, the
 # bench's operator table cannot be made.
+
+
+def graphed_callables_take_capture_mode() -> bool:
+    """Whether this torch's ``make_graphed_callables`` takes ``capture_error_mode`` (2.12 on)."""
+    return "capture_error_mode" in inspect.signature(torch.cuda.make_graphed_callables).parameters
+
+
+def make_graphed_callables_thread_local(callables: Any, sample_args: Any, **options: Any) -> Any:
+    """``torch.cuda.make_graphed_callables(callables, sample_args, **options)`` with every capture it makes in
+    thread-local mode: a CUDA call of another thread during the capture (the loader's pin-memory thread pinning a
+    batch, DDP's communication threads) then runs instead of failing the capture and the run, as it may in torch's
+    default global mode. A torch whose ``make_graphed_callables`` takes ``capture_error_mode`` (2.12 on) is given
+    it; an older one (2.1 to 2.11) captures through ``torch.cuda.graph``, whose own ``capture_error_mode`` exists
+    since 2.1: ``torch.cuda.graph`` is that class with the mode bound for the duration of the call (captures run
+    on one thread at a time). Relies on the older ``make_graphed_callables`` making its graphs through the name
+    ``torch.cuda.graph``; if it stops doing so there, its captures run in global mode again."""
+    if graphed_callables_take_capture_mode():
+        return torch.cuda.make_graphed_callables(callables, sample_args, capture_error_mode="thread_local", **options)
+    graph = torch.cuda.graph
+    torch.cuda.graph = functools.partial(graph, capture_error_mode="thread_local")
+    try:
+        return torch.cuda.make_graphed_callables(callables, sample_args, **options)
+    finally:
+        torch.cuda.graph = graph
 
 
 def scale_on_device(scaler: torch.amp.GradScaler) -> Tensor:

@@ -144,12 +144,29 @@ def gather_to_cpu(tensors: Mapping[str, Tensor]) -> list[dict[str, Tensor]]:
     return per_rank
 
 
-def agree(flags: list[bool], device: torch.device) -> list[bool]:
-    """Whether each of ``flags`` is set on any device (each device passes its own), by one all-reduce."""
+_HOST_GROUP: dict[str, object] = {}  # "world": the default group, "group": its gloo group for host values
+
+
+def _host_group() -> dist.ProcessGroup | None:
+    """The group that ``agree`` combines host values over: the default group where it takes CPU tensors (gloo, or
+    "cpu:gloo,cuda:nccl"), else a gloo group over the same processes, made at the first call under each default
+    group (a collective: every process reaches ``agree`` at the same points)."""
+    world = dist.group.WORLD
+    if "gloo" in dist.get_backend(world):
+        return None
+    if _HOST_GROUP.get("world") is not world:
+        _HOST_GROUP.update(world=world, group=dist.new_group(backend="gloo"))
+    return _HOST_GROUP["group"]
+
+
+def agree(flags: list[bool]) -> list[bool]:
+    """Whether each of ``flags`` is set on any process (each passes its own), by one all-reduce of host memory over
+    a gloo group: no copy to a device, and no wait for the kernels a device has queued (NCCL's all-reduce of a
+    device tensor, read back by the host, waits for the whole step)."""
     if world_size() == 1:
         return list(flags)
-    value = torch.tensor([int(flag) for flag in flags], device=device)
-    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    value = torch.tensor([int(flag) for flag in flags])
+    dist.all_reduce(value, op=dist.ReduceOp.MAX, group=_host_group())
     return [bool(v) for v in value.tolist()]
 
 

@@ -60,3 +60,33 @@ def layer_worker(rank: int, path: str) -> None:
         torch.save(results, f"{path}/rank{rank}.pt")
     finally:
         dist.destroy_process_group()
+
+
+# The flags each rank passes to ``mabn.distributed.agree``, twice (the second call reuses the first's host group).
+AGREE_FLAGS = ([True, False, False], [False, False, True])
+
+
+def agree_worker(rank: int, path: str) -> None:
+    """``agree`` under a default group that says it is NCCL, as a GPU run's is: each all-reduce's tensor device and
+    group backend are saved with the results, in ``agree<rank>.pt``."""
+    from mabn.distributed import agree
+
+    dist.init_process_group("gloo", init_method=f"file://{path}/pg", rank=rank, world_size=WORLD)
+    get_backend, all_reduce = dist.get_backend, dist.all_reduce
+    world = dist.group.WORLD
+    seen = []
+
+    def nccl_default(group=None):
+        return "nccl" if group is None or group is world else get_backend(group)
+
+    def recording(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
+        seen.append((tensor.device.type, "default" if group is None or group is world else get_backend(group)))
+        return all_reduce(tensor, op=op, group=group, async_op=async_op)
+
+    dist.get_backend, dist.all_reduce = nccl_default, recording
+    try:
+        results = [agree(AGREE_FLAGS[rank]) for _ in range(2)]
+        torch.save({"results": results, "seen": seen}, f"{path}/agree{rank}.pt")
+    finally:
+        dist.get_backend, dist.all_reduce = get_backend, all_reduce
+        dist.destroy_process_group()

@@ -73,6 +73,8 @@ NOT_RUN = {
     r"^python compile_times\.py\b": "the compile_times.py script of docs/compile.md (see its block)",
     r"^make gpu-wheels\b|^scripts/gpu/wheels\.sh\b": "downloads about 54 MB of wheels from the package index, or "
     "installs them into a GPU machine's own Python",
+    r"^make triton-compilers\b": "downloads a Triton wheel (about 150 MB) from the package index into "
+    ".venv-triton<version>/; tests/test_kernels_compile.py compiles with what it installs",
     r"^make test-torch\b": "builds a second virtual environment (about 5 GB, torch downloaded from the package index) "
     "and runs this suite in it; CI runs it after make test-slow",
     r"runs/gpu-check/chain-\d": "a link of the GPU check's chain as its report lists it, on the chain's own generated "

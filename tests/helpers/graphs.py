@@ -3,12 +3,14 @@ fixture of tests/conftest.py installs."""
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 # Operators whose result the host reads, or whose output's size depends on the values: on a GPU each waits for the
 # device, which a stream under capture refuses ("operation not permitted when stream is capturing").
-_HOST_READS = {
+HOST_READS = {
     torch.ops.aten._local_scalar_dense,  # .item(), bool(), int() and float() of a tensor
     torch.ops.aten.equal,
     torch.ops.aten.nonzero,
@@ -16,7 +18,19 @@ _HOST_READS = {
     torch.ops.aten._unique2,
     torch.ops.aten.unique_consecutive,
     torch.ops.aten.unique_dim,
+    torch.ops.aten.bincount,  # its length is the input's maximum, read by the host
 }
+_INDEXING = {torch.ops.aten.index, torch.ops.aten.index_put, torch.ops.aten._index_put_impl_}
+
+
+def reads_the_host(func, args) -> bool:
+    """Whether the operator ``func`` on ``args`` reads the device from the host on a GPU: one of ``HOST_READS``, or
+    indexing by a boolean mask, whose output's size is the mask's count (a ``nonzero`` inside the operator)."""
+    if func.overloadpacket in HOST_READS:
+        return True
+    if func.overloadpacket in _INDEXING:
+        return any(isinstance(t, torch.Tensor) and t.dtype in (torch.bool, torch.uint8) for t in args[1])
+    return False
 
 
 def _storage(t: torch.Tensor) -> int:
@@ -47,7 +61,7 @@ class _Trace(TorchDispatchMode):
         self.capturing = capturing
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if self.capturing and func.overloadpacket in _HOST_READS:
+        if self.capturing and reads_the_host(func, args):
             raise RuntimeError(
                 f"{func} reads the device from the host during a CUDA-graph capture (on a GPU: operation not "
                 "permitted when stream is capturing)"
@@ -111,16 +125,47 @@ class GraphStandIn:
       forward before an earlier one's backward hands that backward the second one's activations;
     - each replay first fills the static gradient buffers with NaN: in torch the forward graph's temporaries may
       share their memory in the graphs' pool, and the backward graph rewrites them. A gradient kept in one across
-      a replay is corrupted, as on a GPU.
+      a replay is corrupted, as on a GPU;
+    - the capture mode: a capture in torch's default global mode is refused, since a CUDA call of another thread
+      during it (the loader's pin-memory thread, DDP's communication threads) fails it on a GPU. With
+      ``takes_mode`` the stand-in is the ``make_graphed_callables`` of torch 2.12 on, which takes
+      ``capture_error_mode`` (default "global"); without, that of torch 2.11 and before, which refuses the argument
+      and captures through ``torch.cuda.graph`` with that class's default mode, read where the call finds it;
+    - segments captured by one call share one memory pool: each replay fills the static gradient buffers of every
+      segment of its call with NaN, so a gradient held in another segment's buffer across that replay is
+      corrupted, as on a GPU.
 
     What it cannot see: Python state a forward changes at every replay (a GPU changes it once, at capture), and
     host reads that dispatch no operator (``.tolist()``, ``.numpy()``).
 
-    Records the shapes it captured and replayed, over all models."""
+    Records the shapes it captured and replayed, over all models, and the modes it captured in."""
 
-    def __init__(self) -> None:
+    def __init__(self, takes_mode: bool = True) -> None:
         self.captured: list[tuple[int, ...]] = []
         self.replayed: list[tuple[int, ...]] = []
+        self.modes: list[str] = []
+        self.takes_mode = takes_mode
+        # What ``inspect.signature`` shows of this make_graphed_callables, as callers probe torch's.
+        params = [
+            inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=default)
+            for name, default in (
+                ("callables", inspect.Parameter.empty),
+                ("sample_args", inspect.Parameter.empty),
+                ("num_warmup_iters", 3),
+                ("allow_unused_input", False),
+                ("pool", None),
+                *((("capture_error_mode", "global"),) if takes_mode else ()),
+            )
+        ]
+        self.__signature__ = inspect.Signature(params)
+
+    def _mode(self, options: dict) -> str:
+        """The capture mode of a call with ``options``, as the modelled torch decides it."""
+        if self.takes_mode:
+            return options.pop("capture_error_mode", "global")
+        if "capture_error_mode" in options:
+            raise TypeError("make_graphed_callables() got an unexpected keyword argument 'capture_error_mode'")
+        return inspect.signature(torch.cuda.graph).parameters["capture_error_mode"].default
 
     @staticmethod
     def _refuse_as_torch(model, sample_args) -> None:
@@ -144,6 +189,14 @@ class GraphStandIn:
     def __call__(self, callables, sample_args, num_warmup_iters=3, allow_unused_input=False, **options):
         """One module and its sample arguments, or a tuple of modules and a tuple of their sample arguments (a
         segmented capture), as torch takes them: every module is warmed up before any is captured."""
+        mode = self._mode(options)
+        if mode != "thread_local":
+            raise RuntimeError(
+                f"CUDA-graph capture in {mode} mode: a CUDA call of another thread during it (the loader's pin-memory "
+                "thread pinning a batch) fails the capture (operation not permitted when stream is capturing); "
+                "capture in thread_local mode"
+            )
+        self.modes.append(mode)
         single = not isinstance(callables, tuple)
         models, samples = ((callables,), (sample_args,)) if single else (callables, sample_args)
         for model, args in zip(models, samples, strict=True):
@@ -154,12 +207,14 @@ class GraphStandIn:
                 outs = [o for o in torch.utils._pytree.tree_leaves(model(*args)) if o.requires_grad]
                 nan = [torch.full_like(o, float("nan")) for o in outs]
                 torch.autograd.grad(outs, surface, nan, allow_unused=allow_unused_input)
+        pool: list[torch.Tensor] = []  # every static gradient buffer of the call
         for model, args in zip(models, samples):
-            self._graph(model, tuple(args))
+            self._graph(model, tuple(args), pool)
         return callables
 
-    def _graph(self, model, static_inputs: tuple[torch.Tensor, ...]) -> None:
-        """Capture ``model`` at ``static_inputs`` and replace its forward by the replay."""
+    def _graph(self, model, static_inputs: tuple[torch.Tensor, ...], pool: list[torch.Tensor]) -> None:
+        """Capture ``model`` at ``static_inputs`` and replace its forward by the replay; its static gradient buffers
+        join ``pool``, which each replay of the call overwrites."""
         leaves = torch.utils._pytree.tree_leaves
         self.captured.append(tuple(static_inputs[0].shape))
         eager, stand_in, params = model.forward, self, tuple(model.parameters())
@@ -186,6 +241,7 @@ class GraphStandIn:
         static_grad_outputs = [torch.full_like(o, float("nan")) if o.requires_grad else None for o in outs]
         by_tensor, backward_capture = backward_through(outs, capturing=True)
         static_grads = [by_tensor.get(id(t)) for t in surface]
+        pool.extend(buf for buf in static_grads if buf is not None)
         latest: list[torch.Tensor] = []  # the last replay's outputs, and through them its autograd graph
 
         class Replay(torch.autograd.Function):
@@ -193,9 +249,8 @@ class GraphStandIn:
             def forward(ctx, *inputs):
                 for static, x in zip(static_inputs, inputs):
                     static.copy_(x)
-                for buf in static_grads:
-                    if buf is not None:
-                        buf.fill_(float("nan"))
+                for buf in pool:
+                    buf.fill_(float("nan"))
                 with torch.enable_grad(), _Trace(model) as trace:
                     flat = leaves(eager(*static_inputs))
                 trace.check_against(forward_capture, "forward")

@@ -75,7 +75,7 @@ def _launch_failure() -> Exception | None:
     return None
 
 
-_fell_back = False  # whether this process has said why the kernels are off
+_fell_back: str | None = None  # why the kernels are off in this process, once it has said so
 
 
 def _fall_back(error: Exception) -> None:
@@ -83,9 +83,9 @@ def _fall_back(error: Exception) -> None:
     global _fell_back
     if _fell_back:
         return
-    _fell_back = True
     lines = str(error).strip().splitlines()
     reason = f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
+    _fell_back = reason
     warnings.warn(
         f"MABN's Triton kernels are off in this process ({reason}); the norms take their torch-op path "
         "(MABN_FUSED=0 chooses it without this warning)",
@@ -97,3 +97,16 @@ def _fall_back(error: Exception) -> None:
 def kernels_for(t: Tensor, name: str) -> ModuleType | None:
     """``load(name)`` where ``t`` lives on a CUDA device, else None."""
     return load(name) if t.is_cuda else None
+
+
+def path() -> str:
+    """Which path MABN's steps on CUDA take in this process, in words for a report: "Triton, fast launch" (the
+    compiled kernels launched straight away, ``launcher.Launcher``), "Triton" (each launch through Triton's own path,
+    MABN_TRITON_DIRECT=0), or "torch ops" and why (MABN_FUSED=0, or what the kernels' import or probe raised)."""
+    if not enabled():
+        return "torch ops (MABN_FUSED=0)"
+    if load("mabn_kernels") is None:
+        return f"torch ops ({_fell_back})"
+    from .launcher import direct
+
+    return "Triton, fast launch" if direct() else "Triton"

@@ -13,6 +13,14 @@ from torch import Tensor
 from ..compat import launch
 
 
+def direct() -> bool:
+    """Whether ``Launcher`` launches compiled kernels straight away (its fast path): not with MABN_TRITON_DIRECT=0,
+    nor under Triton's interpreter."""
+    import triton
+
+    return os.environ.get("MABN_TRITON_DIRECT", "1") != "0" and not triton.knobs.runtime.interpret
+
+
 class Launcher:
     """``kernel[grid](*args, **constexprs)``, where ``grid(meta)`` gives the grid from the arguments by name (Triton's
     convention). Later launches of a configuration seen before go straight to its compiled kernel, at the grid of its
@@ -34,7 +42,7 @@ class Launcher:
         self.num_warps = num_warps
         self.knobs = triton.knobs.runtime
         self.compiled: dict[tuple[int | None, tuple], tuple[object, tuple[int, int, int]]] = {}
-        self.direct = os.environ.get("MABN_TRITON_DIRECT", "1") != "0" and not self.knobs.interpret
+        self.direct = direct()
 
     def __call__(self, args: tuple, constexprs: dict) -> None:
         key, packed = pack(args, constexprs)

@@ -398,12 +398,16 @@ def backward_kernel(
         tl.store(tickets, 0)
 
 
-# Channels per program, one warp's lanes: at 32 channels a program the widest layers (4096 channels, 128 programs)
-# still have an SM each on an H100 (132). A launch takes about one program's time, which is latency: written as a
-# loop over the groups that loads each group's values inside it, each step waited for its loads, and a forward at
-# G = 16, M = 16 took 21 to 24 µs on an H200 at any width and block. The kernels above load every tile they need
-# at once (the groups' samples, the history, the new statistics) and compute the groups from registers.
+# Channels per program: at 32 channels a program the widest layers (4096 channels, 128 programs) still have an SM
+# each on an H100 (132). A launch takes about one program's time, which is latency: written as a loop over the
+# groups that loads each group's values inside it, each step waited for its loads, and a forward at G = 16, M = 16
+# took 21 to 24 µs on an H200 at any width and block. The kernels above load every tile they need at once (the
+# groups' samples, the history, the new statistics) and compute the groups from registers: two warps a program
+# share those tiles, where one warp held twice as many values a thread (at stage 1's G = 16, M = 16: 204 and 209
+# registers with Triton 3.8, 238 and 254 with Triton 3.6, and stage 2's G = 1 forward spilled on 3.6; with two
+# warps at most 166 and no spill, tests/test_kernels_compile.py).
 MAX_BLOCK = 32
+STAT_WARPS = 2
 
 
 @functools.cache  # triton.next_power_of_2 is a constexpr function, microseconds per host call
@@ -430,9 +434,8 @@ def _grid(meta: dict) -> tuple[int]:
     return (triton.cdiv(meta["C"], meta["BLOCK"]),)
 
 
-# One warp per program (MAX_BLOCK).
-_forward = Launcher(forward_kernel, _grid, num_warps=1)
-_backward = Launcher(backward_kernel, _grid, num_warps=1)
+_forward = Launcher(forward_kernel, _grid, num_warps=STAT_WARPS)
+_backward = Launcher(backward_kernel, _grid, num_warps=STAT_WARPS)
 
 
 def forward_stats(

@@ -27,28 +27,48 @@ def _up(v):
 
 
 @triton.jit
-def affine_kernel(a_ptr, s_ptr, b_ptr, t_ptr, out_ptr, numel, L, C, TWO: tl.constexpr, BLOCK: tl.constexpr):
-    """out = a * s[row] + (b * t[row] if TWO else t[channel]) for the elements of (N * C) rows of L, row = n * C + c:
-    the forward's x * scale + bias, the backward's dL/dout * scale + x * coef."""
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < numel
-    row = offs // L
-    a = _up(tl.load(a_ptr + offs, mask=mask, other=0.0))
-    out = a * tl.load(s_ptr + row, mask=mask, other=0.0).to(a.dtype)
+def affine_kernel(
+    a_ptr,
+    s_ptr,
+    b_ptr,
+    t_ptr,
+    out_ptr,
+    C,
+    LV,
+    TWO: tl.constexpr,
+    VEC: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """out = a * s[row] + (b * t[row] if TWO else t[c]) for the (N, C, L) inputs, row = n * C + c, L = LV * VEC: the
+    forward's x * scale + bias, the backward's dL/dout * scale + x * coef. Program (n, i, j) takes sample n's
+    channels from i * ROWS (ROWS rows) and their BLOCK columns from j * BLOCK: the grid gives each element's sample,
+    channel and column, so no element's is found by a division, and a row's scalars are loaded once. L as a multiple
+    of VEC tells the compiler that every row starts VEC-aligned, so that it loads VEC elements at a time."""
+    chans = tl.program_id(1) * ROWS + tl.arange(0, ROWS)
+    rows = tl.program_id(0) * C + chans
+    cols = tl.program_id(2) * BLOCK + tl.arange(0, BLOCK)
+    rmask = chans < C
+    m = rmask[:, None] & (cols < LV * VEC)[None, :]
+    offs = rows.to(tl.int64)[:, None] * (LV * VEC) + cols[None, :]
+    a = _up(tl.load(a_ptr + offs, mask=m, other=0.0))
+    out = a * tl.load(s_ptr + rows, mask=rmask, other=0.0).to(a.dtype)[:, None]
     if TWO:
-        b = _up(tl.load(b_ptr + offs, mask=mask, other=0.0))
-        out += b * tl.load(t_ptr + row, mask=mask, other=0.0).to(a.dtype)
+        b = _up(tl.load(b_ptr + offs, mask=m, other=0.0))
+        out += b * tl.load(t_ptr + rows, mask=rmask, other=0.0).to(a.dtype)[:, None]
     else:
-        out += tl.load(t_ptr + row % C, mask=mask, other=0.0).to(a.dtype)
-    tl.store(out_ptr + offs, out.to(out_ptr.dtype.element_ty), mask=mask)
+        out += tl.load(t_ptr + chans, mask=rmask, other=0.0).to(a.dtype)[:, None]
+    tl.store(out_ptr + offs, out.to(out_ptr.dtype.element_ty), mask=m)
 
 
 @triton.jit
-def row_sums_kernel(g_ptr, x_ptr, gx_ptr, gs_ptr, R, L, ROWS: tl.constexpr, BLOCK: tl.constexpr):
-    """Per row of the (R, L) inputs g and x: sum(g * x) and sum(g), accumulated in the outputs' dtype."""
+def row_sums_kernel(g_ptr, x_ptr, gx_ptr, gs_ptr, R, LV, VEC: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    """Per row of the (R, L) inputs g and x, L = LV * VEC (VEC-aligned rows, as in ``affine_kernel``): sum(g * x) and
+    sum(g), accumulated in the outputs' dtype."""
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     rmask = rows < R
     dt = gx_ptr.dtype.element_ty
+    L = LV * VEC
     base = rows.to(tl.int64)[:, None] * L
     acc_gx = tl.zeros((ROWS, BLOCK), dt)
     acc_g = tl.zeros((ROWS, BLOCK), dt)
@@ -64,20 +84,32 @@ def row_sums_kernel(g_ptr, x_ptr, gx_ptr, gs_ptr, R, L, ROWS: tl.constexpr, BLOC
 
 
 # Elements per program of the pointwise kernel (4 warps: 8 per thread, two 16-byte loads of float32 each), and the
-# row sums' tile: up to 2048 elements of a row per step, several rows a program where rows are shorter.
-AFFINE_BLOCK = 1024
+# row sums' tile: up to 2048 elements of a row per step; each several rows (channels) a program where rows are
+# shorter.
+AFFINE_TILE = 1024
 TILE = 2048
 
 
 @functools.cache
-def _tile(length: int) -> tuple[int, int]:
-    """(ROWS, BLOCK) of the row sums for rows of ``length``."""
-    block = min(triton.next_power_of_2(length), TILE)
-    return TILE // block, block
+def _tile(length: int, tile: int = TILE) -> tuple[int, int]:
+    """(ROWS, BLOCK) of a ``tile`` of rows of ``length``."""
+    block = min(triton.next_power_of_2(length), tile)
+    return tile // block, block
 
 
-def _affine_grid(meta: dict) -> tuple[int]:
-    return (triton.cdiv(meta["numel"], meta["BLOCK"]),)
+@functools.cache
+def _vec(length: int, itemsize: int) -> int:
+    """The elements of a 16-byte load that divide ``length`` (a power of 2, 1 for odd lengths): rows of ``length``
+    then start at multiples of them, and the kernels load them as one vector."""
+    vec = 16 // itemsize
+    while length % vec:
+        vec //= 2
+    return vec
+
+
+def _affine_grid(meta: dict) -> tuple[int, int, int]:
+    samples = meta["a_ptr"].shape[0]
+    return samples, triton.cdiv(meta["C"], meta["ROWS"]), triton.cdiv(meta["LV"] * meta["VEC"], meta["BLOCK"])
 
 
 def _rows_grid(meta: dict) -> tuple[int]:
@@ -94,8 +126,10 @@ def _launch_affine(a: Tensor, s: Tensor, b: Tensor | None, t: Tensor) -> Tensor:
     out = torch.empty_like(a)
     two = b is not None
     b = b.contiguous() if two else a  # unread when not TWO
-    ints = (a.numel(), h * w, c)
-    _affine((a, s, b, t, out, *ints), dict(TWO=two, BLOCK=AFFINE_BLOCK))
+    length = h * w
+    vec = _vec(length, a.itemsize)
+    rows, block = _tile(length, AFFINE_TILE)
+    _affine((a, s, b, t, out, c, length // vec), dict(TWO=two, VEC=vec, ROWS=rows, BLOCK=block))
     return out
 
 
@@ -114,8 +148,9 @@ def row_sums(grad_out: Tensor, x: Tensor, dtype: torch.dtype) -> tuple[Tensor, T
     n, c, h, w = x.shape
     grad_out, x = grad_out.contiguous(), x.contiguous()
     sums = torch.empty(2, n * c, dtype=dtype, device=x.device)
-    rows, block = _tile(h * w)
-    ints = (n * c, h * w)
+    length = h * w
+    vec = _vec(length, x.itemsize)
+    rows, block = _tile(length)
     dout_x, dout_sum = sums.unbind()
-    _row_sums((grad_out, x, dout_x, dout_sum, *ints), dict(ROWS=rows, BLOCK=block))
+    _row_sums((grad_out, x, dout_x, dout_sum, n * c, length // vec), dict(VEC=vec, ROWS=rows, BLOCK=block))
     return dout_x, dout_sum

@@ -21,9 +21,9 @@ flag from rank 0 and writes no checkpoint. The handler runs wherever each proces
 arrives (in a gradient all-reduce on one device, between two steps on another), so collectives there pair up
 wrongly or wait forever. These handlers only record the signal; at the end of every training batch the processes
 agree by one all-reduce of three flags (SIGTERM, the requeue signal, the timer) whether to save, and then save
-together. The cost is one all-reduce of three numbers per batch and no new wait: Lightning 2.6 itself broadcasts
-its SIGTERM flag and reads it on the host at the start of every training batch in DDP
-(``_TrainingEpochLoop._broadcast_sigterm_tensor``). A single process reads its own flags: no collective.
+together. The cost is one all-reduce of three numbers per batch in host memory, over a gloo group
+(``mabn.distributed.agree``): it waits for the other processes' hosts, never for a device's queued kernels. A
+single process reads its own flags: no collective.
 
 After the requeue signal's save (``--signal=SIGUSR1@120``), global rank 0 runs ``scontrol requeue JOB_ID`` once
 and the run goes on until SLURM ends it. After SIGTERM's save (``scancel``, preemption, the time limit: SLURM
@@ -184,7 +184,7 @@ class LastCheckpoint(Checkpoint):
     ) -> None:
         self._epoch_end = batch_idx + 1 >= trainer.num_training_batches  # a validation now is the epoch's
         # Every process runs the same training batches, so all reach this collective together.
-        term, requeued, due = agree([self._term, self._requeue and not self._requeued, self._due()], pl_module.device)
+        term, requeued, due = agree([self._term, self._requeue and not self._requeued, self._due()])
         if not (term or requeued or due):
             return
         self.save(trainer)
@@ -201,7 +201,7 @@ class LastCheckpoint(Checkpoint):
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if not self._fitting(trainer):
             return
-        (term,) = agree([self._term], pl_module.device)  # every process ends the validation
+        (term,) = agree([self._term])  # every process ends the validation
         self._stopping = self._stopping or term
         if self._epoch_end:
             # ModelCheckpoint saves an epoch's last validation at the epoch's end by default: this save comes

@@ -92,9 +92,12 @@ class ClassificationTask(NormTask):
             hp = self.hparams
             for line in load_warm_start(self.model, warm_start, hp.norm, hp.arch):
                 rank_zero_info(line)
-        self.train_top1 = MulticlassAccuracy(num_classes, top_k=1)
-        self.val_top1 = MulticlassAccuracy(num_classes, top_k=1)
-        self.val_top5 = MulticlassAccuracy(num_classes, top_k=min(5, num_classes))
+        # Top-k accuracy is the share of samples whose label is among the k highest logits: torchmetrics' "micro"
+        # average. Its default "macro" averages the per-class shares instead, another number on unbalanced labels,
+        # and counts the classes with bincount, which reads the device from the host in every training step.
+        self.train_top1 = MulticlassAccuracy(num_classes, top_k=1, average="micro")
+        self.val_top1 = MulticlassAccuracy(num_classes, top_k=1, average="micro")
+        self.val_top5 = MulticlassAccuracy(num_classes, top_k=min(5, num_classes), average="micro")
         # Sums of loss x samples and of samples, synced as sums: exact when devices hold unequal shares of the
         # split. (self.log's sync_dist mean truncates the devices' summed sample count to an integer mean.)
         self.val_loss = MeanMetric()
@@ -184,8 +187,10 @@ class ClassificationTask(NormTask):
         logits = self.training_forward(images)
         loss = F.cross_entropy(logits, labels, label_smoothing=self.hparams.label_smoothing)
         self.train_top1(logits, labels)
-        self.log("train/loss", loss, prog_bar=True)
-        self.log("train/top1", self.train_top1, prog_bar=True)
+        # Not on the progress bar: Lightning reads a bar's values from the device after every step (``.item()``);
+        # the loggers read them every ``log_every_n_steps``.
+        self.log("train/loss", loss)
+        self.log("train/top1", self.train_top1)
         return loss
 
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:

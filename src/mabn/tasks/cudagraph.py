@@ -24,14 +24,20 @@ from the host during its forward or backward, and its training inputs must keep 
   that backward the second forward's activations, so it is refused (``SecondForwardError``);
 - the graphs read every tensor they use at the address it had at capture, whatever the Python attributes name
   later: a fit hands the layers tensors of its own (MABNCallback's loss scale, or none), so a NormTask captures at
-  each fit (``release_graphs``).
+  each fit (``release_graphs``);
+- the capture runs inside the first training batch, while the loader's pin-memory thread pins the next batches
+  and, under DDP, the communication threads work: every capture is made in thread-local mode, where their CUDA
+  calls run, not in torch's default global mode, where one of them fails the capture
+  (``mabn.compat.make_graphed_callables_thread_local``, on every supported torch).
 
 The gradients a graphed backward hands to autograd are detached views of the graphs' static buffers: a parameter
 whose ``.grad`` is None adopts the buffer itself, and the next replay overwrites it (the forward graph's
 temporaries may share its memory in the graphs' pool, and the backward graph writes it). A gradient still held
 when the next replay starts (gradient accumulation, ``zero_grad(set_to_none=False)``) is therefore moved out of
 the buffer first (``_GraphGradients``), so that accumulation sums the micro-batches exactly; NormTask drops the
-held buffers after each optimizer step, which has used them, so the usual step copies nothing.
+held buffers after each optimizer step, which has used them, so the usual step copies nothing. Segments captured
+together share one memory pool, so one segment's forward replay may write another's static gradient buffers: every
+segment's held gradients move out before the first replay of a step, not each before its own.
 """
 
 from __future__ import annotations
@@ -39,22 +45,17 @@ from __future__ import annotations
 import contextlib
 import functools
 import gc
-import inspect
 import weakref
 from collections.abc import Callable, Iterator
 
 import torch
 from torch import Tensor, nn
 
-from ..compat import tree_leaves
-from ..distributed import has_process_group, sync_group
+from ..compat import graphed_callables_take_capture_mode, make_graphed_callables_thread_local, tree_leaves
+from ..distributed import sync_group
 from ..errors import ConfigError
 from ..norm import BatchRenorm2d, MABN2d
 from ..norm.managed import managed_norms
-
-# Whether make_graphed_callables takes capture_error_mode (a GPU machine may bring another torch than the pinned one).
-_HAS_CAPTURE_MODE = "capture_error_mode" in inspect.signature(torch.cuda.make_graphed_callables).parameters
-
 
 _BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)  # the lazy ones subclass these
 
@@ -202,25 +203,20 @@ def graph_training_forward(model: nn.Module, sample: Tensor, warmup_iters: int =
     # buffers, and the random state that dropout draws from, so that the graphs continue the eager stream).
     buffers = {name: buf.clone() for name, buf in model.named_buffers()}
     rng_devices = [sample.device] if sample.is_cuda else []
-    # Under DDP the communication threads keep working while this thread captures; torch before 2.12 has no such
-    # option, and captures in its global mode.
-    options = {"capture_error_mode": "thread_local"} if has_process_group() and _HAS_CAPTURE_MODE else {}
+    # Other threads keep working while this one captures: the loader's pin-memory thread, DDP's communication
+    # threads. In thread-local mode their CUDA calls run; in torch's default global mode one fails the capture.
     # The graphs' input is a tensor of their own: each replay copies the batch into it. Parameters the
     # training forward does not use get no gradient, as in eager training.
     with _without_autocast_cache(sample.device.type), torch.random.fork_rng(rng_devices, device_type="cuda"):
         if segments == "whole":
             parts, inputs = (model,), ((0,),)
-            torch.cuda.make_graphed_callables(
-                model, (sample.clone(),), num_warmup_iters=warmup_iters, allow_unused_input=True, **options
+            make_graphed_callables_thread_local(
+                model, (sample.clone(),), num_warmup_iters=warmup_iters, allow_unused_input=True
             )
         else:
             parts, inputs = _split(model, sample.shape)
-            torch.cuda.make_graphed_callables(
-                parts,
-                _samples(parts, inputs, sample),
-                num_warmup_iters=warmup_iters,
-                allow_unused_input=True,
-                **options,
+            make_graphed_callables_thread_local(
+                parts, _samples(parts, inputs, sample), num_warmup_iters=warmup_iters, allow_unused_input=True
             )
     replays = tuple(_Segment(part.forward, wanted, tuple(part.parameters())) for part, wanted in zip(parts, inputs))
     with torch.no_grad():
@@ -235,7 +231,7 @@ def graph_training_forward(model: nn.Module, sample: Tensor, warmup_iters: int =
             # Every segment's replay overwrites its activations: none may run while a backward is still to come.
             for replay in replays:
                 replay.pending.check()
-            for replay in replays:
+            for replay in replays:  # all before the first replay: the segments' buffers share one pool
                 replay.gradients.release()
             values = [x]
             for replay in replays:
@@ -377,11 +373,14 @@ def is_graphed(model: nn.Module) -> bool:
 
 
 def release_graphs(model: nn.Module) -> None:
-    """Let go of ``model``'s graphs, if captured: it runs eagerly again, and the next ``training_call`` with
-    ``cuda_graph`` captures anew. A fit starts so (NormTask): the graphs read each tensor at its address at capture,
-    and a fit hands the layers tensors of its own (MABNCallback's loss scale, or none without a scaler)."""
+    """Let go of ``model``'s graphs, if captured, and of the gradients held in their static buffers (set to None):
+    it runs eagerly again, and the next ``training_call`` with ``cuda_graph`` captures anew. A fit starts so
+    (NormTask): the graphs read each tensor at its address at capture, and a fit hands the layers tensors of its own
+    (MABNCallback's loss scale, or none without a scaler)."""
     if not is_graphed(model):
         return
+    # Gradients still held in the static buffers would keep the old graphs' pool alive during the next capture.
+    drop_graph_gradients(model)
     own = model.forward.own_forward
     if own is None:
         del model.forward  # the class's forward again
@@ -390,6 +389,13 @@ def release_graphs(model: nn.Module) -> None:
     # The graphs and their memory pool sit in reference cycles (torch's Graphed class): collected now, before the
     # next capture allocates a pool beside them.
     gc.collect()
+
+
+def capture_mode() -> str:
+    """How this torch's captures are made, in words for a report: thread-local, through make_graphed_callables' own
+    ``capture_error_mode`` or through ``torch.cuda.graph``'s (``mabn.compat.make_graphed_callables_thread_local``)."""
+    via = "make_graphed_callables" if graphed_callables_take_capture_mode() else "torch.cuda.graph"
+    return f"thread-local (capture_error_mode of {via})"
 
 
 def training_call(model: nn.Module, x: Tensor, cuda_graph: bool, segments: str = "whole") -> object:

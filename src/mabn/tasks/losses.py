@@ -19,6 +19,11 @@ Class weights (``resolve_class_weights``) multiply each pixel's cross-entropy by
 average with those weights (``sum w_y l / sum w_y``, PyTorch's weighted mean, so that the loss keeps the scale
 of cross-entropy); Dice and Focal take them as smp does, as weights of the per-class terms in their average;
 Lovász takes none.
+
+Host reads: ``ce``, weighted or not, never reads the device from the host. ``ohem`` does in every step (its
+labelled pixels are a boolean selection, whose count the host reads before ranking them), and so do ``focal``
+and ``lovasz`` (the check for a batch without a labelled pixel, and smp's selection of the labelled pixels): on
+a GPU each such read waits for the step's queued kernels.
 """
 
 from __future__ import annotations

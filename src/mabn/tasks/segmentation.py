@@ -340,12 +340,14 @@ class SegmentationTask(NormTask):
         out = self.training_forward(images)
         out, aux = out if isinstance(out, tuple) else (out, None)  # a decoder without an auxiliary head
         main_loss = self.criterion(out, labels)
+        # Not on the progress bar: Lightning reads a bar's values from the device after every step (``.item()``);
+        # the loggers read them every ``log_every_n_steps``.
         if aux is None:
-            self.log_dict({"train/loss": main_loss, "train/main_loss": main_loss}, prog_bar=True)
+            self.log_dict({"train/loss": main_loss, "train/main_loss": main_loss})
             return main_loss
         aux_loss = self.criterion(aux, labels)
         loss = main_loss + self.hparams.aux_weight * aux_loss
-        self.log_dict({"train/loss": loss, "train/main_loss": main_loss, "train/aux_loss": aux_loss}, prog_bar=True)
+        self.log_dict({"train/loss": loss, "train/main_loss": main_loss, "train/aux_loss": aux_loss})
         return loss
 
     def eval_crop(self) -> int:
