@@ -327,7 +327,8 @@ def test_two_devices_run_the_plan_their_dry_run_prints(tiny_cityscapes, tmp_path
     ]
     stage = ["cityscapes", "--data", str(tiny_cityscapes), "--norm", "gn", "--gpus", "2", "--backbone", "none",
              "--run-dir", str(tmp_path / "run")]  # fmt: skip
-    planned = ["batch: 1 per device x 2 device(s) x 3 accumulated = global batch 6, normalization batches of 1",
+    # GroupNorm normalizes no batch: the batch line names no normalization batches.
+    planned = ["batch: 1 per device x 2 device(s) x 3 accumulated = global batch 6",
                "iterations: 1 per epoch (4 training samples), 3 in total",
                "lr: 0.01 x 6 / 16 = 0.00375 for the encoder, x 10 for the heads (linear in the global batch)",
                "schedule: linear warm-up over 1 epochs (1 iterations), then poly 0.9 to iteration 3"]  # fmt: skip

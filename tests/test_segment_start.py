@@ -304,7 +304,8 @@ def test_ablation_segment_start_runs(tiny_imagenet, tmp_path, monkeypatch, capsy
     table = (out / "ablation.md").read_text()
     assert table.startswith("# Stage 2's start from BN weights at small scale (beyond the paper)")
     rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")] for line in table.splitlines()[8:]}
-    assert rows["MABN(2), BN's function kept (stage 2's conversion)"][2:5] == ["keep_bn_function", "MABN(2)", "2"]
+    kept = "MABN(2), BN's function kept (stage 2's conversion)"
+    assert rows[kept][2:5] == ["keep_bn_function", kept, "2"]  # its head: the row's own norm
     assert rows["MABN(2), BN's function kept (stage 2's conversion)"][7] == "–"  # the reference
     assert rows["frozen BN, head BN(2)"][2:4] == ["loaded, then the norm swapped (convert_norm)", "BN(2)"]
     runs = json.loads((out / "results.json").read_text())["runs"]
