@@ -12,6 +12,7 @@ import torchvision
 from torch import nn
 
 import mabn
+from helpers.backbone_files import trained_like
 from helpers.commands import run_mabn
 from helpers.fits import TINY
 from mabn.data.synthetic import segment as demo_segment
@@ -23,19 +24,6 @@ from mabn.norm import FrozenBatchNorm2d, GhostBatchNorm2d, convert_norm, create_
 from mabn.run import RunShape
 from mabn.tasks.classification import ClassificationTask
 from mabn.tasks.segmentation import SegmentationTask
-
-
-def _trained_like_bn(model: nn.Module, seed: int = 3) -> nn.Module:
-    """``model`` with every BatchNorm's affine and running statistics away from their initial values."""
-    generator = torch.Generator().manual_seed(seed)
-    for layer in model.modules():
-        if isinstance(layer, nn.BatchNorm2d):
-            c = layer.num_features
-            layer.weight.data = torch.rand(c, generator=generator) + 0.5
-            layer.bias.data = torch.randn(c, generator=generator) * 0.1
-            layer.running_mean = torch.randn(c, generator=generator) * 0.2
-            layer.running_var = torch.rand(c, generator=generator) * 2 + 0.1
-    return model
 
 
 @pytest.mark.parametrize("train_affine", [False, True])
@@ -62,7 +50,7 @@ def test_the_layer_is_bn_with_fixed_statistics_in_training_and_eval(train_affine
 
 def test_convert_norm_carries_bn_into_it_and_fold_norms_folds_it():
     torch.manual_seed(0)
-    model = _trained_like_bn(nn.Sequential(nn.Conv2d(3, 8, 3, bias=False), nn.BatchNorm2d(8), nn.ReLU())).eval()
+    model = trained_like(nn.Sequential(nn.Conv2d(3, 8, 3, bias=False), nn.BatchNorm2d(8), nn.ReLU())).eval()
     x = torch.randn(2, 3, 9, 9)
     with torch.no_grad():
         reference = model(x)
@@ -99,7 +87,7 @@ def bn_file(tmp_path_factory) -> Path:
     """A torchvision ResNet-18 state dict with trained-like BN layers."""
     torch.manual_seed(0)
     path = tmp_path_factory.mktemp("bn") / "resnet18-bn.pth"
-    torch.save(_trained_like_bn(torchvision.models.resnet18()).state_dict(), path)
+    torch.save(trained_like(torchvision.models.resnet18()).state_dict(), path)
     return path
 
 

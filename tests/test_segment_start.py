@@ -16,7 +16,7 @@ import torch
 import torchvision
 from torch import nn
 
-from helpers.backbone_files import Backbones
+from helpers.backbone_files import Backbones, trained_like
 from helpers.commands import run_mabn
 from helpers.trainer import STAGE2_FIT
 from mabn.data.synthetic import segment as demo_segment
@@ -33,25 +33,12 @@ EPS = 1e-5
 RESNET18 = ["--model.init_args.arch", "resnet18", "--model.init_args.log_predictions_every_n_epochs", "0"]
 
 
-def _trained_like(model: nn.Module) -> nn.Module:
-    """``model`` with BN statistics and affine away from their initial values, as after training."""
-    generator = torch.Generator().manual_seed(3)
-    for layer in model.modules():
-        if isinstance(layer, nn.BatchNorm2d):
-            c = layer.num_features
-            layer.weight.data = torch.rand(c, generator=generator) + 0.5
-            layer.bias.data = torch.randn(c, generator=generator) * 0.1
-            layer.running_mean = torch.randn(c, generator=generator) * 0.2
-            layer.running_var = torch.rand(c, generator=generator) * 2 + 0.1
-    return model
-
-
 @pytest.fixture(scope="module")
 def resnet18_file(tmp_path_factory) -> Path:
     """torchvision's ResNet-18 state dict (random weights, never downloaded) with trained-like BN layers."""
     torch.manual_seed(0)
     path = tmp_path_factory.mktemp("bn") / "resnet18-imagenet.pth"
-    torch.save(_trained_like(torchvision.models.resnet18()).state_dict(), path)
+    torch.save(trained_like(torchvision.models.resnet18()).state_dict(), path)
     return path
 
 
@@ -69,7 +56,7 @@ def test_converted_encoder_computes_the_bn_encoder_in_eval_in_float64(arch, tmp_
     its EMA and in every SMA slot, gamma sqrt(var + mean^2 + eps) / sqrt(var + eps) as its weight and
     beta - gamma mean / sqrt(var + eps) as its bias."""
     torch.manual_seed(0)
-    state = _trained_like(getattr(torchvision.models, arch)()).state_dict()
+    state = trained_like(getattr(torchvision.models, arch)()).state_dict()
     state = {k: v.double() if v.is_floating_point() else v for k, v in state.items()}
     path = tmp_path / f"{arch}-float64.pth"
     torch.save(state, path)
@@ -134,7 +121,7 @@ def test_timm_resnet_state_dicts_read_as_torchvision_ones(tmp_path):
         assert backbone.source == "torchvision" and backbone.norm == "bn"
     torch.manual_seed(0)
     path = tmp_path / "timm-resnet18.pth"
-    torch.save(_trained_like(timm.create_model("resnet18", pretrained=False)).state_dict(), path)
+    torch.save(trained_like(timm.create_model("resnet18", pretrained=False)).state_dict(), path)
     encoder = _mabn_encoder()
     assert load_backbone_into(encoder, path, "mabn", "resnet18")["converted"]
     source = torch.load(path, weights_only=True)
@@ -224,7 +211,7 @@ def test_missing_backbone_names_the_bn_routes(tiny_cityscapes, tmp_path, monkeyp
 
 def _bn_state(seed: int = 0) -> dict[str, torch.Tensor]:
     torch.manual_seed(seed)
-    return _trained_like(SmallResNet(10)).state_dict()
+    return trained_like(SmallResNet(10)).state_dict()
 
 
 def test_fine_tunes_start_as_their_rows_say_and_share_their_heads():

@@ -60,3 +60,17 @@ class Backbones:
         target.parent.mkdir(parents=True, exist_ok=True)
         os.link(source, target)
         return target
+
+
+def trained_like(model: torch.nn.Module) -> torch.nn.Module:
+    """``model`` with every BatchNorm's affine and running statistics away from their initial values, as after
+    training (the same draw every call)."""
+    generator = torch.Generator().manual_seed(3)
+    for layer in model.modules():
+        if isinstance(layer, torch.nn.BatchNorm2d):
+            c = layer.num_features
+            layer.weight.data = torch.rand(c, generator=generator) + 0.5
+            layer.bias.data = torch.randn(c, generator=generator) * 0.1
+            layer.running_mean = torch.randn(c, generator=generator) * 0.2
+            layer.running_var = torch.rand(c, generator=generator) * 2 + 0.1
+    return model
