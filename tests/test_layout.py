@@ -189,8 +189,8 @@ def _own_names(cls: type) -> set[str]:
 
 def test_cityscapes_is_the_folder_dataset_naming_its_facts():
     """The folder dataset is the base of every segmentation dataset; Cityscapes' classes define its layout (image
-    folder, pairing, the words of its messages), its labelId -> trainId mapping, its fixed classes, its crop and its
-    dry-run count, and nothing of the reading, checks, augmentation or loaders."""
+    folder, pairing, the words of its messages), how its predictions are named, its labelId -> trainId mapping, its
+    fixed classes, its crop and its dry-run count, and nothing of the reading, checks, augmentation or loaders."""
     from mabn.data import cityscapes, folder
 
     assert issubclass(cityscapes.CityscapesDataset, folder.FolderDataset)
@@ -201,8 +201,12 @@ def test_cityscapes_is_the_folder_dataset_naming_its_facts():
         "mask_term",
         "mask_expected",
         "index_sizes",
+        "prediction_masks",
+        "prediction_scorer",
         "__init__",
         "find_pairs",
+        "frame_name",
+        "mask_file",
         "class_map",
     }
-    assert _own_names(cityscapes.CityscapesDataModule) == {"fixed_classes", "__init__", "dataset", "plan"}
+    assert _own_names(cityscapes.CityscapesDataModule) == {"fixed_classes", "dataset_class", "__init__", "plan"}
