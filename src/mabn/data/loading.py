@@ -39,21 +39,23 @@ def augmentation_seed(rank: int) -> int:
 
 def start_worker(worker_id: int, rank: int = 0) -> None:
     """DataLoader ``worker_init_fn``: the worker ignores SIGTERM (and SIGHUP and SIGUSR1, which stop a run too) and
-    gets its own albumentations random stream.
+    SIGINT, and gets its own albumentations random stream.
 
     SLURM ends a job (``scancel``, preemption, the time limit) by sending SIGTERM to every process of the job, the
     loader workers included. torch's worker handler dies of a SIGTERM that is not its parent's, and the main
     process's SIGCHLD handler then raises "DataLoader worker ... is killed by signal: Terminated" wherever it is,
     before the run can save. Ignoring it leaves the worker to its parent, which ends it when the run ends (the
     workers also exit when they see their parent gone); the run saves its checkpoint first
-    (``mabn.run.LastCheckpoint``).
+    (``mabn.run.LastCheckpoint``). Ctrl-C in a terminal sends SIGINT to the whole foreground process group: a worker
+    that took it would end, and the main process, saving its state and shutting the loaders down, would meet
+    "DataLoader worker ... exited unexpectedly"; the main process alone acts on it.
 
     An albumentations ``Compose`` keeps its own generator, which every worker would otherwise copy, so all
     workers would draw the same augmentations. ``torch.initial_seed()`` differs per worker and follows the
     main process seed, so runs stay reproducible under ``seed_everything``. Bind ``rank`` with
     ``functools.partial`` in the main process: a worker need not see the process group.
     """
-    for stop in (signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1):  # the stops LastCheckpoint acts on, also SLURM's
+    for stop in (signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGINT):  # the stops the main process acts on
         signal.signal(stop, signal.SIG_IGN)
     transform = getattr(get_worker_info().dataset, "transform", None)
     if isinstance(transform, A.Compose):
@@ -78,7 +80,7 @@ def evaluation_sampler(dataset: Dataset) -> Sampler | None:
 def make_loader(dataset: Dataset, batch_size: int, train: bool, num_workers: int) -> DataLoader:
     """Training loaders shuffle and drop the last partial batch, so every batch splits into whole ghost
     batches (Lightning shards them over the devices); evaluation loaders read every sample once in total over
-    the devices (``evaluation_sampler``); every worker ignores SIGTERM and gets its own augmentation stream."""
+    the devices (``evaluation_sampler``); every worker ignores the stop signals and gets its own augmentation stream."""
     kwargs: dict[str, Any] = {}
     if num_workers > 0:
         kwargs = {"persistent_workers": True, "worker_init_fn": partial(start_worker, rank=rank())}
