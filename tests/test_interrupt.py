@@ -15,10 +15,11 @@ from pathlib import Path
 
 import pytest
 
+import mabn
 from helpers.own_dataset import bands
 from helpers.processes import mabn_process, wait_for
 
-SRC = Path(__file__).resolve().parents[1] / "src"
+SRC = Path(mabn.__file__).resolve().parents[1]  # the package these tests import, whichever checkout it is
 
 
 @pytest.mark.slow  # an interpreter that imports torch and starts two workers: ~5 s

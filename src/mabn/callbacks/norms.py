@@ -36,6 +36,7 @@ from ..compat import scale_on_device
 from ..models import logged_norms
 from ..norm import MABN2d
 from ..norm.managed import LateNonfiniteCheck, ManagedNorm, managed_norms
+from ..run.progress import epoch_cadence
 from .policy import NormPolicy, PhaseRule
 from .streams import PerDeviceStreams
 from .syncbn import SyncBatchNormCheck, has_sync_batchnorm
@@ -52,6 +53,7 @@ class MABNCallback(pl.Callback):
         self._rules: dict[str, PhaseRule] = {}
         self._logging: list[str] = []
         self._step, self._log_now, self._graphed = 0, False, False
+        self._every = self.policy.log_every_n_steps  # that of the fit where the policy leaves it to the run
         self._scaler: torch.amp.GradScaler | None = None  # the fit's loss scaler, and its scale on the device
         self._loss_scale: Tensor | None = None
         self._nonfinite = LateNonfiniteCheck({})
@@ -82,6 +84,10 @@ class MABNCallback(pl.Callback):
         if missing:
             raise ValueError(f"MABNCallback: log_layers {missing} are not MABN2d/BatchRenorm2d layers of the model")
 
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        every = self.policy.log_every_n_steps
+        self._every = epoch_cadence(trainer) if every is None else every
+
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         resuming = trainer.ckpt_path is not None
         if self.policy.reset_from_pretrained and not resuming and pl_module.hparams.get("backbone"):
@@ -108,7 +114,7 @@ class MABNCallback(pl.Callback):
 
     # -- every step --------------------------------------------------------------------------------
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, idx: int) -> None:
-        step, every, reset_at = trainer.global_step, self.policy.log_every_n_steps, self.policy.reset_at_step
+        step, every, reset_at = trainer.global_step, self._every or 0, self.policy.reset_at_step
         if reset_at is not None and step == reset_at and step not in self.resets:
             self._reset(step)
         for name, rule in self._rules.items():
@@ -149,7 +155,8 @@ class MABNCallback(pl.Callback):
             layer.track_stats = self._graphed
         if metrics:  # straight to the loggers: the trainer's log_every_n_steps must not thin these out
             for logger in trainer.loggers:
-                logger.log_metrics(metrics, step=self._step)  # the step the statistics were taken at
+                # At the optimizer steps done after this batch, as its training row, the console and checkpoints
+                logger.log_metrics(metrics, step=self._step + 1)
 
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._nonfinite.check()

@@ -7,7 +7,7 @@ The configs spell them under the task's ``norm_policy:``::
         encoder: {prefixes: [model.encoder], moving_stats_first_step: 100, renorm_first_step: 1001}
         heads: {prefixes: [model.ppm, model.classifier, model.aux]}
       reset_from_pretrained: true
-      log_every_n_steps: 50
+      log_every_n_steps: null    # 50, at most an epoch's optimizer steps
 
 LightningCLI checks a config against these dataclasses, so a misspelt key stops the command before anything is
 built, and ``--print_config`` shows every setting with its value. Python callers may pass the same mapping:
@@ -75,7 +75,9 @@ class NormPolicy:
             renorm_first_step, momentum 0.98) its weight in the EMA is 0.98**renorm_first_step ~ 0.
         reset_at_step: restart the streams once more at this optimizer step (e.g. the end of the lr warm-up), so
             the SMA and EMA hold only statistics of the settled weights; null: never.
-        log_every_n_steps: log the statistics of ``log_layers`` every this many optimizer steps (0: never).
+        log_every_n_steps: log the statistics of ``log_layers`` every this many optimizer steps (0: never); null:
+            every 50, at most the optimizer steps of an epoch (``mabn.run.progress.epoch_cadence``), so that a
+            short run plots more than its first step.
         log_layers: qualified names of the logged layers; null: the first norm of layer1 and the first norm of
             each head (``mabn.models.logged_norms``).
     """
@@ -84,7 +86,7 @@ class NormPolicy:
     reset_from_pretrained: bool = True
     reset_ema: bool = False
     reset_at_step: int | None = None
-    log_every_n_steps: int = 50
+    log_every_n_steps: int | None = None
     log_layers: list[str] | None = None
 
     @classmethod

@@ -62,6 +62,7 @@ from ..run import (
     AtomicCheckpointIO,
     FailFast,
     LastCheckpoint,
+    LogCadence,
     OutOfMemoryReport,
     RandomStateCallback,
     RunShape,
@@ -682,7 +683,9 @@ class MabnCLI(lightning_cli()):
                 trainer.callbacks.append(callback)
         if not trainer.loggers:  # --trainer.logger false: the recipes' lr monitor has nowhere to log, and refuses
             trainer.callbacks = [c for c in trainer.callbacks if not isinstance(c, pl.callbacks.LearningRateMonitor)]
-        use_line_progress(trainer)  # where the output is a file, one line per 50 steps instead of a redrawn bar
+        if config.get("trainer", {}).get("log_every_n_steps") is None:  # unset: at most an epoch's steps
+            trainer.callbacks.append(LogCadence())
+        use_line_progress(trainer)  # where the output is a file, ~20 lines a run instead of a redrawn bar
         return trainer
 
 

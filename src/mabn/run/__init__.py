@@ -19,7 +19,7 @@ from .last import LastCheckpoint
 from .loggers import CSVLogger, WandbLogger
 from .oom import OutOfMemoryReport
 from .perdevice import PerDeviceState
-from .progress import LineProgress, use_line_progress
+from .progress import LineProgress, LogCadence, use_line_progress
 from .rng import RandomStateCallback
 from .scaling import (
     RunPlan,
@@ -42,6 +42,7 @@ __all__ = [
     "FailFast",
     "LastCheckpoint",
     "LineProgress",
+    "LogCadence",
     "OutOfMemoryReport",
     "PerDeviceState",
     "RandomStateCallback",

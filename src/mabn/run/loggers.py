@@ -175,6 +175,8 @@ class _AppendingWriter:
 
     def log_metrics(self, metrics: dict[str, Any], step: int | None = None) -> None:
         row = {k: v.item() if isinstance(v, Tensor) else v for k, v in metrics.items()}
+        if "epoch" in row:  # a validation logs its epoch as the mean over its batches, a float
+            row["epoch"] = int(row["epoch"])
         self.metrics.append({**row, "step": len(self.metrics) if step is None else step})
 
     def save_hparams(self) -> None:

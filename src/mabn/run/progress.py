@@ -13,13 +13,34 @@ import pytorch_lightning as pl
 import torch
 from pytorch_lightning.callbacks import ProgressBar, RichProgressBar, TQDMProgressBar
 
+LOG_EVERY_N_STEPS = 50  # Lightning's default cadence of the training rows, on epochs longer than it
+PROGRESS_LINES = 20  # the lines LineProgress prints over a run of known length, unless told its cadence
+
+
+def epoch_cadence(trainer: pl.Trainer, longest: int = LOG_EVERY_N_STEPS) -> int:
+    """Every how many optimizer steps to log when the run does not say: ``longest``, but at most the optimizer
+    steps of an epoch, so a run of short epochs logs at every epoch at least (40 images in batches of 20 log every
+    2 steps). Known from the fit's start (``on_train_start``), when the training batches are counted."""
+    batches = trainer.num_training_batches
+    if not math.isfinite(batches) or batches < 1:
+        return longest
+    return max(1, min(longest, math.ceil(batches / trainer.accumulate_grad_batches)))
+
+
+class LogCadence(pl.Callback):
+    """Sets the trainer's ``log_every_n_steps`` to ``epoch_cadence`` at the fit's start: what ``python -m mabn``
+    adds where the configuration does not set ``trainer.log_every_n_steps``."""
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        trainer.log_every_n_steps = epoch_cadence(trainer)
+
 
 def is_terminal() -> bool:
     """Whether both stdout and stderr are terminals, where a redrawn progress bar belongs."""
     return all(getattr(stream, "isatty", lambda: False)() for stream in (sys.stdout, sys.stderr))
 
 
-def use_line_progress(trainer: pl.Trainer, every_n_steps: int = 50) -> None:
+def use_line_progress(trainer: pl.Trainer, every_n_steps: int | None = None) -> None:
     """Replace Lightning's default progress bar of ``trainer`` (tqdm's or rich's) by ``LineProgress`` when the
     output is not a terminal. A progress bar the configuration chose itself, and a disabled one
     (``enable_progress_bar: false``), stay as they are."""
@@ -33,7 +54,8 @@ def _duration(seconds: float) -> str:
 
 
 class LineProgress(ProgressBar):
-    """A progress bar for logs that are files: every ``every_n_steps`` optimizer steps one line on stdout
+    """A progress bar for logs that are files: every ``every_n_steps`` optimizer steps (None: ``PROGRESS_LINES``
+    lines over a run whose length is known, every ``LOG_EVERY_N_STEPS`` steps otherwise) one line on stdout
     (process 0 only) with the step, the mean training loss of the steps since the last line, the learning rate
     (the first parameter group's), the mean time per step and the time left to the last step::
 
@@ -44,11 +66,12 @@ class LineProgress(ProgressBar):
     stderr is not a terminal; to choose it (or its ``every_n_steps``) anywhere, add it to the trainer's callbacks:
     ``--trainer.callbacks+ "{class_path: mabn.run.LineProgress, init_args: {every_n_steps: 20}}"``."""
 
-    def __init__(self, every_n_steps: int = 50) -> None:
+    def __init__(self, every_n_steps: int | None = None) -> None:
         super().__init__()
-        if every_n_steps < 1:
+        if every_n_steps is not None and every_n_steps < 1:
             raise ValueError(f"every_n_steps must be >= 1, got {every_n_steps}")
         self.every_n_steps = every_n_steps
+        self._every = every_n_steps or LOG_EVERY_N_STEPS
         self._enabled = True
         self._reset(0)
 
@@ -74,6 +97,9 @@ class LineProgress(ProgressBar):
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._reset(trainer.global_step)
+        total = trainer.estimated_stepping_batches
+        if self.every_n_steps is None and math.isfinite(total):
+            self._every = max(1, round(total / PROGRESS_LINES))
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, idx: int) -> None:
         if self._since_time is None:
@@ -87,7 +113,7 @@ class LineProgress(ProgressBar):
             self._loss_sum = self._loss_sum + loss.detach().float()  # on the device: no wait for it here
             self._loss_count += 1
         step = trainer.global_step
-        if step == self._since_step or step % self.every_n_steps:
+        if step == self._since_step or step % self._every:
             return
         now = time.monotonic()
         per_step = (now - (self._since_time or now) - self._paused_s) / (step - self._since_step)

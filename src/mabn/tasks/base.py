@@ -231,7 +231,21 @@ class NormTask(pl.LightningModule):
         if self.compile_mode and self._first_step_started is None:
             self._first_step_started = time.perf_counter()
 
+    def _log_step(self, training: bool) -> None:
+        """The step and epoch of this row for every logger: the optimizer steps done, as the console, checkpoint
+        names and the norm statistics count them. Lightning's own count for a training row or a validation is the
+        batches stepped before the current one (a validation after 2 steps at step 1); a logged ``step`` replaces
+        it, and then Lightning adds no ``epoch``."""
+        self.log_dict(
+            {"step": self.global_step, "epoch": self.current_epoch},
+            on_step=training, on_epoch=not training, batch_size=1, rank_zero_only=True,
+        )  # fmt: skip
+
+    def on_validation_epoch_start(self) -> None:
+        self._log_step(training=False)
+
     def on_train_batch_end(self, outputs: object, batch: object, batch_idx: int) -> None:
+        self._log_step(training=True)
         if self._first_step_started is not None and not self._first_step_reported:
             # The first compiled step: compiling its forward and backward is most of its time.
             self._first_step_reported = True

@@ -118,7 +118,7 @@ def _draw(ax, panel: Panel, data: dict[str, Series], markers: bool) -> None:
     ax.set_title(panel.title, fontsize=9, loc="left")
     ax.tick_params(labelsize=8)
     ax.grid(alpha=0.3)
-    if len(panel.lines) > 1:
+    if ax.get_lines():  # every panel says what it draws, a loss panel of val/loss alone too
         ax.legend(fontsize=7, loc="best")
 
 
