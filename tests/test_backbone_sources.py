@@ -153,14 +153,32 @@ def test_torchvision_file_is_converted_for_mabn_norms_and_refused_by_gn(tv_file)
 def test_torchvision_resnet50_is_refused_by_its_block_count(tmp_path):
     path = tmp_path / "resnet50.pth"
     torch.save(torchvision.models.resnet50().state_dict(), path)
-    with pytest.raises(BackboneError, match="6 blocks in layer3, ResNet-101 has 23"):
+    with pytest.raises(BackboneError, match="6 blocks in layer3, ResNet-101 has 23") as refused:
         check_backbone(path, "bn")
+    # both ways out: the weights of the arch asked for, or the arch of the weights at hand
+    assert str(refused.value).endswith(
+        "save torchvision.models.resnet101's state_dict(), or train the file's ResNet-50: --model.init_args.arch "
+        "resnet50"
+    )
+
+
+def test_resnet18_bn_weights_under_the_default_arch_name_both_ways_out(tmp_path):
+    path = tmp_path / "resnet18.pth"
+    torch.save(torchvision.models.resnet18().state_dict(), path)
+    with pytest.raises(BackboneError) as refused:
+        check_backbone(path, "bn")
+    assert str(refused.value).endswith(
+        "save torchvision.models.resnet101's state_dict(), or train the file's ResNet-18: --model.init_args.arch "
+        "resnet18"
+    )
 
 
 def test_torchvision_file_of_basic_blocks_is_refused_by_a_bottleneck_arch(tmp_path):
     path = tmp_path / "resnet34.pth"  # ResNet-34 has ResNet-50's block counts, of basic blocks
     torch.save(torchvision.models.resnet34().state_dict(), path)
-    with pytest.raises(BackboneError, match="of basic blocks, ResNet-50 has bottleneck blocks.*models.resnet50"):
+    with pytest.raises(
+        BackboneError, match="of basic blocks, ResNet-50 has bottleneck blocks.*models.resnet50.*arch resnet34$"
+    ):
         check_backbone(path, "bn", "resnet50")
     assert check_backbone(path, "bn", "resnet34").describe() == "torchvision ResNet-34 state dict (BN)"
 

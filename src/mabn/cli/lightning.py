@@ -53,7 +53,7 @@ from pytorch_lightning.cli import LightningArgumentParser, SaveConfigCallback
 from ..compat import argument_error_text, hold_resumed_epochs, lightning_cli, option_strings, subcommand_parsers
 from ..data.classes import CLASSES_FILE, ClassTable
 from ..data.errors import DatasetError
-from ..data.loading import DataPlan
+from ..data.loading import DataPlan, workers_line
 from ..distributed import first_process
 from ..errors import ConfigError, UserError, UserErrors
 from ..inference.checkpoint import task_hparams
@@ -182,7 +182,10 @@ def plan_lines(config: Namespace) -> list[str]:
     # The class weights the data gives (its class table's, its training pixels'), after the data's lines.
     weighs = planned is not None and hasattr(task, "class_weight_lines")
     weights = task.class_weight_lines(dict(config.model.init_args), planned) if weighs else []
-    return lines + (memory.lines if memory else []) + (planned.lines if planned else []) + weights
+    data_args = config.data.get("init_args") or Namespace()
+    node = max(1, (_devices(trainer) or 1) // int(trainer.get("num_nodes") or 1))
+    workers = [workers_line(data_args.get("num_workers"), node)] if "num_workers" in data_args else []
+    return lines + (memory.lines if memory else []) + (planned.lines if planned else []) + weights + workers
 
 
 def _plain_args(entry: Namespace) -> dict[str, Any]:

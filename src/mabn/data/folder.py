@@ -71,7 +71,7 @@ from .images import (
     read_image,
     read_values,
 )
-from .loading import DataPlan, augmentation_seed, make_loader
+from .loading import DataPlan, augmentation_seed, make_loader, node_devices
 
 __all__ = [
     "ClassPixels",
@@ -836,7 +836,8 @@ class FolderDataModule(pl.LightningDataModule):
             multiple of 8 within that side. Smaller images are padded up to it.
         batch_size: training crops per device and step (replaced by the share of ``global_batch_size`` if set).
         val_batch_size: full images per device and validation step.
-        num_workers: data loading processes per device; 0: load in the training process.
+        num_workers: data loading processes per device; 0: load in the training process; null: the cores
+            shared by the node's devices, at most 8 (``mabn.data.loading.default_workers``).
         scale_range: the lowest and highest factor of the random training rescale, before the crop.
         rotate_limit: the largest random training rotation, in degrees either way (applied with p 0.5).
         blur_p: the probability of a 5x5 Gaussian blur of a training image.
@@ -863,7 +864,7 @@ class FolderDataModule(pl.LightningDataModule):
         crop_size: int | None = None,
         batch_size: int = 2,
         val_batch_size: int = 1,
-        num_workers: int = 4,
+        num_workers: int | None = None,
         scale_range: tuple[float, float] = (0.5, 2.0),
         rotate_limit: float = 10.0,
         blur_p: float = 0.5,
@@ -978,7 +979,7 @@ class FolderDataModule(pl.LightningDataModule):
     def _loader(self, dataset: FolderDataset | None, batch_size: int, train: bool) -> DataLoader:
         if dataset is None:
             raise RuntimeError("call setup() before asking for a dataloader")
-        return make_loader(dataset, batch_size, train, self.num_workers)
+        return make_loader(dataset, batch_size, train, self.num_workers, node_devices(self.trainer))
 
     def train_dataloader(self) -> DataLoader:
         return self._loader(self.train_set, self.batch_size, train=True)

@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader, Dataset
 from ..distributed import rank
 from .errors import DatasetError
 from .images import imagenet_normalize, read_image
-from .loading import DataPlan, augmentation_seed, make_loader
+from .loading import DataPlan, augmentation_seed, make_loader, node_devices
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".webp")
 LAYOUT = "<data_dir>/train/<class>/<image> and <data_dir>/val/<class>/<image>"
@@ -65,7 +65,8 @@ class ImageFolderDataModule(pl.LightningDataModule):
     Args:
         data_dir: the dataset's root folder, which holds ``train/<class>/`` and ``val/<class>/`` image folders.
         batch_size: images per device and step, for training and validation.
-        num_workers: data loading processes per device; 0: load in the training process.
+        num_workers: data loading processes per device; 0: load in the training process; null: the cores
+            shared by the node's devices, at most 8 (``mabn.data.loading.default_workers``).
         image_size: the side in pixels of the square images the model sees (training and validation crops).
         val_resize: the length in pixels the shorter side of a validation image is resized to before its centre
             crop.
@@ -79,7 +80,7 @@ class ImageFolderDataModule(pl.LightningDataModule):
         self,
         data_dir: str,
         batch_size: int = 32,
-        num_workers: int = 8,
+        num_workers: int | None = None,
         image_size: int = 224,
         val_resize: int = 256,
         crop_scale: tuple[float, float] = (0.08, 1.0),
@@ -124,7 +125,7 @@ class ImageFolderDataModule(pl.LightningDataModule):
         self.val_set = ImageFolder(self.root / "val", self.classes, self.val_transform)
 
     def train_dataloader(self) -> DataLoader:
-        return make_loader(self.train_set, self.batch_size, True, self.num_workers)
+        return make_loader(self.train_set, self.batch_size, True, self.num_workers, node_devices(self.trainer))
 
     def val_dataloader(self) -> DataLoader:
-        return make_loader(self.val_set, self.batch_size, False, self.num_workers)
+        return make_loader(self.val_set, self.batch_size, False, self.num_workers, node_devices(self.trainer))

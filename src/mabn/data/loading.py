@@ -3,6 +3,7 @@ plan a dry run prints of a data set."""
 
 from __future__ import annotations
 
+import os
 import signal
 from functools import partial
 from typing import Any, NamedTuple
@@ -26,6 +27,35 @@ class DataPlan(NamedTuple):
     lines: list[str]
     crop: int | None = None
     class_pixels: Any = None
+
+
+MAX_WORKERS = 8  # the recipes' loader workers per device on a node with the cores for them
+
+
+def cores() -> int:
+    """The CPU cores this process may run on (its affinity: a SLURM job's share, not the node's)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def default_workers(devices: int = 1) -> int:
+    """Loader workers per device where the run gives none: the cores shared by the ``devices`` of this node, at
+    most ``MAX_WORKERS``; 2 cores and one device give 2, where 8 would each wait for a core (torch warns)."""
+    return min(MAX_WORKERS, cores() // max(1, devices))
+
+
+def node_devices(trainer: Any) -> int:
+    """The devices of this node that a data module's ``trainer`` (None before a fit attaches it) runs on."""
+    return trainer.num_devices if trainer is not None else 1
+
+
+def workers_line(num_workers: int | None, devices: int) -> str:
+    """The plan's line on the loader workers of each of the node's ``devices``."""
+    if num_workers is not None:
+        return f"loader workers: {num_workers} per device (num_workers as given)"
+    return (
+        f"loader workers: {default_workers(devices)} per device (num_workers null: {cores()} cores / {devices} "
+        f"device(s), at most {MAX_WORKERS}; --data.init_args.num_workers sets them)"
+    )
 
 
 def augmentation_seed(rank: int) -> int:
@@ -77,10 +107,14 @@ def evaluation_sampler(dataset: Dataset) -> Sampler | None:
     return UnrepeatedDistributedSampler(dataset, shuffle=False)
 
 
-def make_loader(dataset: Dataset, batch_size: int, train: bool, num_workers: int) -> DataLoader:
+def make_loader(
+    dataset: Dataset, batch_size: int, train: bool, num_workers: int | None, devices: int = 1
+) -> DataLoader:
     """Training loaders shuffle and drop the last partial batch, so every batch splits into whole ghost
     batches (Lightning shards them over the devices); evaluation loaders read every sample once in total over
-    the devices (``evaluation_sampler``); every worker ignores the stop signals and gets its own augmentation stream."""
+    the devices (``evaluation_sampler``); every worker ignores the stop signals and gets its own augmentation stream.
+    ``num_workers`` None: ``default_workers`` of the node's ``devices``."""
+    num_workers = default_workers(devices) if num_workers is None else num_workers
     kwargs: dict[str, Any] = {}
     if num_workers > 0:
         kwargs = {"persistent_workers": True, "worker_init_fn": partial(start_worker, rank=rank())}

@@ -141,8 +141,14 @@ def _is_torchvision(payload: Any) -> bool:
 
 
 def _check_blocks(path: Path, state: dict[str, torch.Tensor], arch: str) -> None:
-    """torchvision ResNets share their keys up to the block counts and kinds: refuse another depth by name."""
+    """torchvision ResNets share their keys up to the block counts and kinds: refuse another depth by name, with
+    both ways out: the weights of ``arch``, or the depth of the file's weights where it is one of ``ARCHS``."""
+    counts = tuple(len({k.split(".")[1] for k in state if k.startswith(f"{layer}.")}) for layer in LAYERS)
+    bottleneck = "layer1.0.conv3.weight" in state
+    depth = [a for a, b in ARCH_BLOCKS.items() if b == counts and (a not in BASIC_BLOCKS) == bottleneck]
     save = f"save torchvision.models.{arch}'s state_dict()"
+    if depth:
+        save += f", or train the file's {arch_title(depth[0])}: --model.init_args.arch {depth[0]}"
     for layer, blocks in zip(LAYERS, ARCH_BLOCKS[arch]):
         found = len({k.split(".")[1] for k in state if k.startswith(f"{layer}.")})
         if found != blocks:
@@ -151,7 +157,6 @@ def _check_blocks(path: Path, state: dict[str, torch.Tensor], arch: str) -> None
                 f"{blocks}: {save}"
             )
     kind = {True: "bottleneck", False: "basic"}
-    bottleneck = "layer1.0.conv3.weight" in state
     if bottleneck != (arch not in BASIC_BLOCKS):
         raise BackboneError(
             f"{path} is a torchvision ResNet state dict of {kind[bottleneck]} blocks, {arch_title(arch)} has "

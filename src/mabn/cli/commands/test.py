@@ -33,7 +33,9 @@ def checkpoint_parser(command: str, description: str | None) -> argparse.Argumen
         help="average each window's probabilities with its mirror's (default: the checkpoint's eval_flip)",
     )
     parser.add_argument("--scales", type=float, nargs="+", help="image scales to average (default: the checkpoint's)")
-    parser.add_argument("--num-workers", type=int, default=4, help="DataLoader workers")
+    parser.add_argument(
+        "--num-workers", type=int, help="DataLoader workers (default: the cores, at most 8; 0: in this process)"
+    )
     parser.add_argument("--data", type=Path, help="the dataset's root (default: the checkpoint's data_dir)")
     return parser
 
