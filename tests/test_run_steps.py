@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import csv
 import re
+import warnings
 from pathlib import Path
 
 import pytest
@@ -53,8 +54,11 @@ def test_a_40_step_run_of_2_steps_an_epoch_logs_plots_and_prints_its_steps(tmp_p
             "--model.init_args.log_predictions_every_n_epochs", "0", "--trainer.max_steps", "40",
             "--trainer.check_val_every_n_epoch", "10", "--trainer.num_sanity_val_steps", "0",
             "--trainer.logger", "mabn.run.loggers.CSVLogger", "--trainer.logger.save_dir", str(run)]  # fmt: skip
-    code, out, err = run_mabn(argv, capsys)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        code, out, err = run_mabn(argv, capsys)
     assert code == 0, err[-3000:]
+    assert not [w for w in caught if "logging interval" in str(w.message)]  # the cadence fits the epoch
     rows = _rows(run)
     trained = _steps(rows, "train/loss")
     assert trained[-1] == 40 and all(b - a <= 2 for a, b in zip([0, *trained], trained)), trained

@@ -31,6 +31,12 @@ class LogCadence(pl.Callback):
     """Sets the trainer's ``log_every_n_steps`` to ``epoch_cadence`` at the fit's start: what ``python -m mabn``
     adds where the configuration does not set ``trainer.log_every_n_steps``."""
 
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        # Lightning warns when an epoch has fewer batches than the cadence, a check made when it counts them
+        # (before on_train_start, as early as the optimizers' schedule asks for the run's steps): the cadence
+        # decided at on_train_start is never longer than an epoch.
+        trainer.log_every_n_steps = 1
+
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         trainer.log_every_n_steps = epoch_cadence(trainer)
 
