@@ -32,6 +32,7 @@ def test_loader_workers_leave_sigint_to_the_main_process(tmp_path):
         from torch.utils.data import TensorDataset
         from mabn.data.loading import make_loader
 
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal, whoever started this
         got = []
         loader = make_loader(TensorDataset(torch.arange(64.0)), 4, train=True, num_workers=2)
         for epoch in range(2):
@@ -65,7 +66,13 @@ def test_ctrl_c_to_a_fit_with_loader_workers_is_one_line_and_resume_auto_goes_on
         "--trainer.log_every_n_steps", "1", "--trainer.logger", "mabn.run.loggers.CSVLogger",
         "--trainer.logger.save_dir", str(run), "--trainer.enable_progress_bar", "false",
     ]  # fmt: skip
-    proc = mabn_process([*argv, *extra], tmp_path, group=True)
+    # A process that a shell started in the background ignores SIGINT, and so would the fit it starts: the fit
+    # starts with SIGINT's default, as in a terminal (a Python handler is reset to it across exec, SIG_IGN is not).
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        proc = mabn_process([*argv, *extra], tmp_path, group=True)
+    finally:
+        signal.signal(signal.SIGINT, previous)
     try:
         wait_for(run / "metrics.csv", proc)
         time.sleep(1.0)  # in the middle of a step, with batches in flight
