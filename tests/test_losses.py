@@ -7,6 +7,7 @@ the default suite, the others slow)."""
 from __future__ import annotations
 
 import csv
+import dataclasses
 import math
 import os
 import re
@@ -26,12 +27,16 @@ from mabn.data.classes import ClassTable
 from mabn.data.errors import DatasetError
 from mabn.data.folder import FolderDataModule
 from mabn.errors import ConfigError
+from mabn.inference.checkpoint import task_hparams
 from mabn.tasks import SegmentationTask
 from mabn.tasks.losses import (
     LOSSES,
+    OhemOptions,
     build_loss,
     check_loss,
+    from_checkpoint,
     inverse_log_weights,
+    register_loss,
     resolve_class_weights,
     unregister_loss,
 )
@@ -79,15 +84,17 @@ def ref_ce(logits, labels, weights=None) -> float:
     return float((w[y] * nll).sum() / w[y].sum())
 
 
-def ref_dice(logits, labels, weights=None) -> float:
-    """Per class c over the batch: 1 - 2 sum p_c [y=c] / (sum p_c + sum [y=c]), 0 for a class with no labelled
-    pixel; the (weighted) mean over the classes."""
+def ref_dice(logits, labels, weights=None, smooth=0.0) -> float:
+    """Per class c over the batch, as smp's soft Dice score writes it: 1 - (I + smooth) / ((P + T) / 2 + smooth),
+    I = sum p_c [y=c], P = sum p_c, T = sum [y=c]; 0 for a class with no labelled pixel; the (weighted) mean over
+    the classes."""
     z, y = _flat(logits, labels)
     p = _softmax(z)
     per_class = []
     for c in range(K):
         t = (y == c).astype(np.float64)
-        per_class.append(1.0 - 2.0 * (p[:, c] * t).sum() / (p[:, c].sum() + t.sum()) if t.any() else 0.0)
+        dice = ((p[:, c] * t).sum() + smooth) / ((p[:, c].sum() + t.sum()) / 2 + smooth)
+        per_class.append(1.0 - dice if t.any() else 0.0)
     return _weighted_mean(per_class, weights)
 
 
@@ -204,9 +211,11 @@ def test_a_batch_of_ignored_pixels_only_trains_nothing(name):
     ],
     ids=["ce", "ce weighted", "ohem", "focal", "lovasz"],
 )  # not dice: smp's one_hot checks the labels on the host on the CPU, where a GPU's leaves it to its kernel
-def test_the_loss_reads_the_host_as_its_doc_says(name, weights, reads, monkeypatch):
+def test_the_loss_reads_the_host_as_its_entry_says(name, weights, reads, monkeypatch):
     """The recipe's cross-entropy, weighted or not, reads nothing from the device in a step's forward and backward;
-    OHEM, Focal and Lovász do, as docs/mabn-callback.md says (``helpers.host_reads``)."""
+    OHEM, Focal and Lovász do, as their entries' ``host_reads`` say (and docs/training.md's table, held to them
+    below; ``helpers.host_reads``)."""
+    assert bool(LOSSES[name].host_reads) == reads
     logits, labels = _batch()
     logits.requires_grad_()
     recorder = HostReads()
@@ -266,6 +275,111 @@ def test_the_loss_arguments_are_refused_in_one_line():
         with pytest.raises(ConfigError, match=re.escape(named)) as caught:
             check_loss(*args)
         assert "\n" not in str(caught.value)
+
+
+def test_the_options_of_dice_and_focal_reach_their_formulas():
+    logits, labels = _batch()
+    dice = build_loss({"dice": {"smooth": 1.0}})(logits, labels).item()
+    assert dice == pytest.approx(ref_dice(logits, labels, smooth=1.0), rel=1e-5)
+    assert abs(ref_dice(logits, labels, smooth=1.0) - ref_dice(logits, labels)) > 1e-3  # the option changes it
+    focal = build_loss({"focal": {"gamma": 0.5, "weight": 2.0}}, WEIGHTS)(logits, labels).item()
+    assert focal == pytest.approx(2.0 * ref_focal(logits, labels, WEIGHTS, gamma=0.5), rel=1e-5)
+    assert abs(ref_focal(logits, labels, gamma=0.5) - ref_focal(logits, labels)) > 1e-3
+
+
+def test_ohem_keeps_a_share_of_the_crop_unless_min_kept_is_given():
+    # mmsegmentation's 100000 of a 512 x 1024 crop (524288 pixels): 100000 x 14400 / 524288 = 2746.6 at 120 x 120,
+    # 100000 x 508369 / 524288 = 96963.7 at 713 x 713, 100000 x 16 / 524288 = 3.05 at 4 x 4.
+    assert OhemOptions().kept(120) == 2747 and OhemOptions().kept(713) == 96964 and OhemOptions().kept(4) == 3
+    assert OhemOptions().kept(None) == 100_000  # a task built outside a fit: the reference's count
+    assert OhemOptions(min_kept=64).kept(120) == 64
+    logits, labels = _batch()  # 2 images of 12 pixels; no pixel under the threshold 1e-6: the 3 x 2 hardest
+    expected, count = ref_ohem(logits, labels, 1e-6, 3)
+    assert count == 6
+    loss = build_loss({"ohem": {"thresh": 1e-6}}, crop=4)
+    assert loss(logits, labels).item() == pytest.approx(expected, rel=1e-5)
+
+
+def test_ohem_at_a_small_crop_says_what_it_keeps(banded, tmp_path, capsys):
+    """The crop of ``banded`` is 40x40 (1600 pixels): OHEM keeps 19.1 % of it, 1600 x 100000 / 524288 = 305.2; a
+    min_kept of 2000 keeps every pixel, which the plan says."""
+    batch = ["--data.init_args.global_batch_size", "4"]
+    code, out, err = segment(banded, tmp_path / "run", capsys, "--model.init_args.loss", "ohem", *batch)
+    assert code == 0, err
+    assert line(out, "loss:") == (
+        "loss: OHEM cross-entropy (pixels of true-class probability < 0.7, at least the hardest 19.1 % of each crop); "
+        "main head + 0.4 x auxiliary head"
+    )
+    assert line(out, "ohem:") == (
+        "ohem: keeps the pixels of true-class probability < 0.7, and at least the 305 hardest of each 40x40 crop's "
+        "1600 (19.1 % of the crop: mmsegmentation's 100000 of 512x1024)"
+    )
+    loss = ["--model.init_args.loss", "{ohem: {min_kept: 2000}}"]
+    code, out, err = segment(banded, tmp_path / "run", capsys, *loss, *batch)
+    assert code == 0, err
+    assert line(out, "warning: ohem") == (
+        "warning: ohem keeps at least 2000 pixels per image, every pixel of a 40x40 crop (1600): the loss is plain "
+        "cross-entropy; give min_kept below 1600, or null for 19.1 % of the crop (305), --model.init_args.loss "
+        "'{ohem: {min_kept: null}}'"
+    )
+    code, out, err = segment(
+        banded, tmp_path / "run", capsys, "--model.init_args.loss", "{ohem: {min_kept: null}}", *batch
+    )
+    assert code == 0 and line(out, "ohem:").startswith(
+        "ohem: keeps the pixels of true-class probability < 0.7, and at least the 305 "
+    )
+
+
+def test_ohems_old_task_arguments_are_refused_naming_its_options(banded, tmp_path, capsys):
+    code, out, err = segment(banded, tmp_path / "run", capsys, "--model.init_args.ohem_min_kept", "64")
+    assert code == 2
+    assert err.strip().splitlines()[-1] == (
+        "error: unrecognized argument --model.init_args.ohem_min_kept (moved: an option of the ohem loss, "
+        "--model.init_args.loss '{ohem: {min_kept: 2000}}'); python -m mabn fit --help lists the arguments"
+    )
+
+
+def test_a_checkpoint_with_ohems_task_arguments_rebuilds_with_them_as_its_options():
+    old = {"loss": "ohem", "ohem_thresh": 1e-6, "ohem_min_kept": 3, "num_classes": K}
+    assert from_checkpoint(old) == {"loss": {"ohem": {"thresh": 1e-6, "min_kept": 3, "weight": 1.0}}, "num_classes": K}
+    summed = {"loss": {"ohem": 1.0, "dice": 0.5}, "ohem_thresh": 0.7, "ohem_min_kept": 100000}
+    assert from_checkpoint(summed) == {
+        "loss": {"ohem": {"thresh": 0.7, "min_kept": 100000, "weight": 1.0}, "dice": 0.5}
+    }
+    assert from_checkpoint({"loss": "ce", "ohem_thresh": 0.7, "ohem_min_kept": 100000}) == {"loss": "ce"}
+    task = SegmentationTask(**task_hparams(old), arch="resnet18", norm="bn", log_predictions_every_n_epochs=0)
+    logits, labels = _batch()
+    assert task.criterion(logits, labels).item() == pytest.approx(ref_ohem(logits, labels, 1e-6, 3)[0], rel=1e-5)
+
+
+def test_the_docs_and_the_help_list_the_registrys_losses_and_which_read_the_host(capsys):
+    """docs/training.md's table has one row per loss of the registry, and says "yes" in its host-read column where
+    the entry reads the host; ``--model.init_args.loss``'s help names every loss."""
+    text = (Path(__file__).parents[1] / "docs" / "training.md").read_text()
+    section = text.split("## Losses and class weights", 1)[1].split("\n## ", 1)[0]
+    rows = re.findall(r"^\| `(\w+)` \| [^|]* \| (yes|no)[^|]* \|", section, re.M)
+    assert [name for name, _ in rows] == list(LOSSES)
+    for name, reads in rows:
+        assert (reads == "yes") == bool(LOSSES[name].host_reads), name
+    code, out, _ = run_mabn(["fit", "--model.help", "mabn.tasks.SegmentationTask"], capsys)
+    assert code == 0
+    help_text = " ".join(out.split("  --model.loss LOSS ", 1)[1].split("--model.class_weights")[0].split())
+    assert f"a loss name ({', '.join(LOSSES)};" in help_text
+
+
+def test_register_loss_refuses_a_name_taken_or_dotted_and_an_option_named_weight():
+    @dataclasses.dataclass(frozen=True)
+    class Weighted:
+        weight: float = 1.0
+
+    for entry, said in [
+        (LOSSES["ce"], "loss 'ce' exists already"),
+        (dataclasses.replace(LOSSES["ce"], name="my.ce"), "loss name 'my.ce' is not an identifier"),
+        (dataclasses.replace(LOSSES["ce"], name="ce2", options=Weighted), "an option named 'weight'"),
+    ]:
+        with pytest.raises(ValueError, match=re.escape(said)):
+            register_loss(entry)
+    assert list(LOSSES) == ["ce", "dice", "focal", "lovasz", "ohem"]
 
 
 def test_class_weights_from_counts_are_the_inverse_log_of_the_shares():

@@ -12,11 +12,11 @@ The built-in losses (``LOSSES``; docs/training.md's table lists them with their 
 
 - ``ce``: cross-entropy averaged over the labelled pixels (the recipe's, and the default);
 - ``dice``, ``focal``, ``lovasz``: segmentation_models_pytorch's ``DiceLoss``, ``FocalLoss`` and ``LovaszLoss``
-  in ``multiclass`` mode with the ignored pixels left out (``ignore_index``): Dice ``1 - (2|P∩Y| + smooth) /
-  (|P| + |Y| + smooth)`` per class over the batch (a class absent from the batch's labels counts 0), averaged over
-  the classes; Focal the one-vs-rest sigmoid focal loss of each class's logit (``gamma``), averaged over the
-  labelled pixels and then the classes; Lovász the Lovász-Softmax over the batch's labelled pixels, averaged over
-  the classes present;
+  in ``multiclass`` mode with the ignored pixels left out (``ignore_index``): Dice ``1 - (|P∩Y| + smooth) /
+  ((|P| + |Y|) / 2 + smooth)`` (smp's form) per class over the batch (a class absent from the batch's labels
+  counts 0), averaged over the classes; Focal the one-vs-rest sigmoid focal loss of each class's logit
+  (``gamma``), averaged over the labelled pixels and then the classes; Lovász the Lovász-Softmax over the batch's
+  labelled pixels, averaged over the classes present;
 - ``ohem``: cross-entropy over the hard pixels only, chosen as mmsegmentation's ``OHEMPixelSampler`` chooses
   them: a labelled pixel is kept where the softmax probability of its true class is below ``thresh``, and the
   ``min_kept`` x images of the batch with the lowest such probability are kept whatever it is (all labelled
@@ -471,7 +471,8 @@ def _unless_void(loss: Callable[..., torch.Tensor]) -> LossFn:
 
 @dataclass(frozen=True)
 class DiceOptions:
-    """``smooth``: added to the numerator and the denominator of each class's Dice (smp's; 0: none)."""
+    """``smooth``: added to the numerator and the denominator of each class's Dice, (I + smooth) / ((P + T) / 2 +
+    smooth) as smp writes it (0: none)."""
 
     smooth: float = 0.0
 
