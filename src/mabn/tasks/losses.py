@@ -170,7 +170,7 @@ def loss_entry(name: str) -> LossEntry:
     if dot and module:
         try:
             importlib.import_module(module)
-        except ImportError as err:
+        except (ImportError, ValueError) as err:  # not found, or its registration refused (a name taken)
             raise ConfigError(f"loss {name!r}: cannot import module {module!r} ({err})") from None
         if last in LOSSES:
             return LOSSES[last]
