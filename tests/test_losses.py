@@ -481,6 +481,11 @@ def test_a_fit_trains_ohem_and_dice_with_the_weights_of_classes_yaml(tmp_path, c
     out = _fit(data, tmp_path / "run", capsys, *loss)
     weights = f"class weights (weights of {data / 'classes.yaml'}): sky 1.00, grass 2.00, road 0.50"
     assert line(out, "class weights") == weights
+    # The fit says what OHEM keeps at its crop (TINY's 32x32), as the dry run does.
+    assert line(out, "ohem:") == (
+        "ohem: keeps the pixels of true-class probability < 0.7, and at least the 64 hardest of each 32x32 crop's "
+        "1024 (min_kept 64 as given)"
+    )
 
 
 @pytest.mark.slow
