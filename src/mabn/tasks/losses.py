@@ -64,6 +64,7 @@ __all__ = [
     "LossData",
     "LossEntry",
     "LossTerm",
+    "OhemOptions",
     "PixelLoss",
     "build_loss",
     "check_loss",
