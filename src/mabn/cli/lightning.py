@@ -75,6 +75,7 @@ from ..run import (
 from ..run import folder as runs
 from ..run import lock as runlock
 from ..tasks.classification import backbone_path
+from ..tasks.losses import MOVED
 from ..tasks.memory import MemoryPlan
 from .help import PROG, PlainTextHelp
 
@@ -163,7 +164,8 @@ def run_shape(config: Namespace, samples: int | None, memory: MemoryPlan | None 
 def plan_lines(config: Namespace) -> list[str]:
     """What the run's task says at the start of fit (its ``run_plan``'s batch, lr and schedule, and where it has a
     ``memory_plan`` the memory per device), computed from ``config``, then what the data module's ``plan`` says of
-    the data set (checked once for both), then the class weights the task takes from it (``class_weight_lines``)."""
+    the data set (checked once for both), then what the task's loss takes from it (``loss_lines``: the class weights,
+    the crop)."""
     planned = data_plan(config)
     task, per_device, trainer = _import(config.model.class_path), _device_batch(config), config.trainer
     memory = None
@@ -178,9 +180,10 @@ def plan_lines(config: Namespace) -> list[str]:
     shape = run_shape(config, planned and planned.train_samples, memory)
     known = shape is not None and hasattr(task, "run_plan")
     lines = list(task.run_plan(dict(config.model.init_args), shape).lines) if known else []
-    # The class weights the data gives (its class table's, its training pixels'), after the data's lines.
-    weighs = planned is not None and hasattr(task, "class_weight_lines")
-    weights = task.class_weight_lines(dict(config.model.init_args), planned) if weighs else []
+    # What the loss takes from the data (its class table's weights, its training pixels', its crop), after the
+    # data's lines.
+    weighs = planned is not None and hasattr(task, "loss_lines")
+    weights = task.loss_lines(dict(config.model.init_args), planned) if weighs else []
     return lines + (memory.lines if memory else []) + (planned.lines if planned else []) + weights
 
 
@@ -408,8 +411,11 @@ def _init_options(class_path: str) -> list[str]:
 
 def _close(name: str, known: list[str]) -> str:
     """`` (did you mean X?)`` for the ``known`` name closest to ``name``: among those of its group (the same
-    dotted prefix) by the last part, else among all."""
+    dotted prefix) by the last part, else among all; where a loss's option was an argument of the task
+    (``mabn.tasks.losses.MOVED``), `` (moved: <where it is>)``."""
     group, _, last = name.rpartition(".")
+    if last in MOVED:  # an argument that is now an option of its loss: where it is
+        return f" (moved: {MOVED[last]})"
     same = {k.rpartition(".")[2]: k for k in known if k.rpartition(".")[0] == group}
     match = [same[m] for m in difflib.get_close_matches(last, same, n=1)] or difflib.get_close_matches(
         name, known, n=1, cutoff=0.8
