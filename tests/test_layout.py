@@ -197,6 +197,18 @@ def test_the_commands_and_inference_import_no_dataset():
     assert reached == []
 
 
+def test_the_commands_call_the_task_planning_contract_without_probing():
+    """``NormTask`` declares the planning contract (``check_hparams``, ``run_plan``, ``memory_plan``, ``loss_lines``)
+    with its defaults, so the commands call it as it is: no ``hasattr`` asks a task whether it plans."""
+    probes = [
+        f"{path.relative_to(SRC)}:{n}"
+        for path in sorted((SRC / "mabn" / "cli").rglob("*.py"))
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if "hasattr(" in line
+    ]
+    assert probes == []
+
+
 def _own_names(cls: type) -> set[str]:
     """What ``cls`` defines itself: its attributes and methods, ``__init__`` the one dunder counted."""
     return {name for name in vars(cls) if not name.startswith("__") or name == "__init__"}

@@ -162,14 +162,14 @@ def run_shape(config: Namespace, samples: int | None, memory: MemoryPlan | None 
 
 
 def plan_lines(config: Namespace) -> list[str]:
-    """What the run's task says at the start of fit (its ``run_plan``'s batch, lr and schedule, and where it has a
-    ``memory_plan`` the memory per device), computed from ``config``, then what the data module's ``plan`` says of
-    the data set (checked once for both), then what the task's loss takes from it (``loss_lines``: the class weights,
-    the crop)."""
+    """What the run's task says at the start of fit (its ``run_plan``'s batch, lr and schedule, and what its
+    ``memory_plan`` estimates of the memory per device, where it estimates it), computed from ``config``, then what
+    the data module's ``plan`` says of the data set (checked once for both), then what the task's loss takes from it
+    (``loss_lines``: the class weights, the crop). The three are the planning contract of ``NormTask``."""
     planned = data_plan(config)
     task, per_device, trainer = _import(config.model.class_path), _device_batch(config), config.trainer
     memory = None
-    if per_device and hasattr(task, "memory_plan"):  # on the devices the run asks for, at its crop
+    if per_device:  # on the devices the run asks for, at its crop
         accelerator = str(trainer.get("accelerator") or "auto")
         cuda = accelerator in ("gpu", "cuda") or (accelerator == "auto" and torch.cuda.is_available())
         devices = _devices(trainer) or 1
@@ -178,12 +178,10 @@ def plan_lines(config: Namespace) -> list[str]:
         crop = planned.crop if planned and planned.crop else (config.data.get("init_args") or {}).get("crop_size")
         memory = task.memory_plan(dict(config.model.init_args), per_device, global_batch, cuda, per_node, crop)
     shape = run_shape(config, planned and planned.train_samples, memory)
-    known = shape is not None and hasattr(task, "run_plan")
-    lines = list(task.run_plan(dict(config.model.init_args), shape).lines) if known else []
+    lines = list(task.run_plan(dict(config.model.init_args), shape).lines) if shape is not None else []
     # What the loss takes from the data (its class table's weights, its training pixels', its crop), after the
     # data's lines.
-    weighs = planned is not None and hasattr(task, "loss_lines")
-    weights = task.loss_lines(dict(config.model.init_args), planned) if weighs else []
+    weights = task.loss_lines(dict(config.model.init_args), planned) if planned is not None else []
     return lines + (memory.lines if memory else []) + (planned.lines if planned else []) + weights
 
 
@@ -279,8 +277,7 @@ def check_fit_config(config: Namespace) -> None:
     """Every check that needs no data and no weights: the task's arguments, the batch layout, the loggers, the
     run's folder and its artefacts."""
     task = _import(config.model.class_path)
-    if hasattr(task, "check_hparams"):
-        task.check_hparams(dict(config.model.init_args))
+    task.check_hparams(dict(config.model.init_args))
     check_batch(config)
     check_loggers(config)
     if not config.trainer.get("default_root_dir"):
