@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import csv
 import math
+import re
 from pathlib import Path
 
 import numpy as np
@@ -240,11 +241,13 @@ def test_the_loss_arguments_are_refused_in_one_line():
         (({}, None, 0.7, 1), "loss={}"),
         (("ce", "median", 0.7, 1), "class_weights='median'"),
         (("ce", [1.0, -1.0], 0.7, 1), "class_weights=[1.0, -1.0]"),
+        (("ce", [1e308, 1.0], 0.7, 1), "class_weights=[1e+308, 1.0]: 1e+308 is outside [1e-06, 1e+06]"),
+        (("ce", [1.0, 1e-300], 0.7, 1), "class_weights=[1.0, 1e-300]: 1e-300 is outside [1e-06, 1e+06]"),
         (("lovasz", "counts", 0.7, 1), "loss lovasz takes no class weights"),
         (("ohem", None, 1.5, 1), "ohem_thresh=1.5"),
         (("ohem", None, 0.7, 0), "ohem_min_kept=0"),
     ]:
-        with pytest.raises(ConfigError, match=named.replace("[", r"\[").replace("{", r"\{")) as caught:
+        with pytest.raises(ConfigError, match=re.escape(named)) as caught:
             check_loss(*args)
         assert "\n" not in str(caught.value)
 
@@ -265,6 +268,10 @@ def test_classes_yaml_gives_weights_and_refuses_bad_ones_in_one_line():
         with pytest.raises(DatasetError, match=r"weights must hold one number > 0 per class, 2 in all") as caught:
             ClassTable.parse({"classes": ["sky", "road"], "weights": bad}, "d/classes.yaml")
         assert "\n" not in str(caught.value) and "d/classes.yaml" in str(caught.value)
+    for far, shown in ((1.0e308, "1e+308"), (1.0e7, "10000000.0"), (1.0e-30, "1e-30")):
+        with pytest.raises(DatasetError, match=rf"weights: {re.escape(shown)} is outside \[1e-06, 1e\+06\]"):
+            ClassTable.parse({"classes": ["sky", "road"], "weights": [1.0, far]}, "d/classes.yaml")
+    assert ClassTable.parse({"classes": ["sky", "road"], "weights": [1e-6, 1e6]}).weights == (1e-6, 1e6)
 
 
 def test_class_weights_come_from_one_place():
@@ -316,6 +323,22 @@ def test_the_dry_run_refuses_weights_that_do_not_fit_the_classes(banded, tmp_pat
     code, out, err = segment(banded, tmp_path / "run", capsys, *weights)
     assert code == 2
     assert "error: class_weights=[1.0, 2.0]: 2 weights for 3 classes; give one per class, in class-index order" in err
+
+
+@pytest.mark.parametrize("dry_run", [True, False])
+def test_weights_that_float32_cannot_sum_are_refused_by_the_dry_run_and_the_fit(banded, tmp_path, capsys, dry_run):
+    """1e308 is infinite in float32: the fit took it and crashed at the first loss."""
+    weights = ["--model.init_args.class_weights", "[1.0, 1e308, 1.0]", "--data.init_args.global_batch_size", "4"]
+    code, out, err = segment(banded, tmp_path / "run", capsys, *weights, dry_run=dry_run)
+    assert code == 2
+    assert (
+        err.strip()
+        .splitlines()[-1]
+        .startswith(
+            "error: class_weights=[1.0, 1e+308, 1.0]: 1e+308 is outside [1e-06, 1e+06]: class weights are relative"
+        )
+    ), err
+    assert "Traceback" not in err and not (tmp_path / "run" / "checkpoints").exists()
 
 
 TINY = [
