@@ -50,7 +50,14 @@ import torch
 from jsonargparse import ArgumentParser, DefaultHelpFormatter, Namespace
 from pytorch_lightning.cli import LightningArgumentParser, SaveConfigCallback
 
-from ..compat import argument_error_text, hold_resumed_epochs, lightning_cli, option_strings, subcommand_parsers
+from ..compat import (
+    argument_error_text,
+    hold_resumed_epochs,
+    lightning_cli,
+    option_strings,
+    record_trained_batches,
+    subcommand_parsers,
+)
 from ..data.classes import CLASSES_FILE, ClassTable
 from ..data.errors import DatasetError
 from ..data.loading import DataPlan
@@ -665,6 +672,7 @@ class MabnCLI(lightning_cli()):
             kwargs.setdefault("plugins", [*plugins, AtomicCheckpointIO()])
         trainer = super().instantiate_trainer(**kwargs)
         hold_resumed_epochs(trainer)  # a resume with max_steps counts its epochs and logged steps rightly
+        record_trained_batches(trainer)  # a resume inside an epoch trains the rest of its batches
         # Exact resume; CUDA out of memory in a training step as one line (before FailFast, which passes that line
         # to the other processes); a failing DDP process stops all; last.ckpt the latest state at every end, SLURM's
         # requeue signal and SIGTERM (scancel, preemption, kill) included. A trainer without checkpointing
