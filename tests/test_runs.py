@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 import pytorch_lightning as pl
 import torch
+import yaml
 from torch import nn
 
 from helpers.commands import run_mabn
@@ -447,18 +448,26 @@ def test_a_resume_of_another_experiment_is_refused_in_one_line(
 
 def test_a_resume_of_the_same_experiment_goes_on(tmp_path, request, monkeypatch, capsys):
     """The same arguments in another spelling (the data folder as an absolute path, the lr as the number it is)
-    are the same experiment: the resume trains on."""
+    are the same experiment: the resume trains on. Its config.yaml records the checkpoint it resumed from: the file
+    (which the same config resumes from again) and, in its first line, the step that file held then (last.ckpt
+    holds a later one by the run's end)."""
     folder = tmp_path / "run"
     cfg = _config(tmp_path, folder)
     monkeypatch.chdir(tmp_path)
     code, _, err = _run_here(_command(cfg, "--trainer.max_epochs", "1"), request, monkeypatch, capsys)
     assert code == 0, err[-3000:]
+    assert yaml.safe_load((folder / "config.yaml").read_text())["ckpt_path"] is None
+    assert "# resumed from" not in (folder / "config.yaml").read_text()
     same = ("--data.init_args.data_dir", str(tmp_path / "unused"), "--model.init_args.lr", "5e-2")
     code, out, err = _run_here(
         _command(cfg, "--trainer.max_epochs", "2", "--ckpt_path", "auto", *same), request, monkeypatch, capsys
     )
     assert code == 0, err[-3000:]
     assert torch.load(folder / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 8
+    last = folder / "checkpoints" / "last.ckpt"
+    recorded = (folder / "config.yaml").read_text()
+    assert recorded.splitlines()[0] == f"# resumed from {last} (epoch 0, step 4)"
+    assert yaml.safe_load(recorded)["ckpt_path"] == str(last)
 
 
 def test_a_run_setting_given_on_resume_is_taken_and_said(tmp_path, request, monkeypatch, capsys):

@@ -362,7 +362,11 @@ def place_evaluation(config: Namespace, subcommand: str) -> None:
 
 class AtomicSaveConfig(SaveConfigCallback):
     """The resolved config saved as ``config.yaml`` in the run's folder through a temporary file, replacing the
-    one of the run it resumes."""
+    one of the run it resumes. A resume's records the checkpoint it resumed from: ``ckpt_path`` its file, which
+    the same config resumes from again, and a first comment line its epoch and step (``resumed``), which the file
+    no longer holds once the run saves to it again (``last.ckpt``)."""
+
+    resumed: runs.Checkpoint | None = None  # set by MabnCLI.instantiate_trainer
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if self.already_saved:
@@ -370,6 +374,8 @@ class AtomicSaveConfig(SaveConfigCallback):
         log_dir = trainer.log_dir  # a broadcast: every process takes part
         if trainer.is_global_zero and log_dir is not None:
             text = self.parser.dump(self.config, skip_none=False)
+            if self.resumed is not None:
+                text = f"# resumed from {self.resumed}\n{text}"
             write_text_atomic(Path(log_dir) / self.config_filename, text)
         self.already_saved = True
 
@@ -672,6 +678,10 @@ class MabnCLI(lightning_cli()):
             kwargs.setdefault("plugins", [*plugins, AtomicCheckpointIO()])
         trainer = super().instantiate_trainer(**kwargs)
         hold_resumed_epochs(trainer)  # a resume with max_steps counts its epochs and logged steps rightly
+        plan = getattr(self, "plan", None)  # a fit's
+        for callback in trainer.callbacks:
+            if isinstance(callback, AtomicSaveConfig) and plan is not None:
+                callback.resumed = plan.resume
         record_trained_batches(trainer)  # a resume inside an epoch trains the rest of its batches
         # Exact resume; CUDA out of memory in a training step as one line (before FailFast, which passes that line
         # to the other processes); a failing DDP process stops all; last.ckpt the latest state at every end, SLURM's
