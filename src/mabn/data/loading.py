@@ -114,10 +114,10 @@ class ResumableLoader(DataLoader):
     trained_batches = 0
 
     def state_dict(self) -> dict[str, int | None]:
-        return {"seed": self.sampler.seed, "trained_batches": self.trained_batches}
+        return {"seed": getattr(self.sampler, "seed", None), "trained_batches": self.trained_batches}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if state.get("seed") is not None:
+        if state.get("seed") is not None and isinstance(self.sampler, ResumableSampler):
             self.sampler.resume(state["seed"], state["trained_batches"] * self.batch_size)
 
 
@@ -129,25 +129,27 @@ def make_loader(dataset: Dataset, batch_size: int, train: bool, num_workers: int
     if num_workers > 0:
         kwargs = {"persistent_workers": True, "worker_init_fn": partial(start_worker, rank=rank())}
     if not train:
-        kwargs["sampler"] = evaluation_sampler(dataset)
-    elif world_size() == 1:  # under DDP Lightning gives the loader its DistributedSampler, seeded by the epoch
-        return ResumableLoader(
+        return DataLoader(
             dataset,
             batch_size=batch_size,
-            sampler=ResumableSampler(len(dataset)),
-            # Each epoch's iterator draws its workers' base seed from this generator, not from torch's: a resume
-            # makes its first iterator where the uninterrupted fit drew none, which would shift every later draw.
-            generator=torch.Generator().manual_seed(torch.initial_seed()),
-            drop_last=True,
+            sampler=evaluation_sampler(dataset),
             num_workers=num_workers,
             pin_memory=torch.cuda.is_available(),
             **kwargs,
         )
-    return DataLoader(
+    # Under DDP Lightning gives the loader its DistributedSampler in place of the shuffling one (seeded by the
+    # epoch, with no place in an epoch); on one process the ResumableSampler goes on inside an epoch. Both are a
+    # ResumableLoader, so that a checkpoint of either has the loader state the other's resume expects.
+    one = world_size() == 1
+    return ResumableLoader(
         dataset,
         batch_size=batch_size,
-        shuffle=train,
-        drop_last=train,
+        sampler=ResumableSampler(len(dataset)) if one else None,
+        shuffle=not one,
+        # Each epoch's iterator draws its workers' base seed from this generator, not from torch's: a resume
+        # makes its first iterator where the uninterrupted fit drew none, which would shift every later draw.
+        generator=torch.Generator().manual_seed(torch.initial_seed()),
+        drop_last=True,
         num_workers=num_workers,
         pin_memory=torch.cuda.is_available(),
         **kwargs,
