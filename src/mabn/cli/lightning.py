@@ -50,7 +50,14 @@ import torch
 from jsonargparse import ArgumentParser, DefaultHelpFormatter, Namespace
 from pytorch_lightning.cli import LightningArgumentParser, SaveConfigCallback
 
-from ..compat import argument_error_text, hold_resumed_epochs, lightning_cli, option_strings, subcommand_parsers
+from ..compat import (
+    argument_error_text,
+    hold_resumed_epochs,
+    lightning_cli,
+    option_strings,
+    record_trained_batches,
+    subcommand_parsers,
+)
 from ..data.classes import CLASSES_FILE, ClassTable
 from ..data.errors import DatasetError
 from ..data.loading import DataPlan
@@ -74,6 +81,7 @@ from ..run import (
 )
 from ..run import folder as runs
 from ..run import lock as runlock
+from ..tasks.base import NormTask
 from ..tasks.classification import backbone_path
 from ..tasks.losses import MOVED
 from ..tasks.memory import MemoryPlan
@@ -168,6 +176,8 @@ def plan_lines(config: Namespace) -> list[str]:
     (``loss_lines``: the class weights, the crop). The three are the planning contract of ``NormTask``."""
     planned = data_plan(config)
     task, per_device, trainer = _import(config.model.class_path), _device_batch(config), config.trainer
+    if not issubclass(task, NormTask):  # a LightningModule of one's own plans nothing
+        return planned.lines if planned else []
     memory = None
     if per_device:  # on the devices the run asks for, at its crop
         accelerator = str(trainer.get("accelerator") or "auto")
@@ -277,7 +287,8 @@ def check_fit_config(config: Namespace) -> None:
     """Every check that needs no data and no weights: the task's arguments, the batch layout, the loggers, the
     run's folder and its artefacts."""
     task = _import(config.model.class_path)
-    task.check_hparams(dict(config.model.init_args))
+    if issubclass(task, NormTask):
+        task.check_hparams(dict(config.model.init_args))
     check_batch(config)
     check_loggers(config)
     if not config.trainer.get("default_root_dir"):
@@ -355,7 +366,11 @@ def place_evaluation(config: Namespace, subcommand: str) -> None:
 
 class AtomicSaveConfig(SaveConfigCallback):
     """The resolved config saved as ``config.yaml`` in the run's folder through a temporary file, replacing the
-    one of the run it resumes."""
+    one of the run it resumes. A resume's records the checkpoint it resumed from: ``ckpt_path`` its file, which
+    the same config resumes from again, and a first comment line its epoch and step (``resumed``), which the file
+    no longer holds once the run saves to it again (``last.ckpt``)."""
+
+    resumed: runs.Checkpoint | None = None  # set by MabnCLI.instantiate_trainer
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if self.already_saved:
@@ -363,6 +378,8 @@ class AtomicSaveConfig(SaveConfigCallback):
         log_dir = trainer.log_dir  # a broadcast: every process takes part
         if trainer.is_global_zero and log_dir is not None:
             text = self.parser.dump(self.config, skip_none=False)
+            if self.resumed is not None:
+                text = f"# resumed from {self.resumed}\n{text}"
             write_text_atomic(Path(log_dir) / self.config_filename, text)
         self.already_saved = True
 
@@ -668,6 +685,11 @@ class MabnCLI(lightning_cli()):
             kwargs.setdefault("plugins", [*plugins, AtomicCheckpointIO()])
         trainer = super().instantiate_trainer(**kwargs)
         hold_resumed_epochs(trainer)  # a resume with max_steps counts its epochs and logged steps rightly
+        plan = getattr(self, "plan", None)  # a fit's
+        for callback in trainer.callbacks:
+            if isinstance(callback, AtomicSaveConfig) and plan is not None:
+                callback.resumed = plan.resume
+        record_trained_batches(trainer)  # a resume inside an epoch trains the rest of its batches
         # Exact resume; CUDA out of memory in a training step as one line (before FailFast, which passes that line
         # to the other processes); a failing DDP process stops all; last.ckpt the latest state at every end, SLURM's
         # requeue signal and SIGTERM (scancel, preemption, kill) included. A trainer without checkpointing
