@@ -40,6 +40,7 @@ def voc_run(tmp_path_factory):
     return data, root / "run" / "checkpoints" / "last.ckpt"
 
 
+@pytest.mark.slow  # a fit and the four readers of its checkpoint
 def test_a_checkpoint_records_its_data_module_and_inference_reads_the_dataset_through_it(voc_run, tmp_path, capsys):
     data, ckpt = voc_run
     recorded = torch.load(ckpt, map_location="cpu", weights_only=True)["datamodule_hyper_parameters"]
@@ -73,40 +74,47 @@ def test_a_checkpoint_records_its_data_module_and_inference_reads_the_dataset_th
     assert result.metadata["class_colors"][15] == [192, 128, 128]  # person, in VOC's colour map
 
 
-def test_nineteen_classes_of_a_data_module_are_its_own_not_cityscapes(tmp_path, capsys):
-    """A checkpoint of 19 outputs whose data module fixes 19 classes of its own: every reader names those classes
-    (19 is Cityscapes' count, which says nothing of the dataset)."""
-    data = voc_like.generate(tmp_path / "data", classes=19, train=1, val=1)
+def _checkpoint(path, data_module: str, num_classes: int, data_dir) -> None:
+    """A stage-2 checkpoint as LightningCLI writes it, of a ResNet-18 PSPNet from random weights whose data module
+    is ``data_module`` (a class path) on ``data_dir``."""
     torch.manual_seed(0)
-    task = SegmentationTask(norm="bn", num_classes=19, arch="resnet18", backbone=None)
-    ckpt = tmp_path / "parts.ckpt"
+    task = SegmentationTask(norm="bn", num_classes=num_classes, arch="resnet18", backbone=None)
+    hparams = {"_class_path": data_module, "data_dir": str(data_dir), "crop_size": 32}
     torch.save(
         {
             "state_dict": task.state_dict(),
             "hyper_parameters": {**dict(task.hparams), "_class_path": "mabn.tasks.SegmentationTask"},
-            "datamodule_hyper_parameters": {
-                "_class_path": "helpers.voc_like.NineteenDataModule",
-                "data_dir": str(data),
-                "crop_size": 32,
-            },
+            "datamodule_hyper_parameters": hparams,
             "pytorch-lightning_version": pl.__version__,
         },
-        ckpt,
+        path,
     )
+
+
+def test_nineteen_classes_of_a_data_module_are_its_own_not_cityscapes(tmp_path, capsys):
+    """A checkpoint of 19 outputs whose data module fixes 19 classes of its own: every reader names those classes
+    (19 is Cityscapes' count, which says nothing of the dataset)."""
+    data = voc_like.generate(tmp_path / "data", classes=19, train=1, val=1)
+    ckpt = tmp_path / "parts.ckpt"
+    _checkpoint(ckpt, "helpers.voc_like.NineteenDataModule", 19, data)
     names = [f"part{i}" for i in range(19)]
     assert list(mabn.load(ckpt, device="cpu").class_names) == names
     assert export.metadata(export.load_model(ckpt))["class_names"] == names
     code, out, err = run_mabn(["test", str(ckpt), "--num-workers", "0"], capsys)
     assert code == 0, err
     assert "| part18 |" in out and "road" not in out
+    out_dir = tmp_path / "pred"
+    code, out, err = run_mabn(
+        ["predict", str(ckpt), "--split", "val", "--out", str(out_dir), "--num-workers", "0"], capsys
+    )
+    assert code == 0, err
+    assert [p.name for p in (out_dir / "SegmentationClass").iterdir()] == ["2007_val000.png"]
 
 
-def test_a_data_module_that_cannot_be_imported_is_one_line_naming_it(voc_run, tmp_path, capsys):
-    _, ckpt = voc_run
-    moved = torch.load(ckpt, map_location="cpu", weights_only=False)
-    moved["datamodule_hyper_parameters"]["_class_path"] = "gone_module.VOCDataModule"
+def test_a_data_module_that_cannot_be_imported_is_one_line_naming_it(tmp_path, capsys):
+    data = voc_like.generate(tmp_path / "data", classes=21, train=1, val=1)
     path = tmp_path / "moved.ckpt"
-    torch.save(moved, path)
+    _checkpoint(path, "gone_module.VOCDataModule", 21, data)
     code, _, err = run_mabn(["predict", str(path), "--split", "val", "--out", str(tmp_path / "p")], capsys)
     assert code == 2 and len(err.strip().splitlines()) == 1
     assert err.startswith(f"error: {path} was trained with the data module gone_module.VOCDataModule, which cannot be")

@@ -50,7 +50,14 @@ import torch
 from jsonargparse import ArgumentParser, DefaultHelpFormatter, Namespace
 from pytorch_lightning.cli import LightningArgumentParser, SaveConfigCallback
 
-from ..compat import argument_error_text, hold_resumed_epochs, lightning_cli, option_strings, subcommand_parsers
+from ..compat import (
+    argument_error_text,
+    hold_resumed_epochs,
+    lightning_cli,
+    option_strings,
+    record_trained_batches,
+    subcommand_parsers,
+)
 from ..data.classes import CLASSES_FILE, ClassTable
 from ..data.errors import DatasetError
 from ..data.loading import DataPlan, workers_line
@@ -75,7 +82,9 @@ from ..run import (
 )
 from ..run import folder as runs
 from ..run import lock as runlock
+from ..tasks.base import NormTask
 from ..tasks.classification import backbone_path
+from ..tasks.losses import MOVED
 from ..tasks.memory import MemoryPlan
 from .help import PROG, PlainTextHelp
 
@@ -162,13 +171,16 @@ def run_shape(config: Namespace, samples: int | None, memory: MemoryPlan | None 
 
 
 def plan_lines(config: Namespace) -> list[str]:
-    """What the run's task says at the start of fit (its ``run_plan``'s batch, lr and schedule, and where it has a
-    ``memory_plan`` the memory per device), computed from ``config``, then what the data module's ``plan`` says of
-    the data set (checked once for both), then the class weights the task takes from it (``class_weight_lines``)."""
+    """What the run's task says at the start of fit (its ``run_plan``'s batch, lr and schedule, and what its
+    ``memory_plan`` estimates of the memory per device, where it estimates it), computed from ``config``, then what
+    the data module's ``plan`` says of the data set (checked once for both), then what the task's loss takes from it
+    (``loss_lines``: the class weights, the crop). The three are the planning contract of ``NormTask``."""
     planned = data_plan(config)
     task, per_device, trainer = _import(config.model.class_path), _device_batch(config), config.trainer
+    if not issubclass(task, NormTask):  # a LightningModule of one's own plans nothing
+        return planned.lines if planned else []
     memory = None
-    if per_device and hasattr(task, "memory_plan"):  # on the devices the run asks for, at its crop
+    if per_device:  # on the devices the run asks for, at its crop
         accelerator = str(trainer.get("accelerator") or "auto")
         cuda = accelerator in ("gpu", "cuda") or (accelerator == "auto" and torch.cuda.is_available())
         devices = _devices(trainer) or 1
@@ -177,11 +189,10 @@ def plan_lines(config: Namespace) -> list[str]:
         crop = planned.crop if planned and planned.crop else (config.data.get("init_args") or {}).get("crop_size")
         memory = task.memory_plan(dict(config.model.init_args), per_device, global_batch, cuda, per_node, crop)
     shape = run_shape(config, planned and planned.train_samples, memory)
-    known = shape is not None and hasattr(task, "run_plan")
-    lines = list(task.run_plan(dict(config.model.init_args), shape).lines) if known else []
-    # The class weights the data gives (its class table's, its training pixels'), after the data's lines.
-    weighs = planned is not None and hasattr(task, "class_weight_lines")
-    weights = task.class_weight_lines(dict(config.model.init_args), planned) if weighs else []
+    lines = list(task.run_plan(dict(config.model.init_args), shape).lines) if shape is not None else []
+    # What the loss takes from the data (its class table's weights, its training pixels', its crop), after the
+    # data's lines.
+    weights = task.loss_lines(dict(config.model.init_args), planned) if planned is not None else []
     data_args = config.data.get("init_args") or Namespace()
     node = max(1, (_devices(trainer) or 1) // int(trainer.get("num_nodes") or 1))
     workers = [workers_line(data_args.get("num_workers"), node)] if "num_workers" in data_args else []
@@ -280,7 +291,7 @@ def check_fit_config(config: Namespace) -> None:
     """Every check that needs no data and no weights: the task's arguments, the batch layout, the loggers, the
     run's folder and its artefacts."""
     task = _import(config.model.class_path)
-    if hasattr(task, "check_hparams"):
+    if issubclass(task, NormTask):
         task.check_hparams(dict(config.model.init_args))
     check_batch(config)
     check_loggers(config)
@@ -359,7 +370,11 @@ def place_evaluation(config: Namespace, subcommand: str) -> None:
 
 class AtomicSaveConfig(SaveConfigCallback):
     """The resolved config saved as ``config.yaml`` in the run's folder through a temporary file, replacing the
-    one of the run it resumes."""
+    one of the run it resumes. A resume's records the checkpoint it resumed from: ``ckpt_path`` its file, which
+    the same config resumes from again, and a first comment line its epoch and step (``resumed``), which the file
+    no longer holds once the run saves to it again (``last.ckpt``)."""
+
+    resumed: runs.Checkpoint | None = None  # set by MabnCLI.instantiate_trainer
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if self.already_saved:
@@ -367,6 +382,8 @@ class AtomicSaveConfig(SaveConfigCallback):
         log_dir = trainer.log_dir  # a broadcast: every process takes part
         if trainer.is_global_zero and log_dir is not None:
             text = self.parser.dump(self.config, skip_none=False)
+            if self.resumed is not None:
+                text = f"# resumed from {self.resumed}\n{text}"
             write_text_atomic(Path(log_dir) / self.config_filename, text)
         self.already_saved = True
 
@@ -412,8 +429,11 @@ def _init_options(class_path: str) -> list[str]:
 
 def _close(name: str, known: list[str]) -> str:
     """`` (did you mean X?)`` for the ``known`` name closest to ``name``: among those of its group (the same
-    dotted prefix) by the last part, else among all."""
+    dotted prefix) by the last part, else among all; where a loss's option was an argument of the task
+    (``mabn.tasks.losses.MOVED``), `` (moved: <where it is>)``."""
     group, _, last = name.rpartition(".")
+    if last in MOVED:  # an argument that is now an option of its loss: where it is
+        return f" (moved: {MOVED[last]})"
     same = {k.rpartition(".")[2]: k for k in known if k.rpartition(".")[0] == group}
     match = [same[m] for m in difflib.get_close_matches(last, same, n=1)] or difflib.get_close_matches(
         name, known, n=1, cutoff=0.8
@@ -669,6 +689,11 @@ class MabnCLI(lightning_cli()):
             kwargs.setdefault("plugins", [*plugins, AtomicCheckpointIO()])
         trainer = super().instantiate_trainer(**kwargs)
         hold_resumed_epochs(trainer)  # a resume with max_steps counts its epochs and logged steps rightly
+        plan = getattr(self, "plan", None)  # a fit's
+        for callback in trainer.callbacks:
+            if isinstance(callback, AtomicSaveConfig) and plan is not None:
+                callback.resumed = plan.resume
+        record_trained_batches(trainer)  # a resume inside an epoch trains the rest of its batches
         # Exact resume; CUDA out of memory in a training step as one line (before FailFast, which passes that line
         # to the other processes); a failing DDP process stops all; last.ckpt the latest state at every end, SLURM's
         # requeue signal and SIGTERM (scancel, preemption, kill) included. A trainer without checkpointing

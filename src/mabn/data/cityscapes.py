@@ -19,7 +19,7 @@ from torchvision.datasets import Cityscapes
 from .classes import IGNORE_INDEX, ClassTable
 from .errors import DatasetError, require_pairs
 from .folder import FolderDataModule, FolderDataset, Sample
-from .loading import DataPlan
+from .loading import DataLayout, DataPlan
 
 __all__ = [
     "CLASSES",
@@ -174,6 +174,14 @@ class CityscapesDataModule(FolderDataModule):
 
     fixed_classes = CLASSES
     dataset_class = CityscapesDataset
+    layout = DataLayout(
+        (IMAGES, LABELS),
+        f"No Cityscapes given (DATA=...): expected {IMAGES}/<split>/<city>/*{IMAGE_SUFFIX} and\n"
+        f"{LABELS}/<split>/<city>/*{LABEL_SUFFIX}. Running the demo profile on generated street scenes\n"
+        "(configs/demo/cityscapes.yaml).",
+        "cityscapes",
+        name="cityscapes",
+    )
 
     def __init__(self, data_dir: str, crop_size: int = 713, **kwargs: Any) -> None:
         super().__init__(data_dir, crop_size, **kwargs)

@@ -71,7 +71,7 @@ from .images import (
     read_image,
     read_values,
 )
-from .loading import DataPlan, augmentation_seed, make_loader, node_devices
+from .loading import DataLayout, DataPlan, augmentation_seed, make_loader, node_devices
 
 __all__ = [
     "ClassPixels",
@@ -854,6 +854,13 @@ class FolderDataModule(pl.LightningDataModule):
     fixed_classes: ClassTable | None = None
     # The dataset of its layout: what ``full_dataset`` makes, and what inference reads a split and names frames by.
     dataset_class: type[FolderDataset] = FolderDataset
+    layout = DataLayout(
+        (IMAGES, MASKS),
+        "No dataset given (DATA=...): expected images/<split>/*, masks/<split>/*.png and classes.yaml\n"
+        "(docs/your-data.md). Running the demo profile on the generated example (configs/demo/cityscapes.yaml).",
+        "segment",
+        files=(CLASSES_FILE,),
+    )
     # Init arguments that change how a run reads its data, not what it trains on (mabn.cli.lightning.run_settings).
     run_settings = frozenset({"num_workers", "val_batch_size"})
     class_pixels: ClassPixels | None = None
