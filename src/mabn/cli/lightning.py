@@ -272,18 +272,46 @@ def accelerator_problem(config: Namespace) -> str | None:
     return None
 
 
-def check_fit_config(config: Namespace) -> None:
-    """Every check that needs no data and no weights: the task's arguments, the batch layout, the loggers, the
-    run's folder and its artefacts."""
+def check_fit_config(config: Namespace) -> pl.LightningModule | None:
+    """Every check that needs no data and no weights: the task's arguments, the model the fit builds and the checks
+    its setup runs on it (``build_task``), the batch layout, the loggers, the run's folder and its artefacts.
+    Returns the task built without weights, where it has that build."""
     task = _import(config.model.class_path)
     if hasattr(task, "check_hparams"):
         task.check_hparams(dict(config.model.init_args))
+    built = build_task(config)
     check_batch(config)
     check_loggers(config)
     if not config.trainer.get("default_root_dir"):
         raise ConfigError("trainer.default_root_dir is not set: the run needs a folder of its own")
     if "export_dir" in config.model.init_args:
         check_export(config)
+    return built
+
+
+def build_task(config: Namespace) -> pl.LightningModule | None:
+    """The fit's task built by its own constructor on the meta device and checked as the fit's setup checks it
+    (its ``build_unweighted``), so that a choice of encoder, decoder, norm and norm policy that cannot train stops
+    the dry run and the fit alike, before anything is read or written; None for a task without that build."""
+    build = getattr(_import(config.model.class_path), "build_unweighted", None)
+    return None if build is None else build(_plain_args(config.model))
+
+
+def checkpoint_line(task: pl.LightningModule) -> list[str]:
+    """The plan's line on the size of a checkpoint of ``task`` (its ``checkpoint_bytes``: weights and buffers, and
+    the optimizer's state that a resume needs)."""
+    sizes = getattr(task, "checkpoint_bytes", None)
+    if sizes is None:
+        return []
+    weights, optimizer = sizes()
+
+    def mb(size: int) -> str:  # three significant digits, or whole megabytes
+        return f"{size / 1e6:.0f}" if size >= 1e8 else f"{size / 1e6:.3g}"
+
+    return [
+        f"checkpoint: {mb(weights + optimizer)} MB a file (weights and buffers {mb(weights)} MB, optimizer state "
+        f"{mb(optimizer)} MB); a best checkpoint that holds last.ckpt's state is the same file"
+    ]
 
 
 def checkpoint_dirs(config: Namespace, folder: Path) -> list[Path]:
@@ -466,6 +494,7 @@ class MabnCLI(lightning_cli()):
         self.problems: list[str] = []  # a dry run's, each a line; a run stops at its first
         self.experiment: dict[str, Any] = {}  # a fit's, as given (``experiment``)
         self.dirs: list[Path] = []  # a fit's checkpoint folders (``checkpoint_dirs``); none: the default
+        self.task: pl.LightningModule | None = None  # a fit's task as built without weights (``build_task``)
         # The parser of the subcommand asked for alone: LightningCLI builds one per subcommand (fit, validate, test,
         # predict), each from the trainer's, model's and data's signatures, a third of a dry run's time for three
         # parsers that are never used. Without a known subcommand first (the command line's own, --help), all four.
@@ -513,7 +542,7 @@ class MabnCLI(lightning_cli()):
             folder = Path(config.trainer.get("default_root_dir") or ".")
             # Every check that needs no data comes first: a mistake stops before anything, the lock included, is
             # written.
-            check_fit_config(config)
+            self.task = check_fit_config(config)
             try:
                 self.dirs = checkpoint_dirs(config, folder)
             except ConfigError as err:
@@ -625,7 +654,8 @@ class MabnCLI(lightning_cli()):
         if self.dry_run:
             if self.subcommand == "fit":
                 try:
-                    self.plan_lines = plan_lines(self.config.fit) + self.notes
+                    built = checkpoint_line(self.task) if self.task is not None else []
+                    self.plan_lines = plan_lines(self.config.fit) + built + self.notes
                 except UserError as err:
                     self.problems += err.messages if isinstance(err, UserErrors) else [str(err)]
             if self.problems:
