@@ -5,7 +5,8 @@ Beyond LightningCLI:
   argument, with the closest known name when there is one, and help texts are plain text;
 
 For ``fit``:
-- the configuration is checked before anything is built or read (``check_fit_config``), and a mistake stops
+- the configuration is checked before anything is read or written (``check_fit_config``: the model built without
+  weights on the meta device and checked as the fit's setup checks it, ``build_task``), and a mistake stops
   with one ``error:`` line naming the value;
 - the run lives in one experiment folder, the Trainer's ``default_root_dir`` (``mabn.run.folder``), which one run at a
   time holds (``mabn.run.lock``: a second run on it stops before anything is built, naming the holder); the loggers'
@@ -15,7 +16,8 @@ For ``fit``:
   there is none, so a killed or requeued job restarts with the very same command;
 - checkpoints and the saved config are written atomically and loaded weights-only (``AtomicCheckpointIO``); a
   full disk, a quota or a read-only folder is one line naming the file (``mabn.errors.WriteError``);
-- a dry run (``check``) stops after the checks, before anything is built, with the run's plan;
+- a dry run (``check``) stops after the checks, before the data and the weights are built, with the run's plan (the
+  checkpoint's size among its lines);
 - every trainer gets ``RandomStateCallback`` (exact resume needs the generators' states), ``FailFast`` (a
   failing DDP process stops every process, naming its error), ``LastCheckpoint`` (``checkpoints/last.ckpt``
   the latest state at every end of a fit and every 30 minutes; SLURM's requeue signal and SIGTERM saved at a
@@ -474,7 +476,7 @@ def argument_mistake(message: str, options: list[str], program: str) -> str:
 class MabnCLI(lightning_cli()):
     """LightningCLI with the product's checks, run folder and callbacks (see the module's doc).
 
-    ``dry_run``: stop after the checks and the plan (``plan_lines``), before anything is built; a dry run takes
+    ``dry_run``: stop after the checks and the plan (``plan_lines``), before the data and weights are built; it takes
     no lock, it says whether another run holds the folder, and it names every problem the run would stop at, all
     at once (``UserErrors``). ``prepare``: called after the checks and the lock, before the classes are
     instantiated (a stage launch generates its demo set there). ``gpus_planned``: a dry run of a launch for

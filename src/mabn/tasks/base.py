@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import logging
 import math
 import time
-from collections.abc import Callable, Mapping
+import warnings
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Literal
 
 import pytorch_lightning as pl
@@ -33,6 +36,19 @@ def require(ok: bool, name: str, value: Any, wanted: str) -> None:
     """A ``ConfigError`` naming the argument, its value and what would work, unless ``ok``."""
     if not ok:
         raise ConfigError(f"{name}={value!r}: {wanted}")
+
+
+@contextlib.contextmanager
+def _silent() -> Iterator[None]:
+    """No warning and no log line below WARNING within (torch's for each weight a meta tensor takes no value from,
+    the task's on what it loads)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        logging.disable(logging.INFO)
+        try:
+            yield
+        finally:
+            logging.disable(logging.NOTSET)
 
 
 class NormTask(pl.LightningModule):
@@ -255,13 +271,14 @@ class NormTask(pl.LightningModule):
         setup runs on it (``check_setup``): what a dry run checks and sizes. A model whose construction reads
         tensor values (the drop-path rates of smp's mix transformers, ``mit_b*``) cannot be built there and is
         built on the CPU, the same construction."""
-        try:
-            with torch.device("meta"):
+        with _silent():  # the fit's own build says what it builds and loads, once
+            try:
+                with torch.device("meta"):
+                    task = cls(**hp)
+            except UserError:
+                raise
+            except Exception:  # values read on the meta device: whatever fails on the CPU too is the fit's error
                 task = cls(**hp)
-        except UserError:
-            raise
-        except Exception:  # values read on the meta device: whatever fails on the CPU too is the fit's error
-            task = cls(**hp)
         task.check_setup()
         return task
 
