@@ -38,9 +38,10 @@ ONE_STEP = [
 
 
 def _verdict(code: int, err: str) -> tuple[int, str | None]:
-    """(exit status, the ``error:`` line where the command stopped at one)."""
+    """(exit status, the first ``error:`` line where the command stopped): a dry run names every problem, the launch's
+    first, a run stops at its first."""
     lines = [line for line in err.strip().splitlines() if line.startswith("error: ")]
-    return code, lines[-1] if code else None
+    return code, lines[0] if code else None
 
 
 @pytest.mark.parametrize(
@@ -60,7 +61,7 @@ def test_the_dry_run_and_a_one_step_fit_give_the_same_verdict(
         assert code in (0, 2) and "Traceback" not in err, err[-3000:]
         verdicts.append(_verdict(code, err))
     assert verdicts[0] == verdicts[1]
-    if (encoder, decoder) == ("vgg11", "pspnet"):
+    if (encoder, decoder) == ("vgg11", "pspnet") and norm != "syncbn":  # syncbn: the launch refuses first, on CPUs
         assert verdicts[1] == (2, f"error: encoder 'vgg11' does not run at output stride 8 ({_VGG}): pick a decoder "
                                "at output stride 32 or another encoder (docs/models.md, Encoders)")  # fmt: skip
     if (encoder, decoder, norm) == ("mit_b0", "segformer", "mabn"):
