@@ -68,6 +68,29 @@ def test_the_dry_run_and_a_one_step_fit_give_the_same_verdict(
         assert verdicts[1] == (0, None)  # the encoder's group holds no MABN layer: the heads' train on
 
 
+@pytest.mark.parametrize(
+    ("setting", "value", "said"),
+    [
+        ("log_layers", "[model.nothing]", "error: norm_policy: log_layers ['model.nothing'] are not MABN2d/"),
+        ("groups", "{encoder: {prefixes: [model.encoder]}, heads: {prefixes: [model.head]}}",
+         "error: norm_policy: groups ['heads'] match no module of the model by name prefix: give each group"),
+    ],
+    ids=["log_layers", "groups"],
+)  # fmt: skip
+def test_a_norm_policy_that_names_nothing_of_the_model_stops_the_dry_run_and_the_fit_alike(
+    setting, value, said, tiny_cityscapes, tmp_path, monkeypatch, capsys
+):
+    """MABNCallback's check of the model at the fit's setup, run by the dry run too: one line in both."""
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    argv = ["cityscapes", "--data", str(tiny_cityscapes), "--backbone", "none"]
+    extra = ["--model.init_args.arch", "resnet18", f"--model.init_args.norm_policy.{setting}", value]
+    for dry in (True, False):
+        run = ["--run-dir", str(tmp_path / ("dry" if dry else "fit")), *(["--dry-run"] if dry else [])]
+        code, _, err = run_mabn([*argv, *run, "--", *ONE_STEP, *extra], capsys)
+        assert code == 2 and "Traceback" not in err, err[-3000:]
+        assert _verdict(code, err)[1].startswith(said), err
+
+
 _VGG = "'VGG' models do not support dilated mode due to Max Pooling operations for downsampling!"
 
 
