@@ -76,15 +76,19 @@ triton-compilers: $(STAMP)
 # src/, and the install tests with the installed package (a wheel's stage dry run from another folder, which the
 # checkout's src/ on PYTHONPATH would stand in for, and pip keeping that torch). torch===: PyPI's
 # build, not a local "+cpu" file of the same version, beside which PyPI's torchvision cannot load its operators.
-# PYTHON picks the Python (python3.12, ...).
-TORCH       ?= 2.13.0
-TORCHVISION ?= 0.28.0
-TORCH_VENV  := .venv-torch$(TORCH)
+# Its defaults are the GPU image's software: Python 3.12, torch 2.11 (with Triton 3.6) and its torchvision.
+# TORCH_PINS: Triton 3.6's interpreter, which runs the kernels on CPU tensors in the suite (never on a GPU), reads
+# one-element arrays as Python ints, which NumPy 2.4 refuses.
+TORCH_PYTHON ?= python3.12
+TORCH        ?= 2.11.0
+TORCHVISION  ?= 0.26.0
+TORCH_PINS   ?= "numpy<2.4"
+TORCH_VENV   := .venv-torch$(TORCH)
 test-torch:
 	rm -rf $(TORCH_VENV)
-	$(PYTHON) -m venv $(TORCH_VENV)
+	$(TORCH_PYTHON) -m venv $(TORCH_VENV)
 	$(TORCH_VENV)/bin/python -m pip install --quiet --upgrade pip
-	$(TORCH_VENV)/bin/python -m pip install --quiet "torch===$(TORCH)" "torchvision==$(TORCHVISION)"
+	$(TORCH_VENV)/bin/python -m pip install --quiet "torch===$(TORCH)" "torchvision==$(TORCHVISION)" $(TORCH_PINS)
 	$(TORCH_VENV)/bin/python -m pip install --quiet --report $(TORCH_VENV)/install.json ".[dev]"
 	! grep -E '"name": "(torch|torchvision)"' $(TORCH_VENV)/install.json
 	$(TORCH_VENV)/bin/python -c 'import sys, torch, torchvision; print(sys.version.split()[0], torch.__version__, torchvision.__version__)'

@@ -15,7 +15,7 @@ from helpers.gpu_check import chain
 def test_every_link_passes_on_cpu_processes(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     saved: list[str] = []
-    plan = chain.Plan("resnet18", 32, (32, 64)).fresh()
+    plan = chain.Plan("resnet18", 32, (32, 64), workers=2).fresh()
     links = chain.run(plan, torch.device("cpu"), saved.append)
     for link in links:
         held = [c for c in link.checked if not c.startswith("reported: ")]  # after the resume: figures only
@@ -27,7 +27,7 @@ def test_every_link_passes_on_cpu_processes(tmp_path, monkeypatch):
     assert len(saved) == len(links)  # saved after every link: a cut session keeps what ran
     assert "| predict | not run |" in saved[1]  # ... and says what did not run yet
     assert chain.failed(links) == []
-    again = chain.Plan("resnet18", 32, (32, 64)).fresh()
+    again = chain.Plan("resnet18", 32, (32, 64), workers=2).fresh()
     assert again.work != plan.work and again.data == plan.data  # a second chain: a new folder, the same data
 
 

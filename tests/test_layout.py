@@ -182,6 +182,33 @@ def test_tasks_and_the_neutral_data_modules_import_no_dataset():
     assert reached == []
 
 
+def test_the_commands_and_inference_import_no_dataset():
+    """Inference and the commands know a dataset through its data module's declarations, never by importing it: a
+    checkpoint names its data module, a stage config names the stage's."""
+    graph = _graph()
+    named = ("mabn.data.cityscapes", "mabn.data.imagenet", "mabn.data.synthetic")
+    reached = [
+        f"{module} -> {target}"
+        for module in graph
+        if module.startswith(("mabn.inference", "mabn.cli"))
+        for target in graph.successors(module)
+        if target.startswith(named)
+    ]
+    assert reached == []
+
+
+def test_the_commands_call_the_task_planning_contract_without_probing():
+    """``NormTask`` declares the planning contract (``check_hparams``, ``run_plan``, ``memory_plan``, ``loss_lines``)
+    with its defaults, so the commands call it as it is: no ``hasattr`` asks a task whether it plans."""
+    probes = [
+        f"{path.relative_to(SRC)}:{n}"
+        for path in sorted((SRC / "mabn" / "cli").rglob("*.py"))
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if "hasattr(" in line
+    ]
+    assert probes == []
+
+
 def _own_names(cls: type) -> set[str]:
     """What ``cls`` defines itself: its attributes and methods, ``__init__`` the one dunder counted."""
     return {name for name in vars(cls) if not name.startswith("__") or name == "__init__"}
@@ -189,8 +216,9 @@ def _own_names(cls: type) -> set[str]:
 
 def test_cityscapes_is_the_folder_dataset_naming_its_facts():
     """The folder dataset is the base of every segmentation dataset; Cityscapes' classes define its layout (image
-    folder, pairing, the words of its messages), its labelId -> trainId mapping, its fixed classes, its crop and its
-    dry-run count, and nothing of the reading, checks, augmentation or loaders."""
+    folder, pairing, the words of its messages, the folders the launch checks), how its predictions are named, its
+    labelId -> trainId mapping, its fixed classes, its crop and its dry-run count, and nothing of the reading,
+    checks, augmentation or loaders."""
     from mabn.data import cityscapes, folder
 
     assert issubclass(cityscapes.CityscapesDataset, folder.FolderDataset)
@@ -201,8 +229,18 @@ def test_cityscapes_is_the_folder_dataset_naming_its_facts():
         "mask_term",
         "mask_expected",
         "index_sizes",
+        "prediction_masks",
+        "prediction_scorer",
         "__init__",
         "find_pairs",
+        "frame_name",
+        "mask_file",
         "class_map",
     }
-    assert _own_names(cityscapes.CityscapesDataModule) == {"fixed_classes", "__init__", "dataset", "plan"}
+    assert _own_names(cityscapes.CityscapesDataModule) == {
+        "fixed_classes",
+        "dataset_class",
+        "layout",
+        "__init__",
+        "plan",
+    }

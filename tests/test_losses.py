@@ -7,13 +7,19 @@ the default suite, the others slow)."""
 from __future__ import annotations
 
 import csv
+import dataclasses
 import math
+import os
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
+from helpers.commands import run_mabn
 from helpers.host_reads import HostReads
 from helpers.own_dataset import bands, line, segment
 from helpers.trainer import fit_flags
@@ -21,8 +27,19 @@ from mabn.data.classes import ClassTable
 from mabn.data.errors import DatasetError
 from mabn.data.folder import FolderDataModule
 from mabn.errors import ConfigError
+from mabn.inference.checkpoint import task_hparams
 from mabn.tasks import SegmentationTask
-from mabn.tasks.losses import PixelLoss, check_loss, inverse_log_weights, resolve_class_weights
+from mabn.tasks.losses import (
+    LOSSES,
+    OhemOptions,
+    build_loss,
+    check_loss,
+    from_checkpoint,
+    inverse_log_weights,
+    register_loss,
+    resolve_class_weights,
+    unregister_loss,
+)
 
 IGNORE = 255
 K = 4  # classes; class 3 has no labelled pixel in the batch
@@ -67,15 +84,17 @@ def ref_ce(logits, labels, weights=None) -> float:
     return float((w[y] * nll).sum() / w[y].sum())
 
 
-def ref_dice(logits, labels, weights=None) -> float:
-    """Per class c over the batch: 1 - 2 sum p_c [y=c] / (sum p_c + sum [y=c]), 0 for a class with no labelled
-    pixel; the (weighted) mean over the classes."""
+def ref_dice(logits, labels, weights=None, smooth=0.0) -> float:
+    """Per class c over the batch, as smp's soft Dice score writes it: 1 - (I + smooth) / ((P + T) / 2 + smooth),
+    I = sum p_c [y=c], P = sum p_c, T = sum [y=c]; 0 for a class with no labelled pixel; the (weighted) mean over
+    the classes."""
     z, y = _flat(logits, labels)
     p = _softmax(z)
     per_class = []
     for c in range(K):
         t = (y == c).astype(np.float64)
-        per_class.append(1.0 - 2.0 * (p[:, c] * t).sum() / (p[:, c].sum() + t.sum()) if t.any() else 0.0)
+        dice = ((p[:, c] * t).sum() + smooth) / ((p[:, c].sum() + t.sum()) / 2 + smooth)
+        per_class.append(1.0 - dice if t.any() else 0.0)
     return _weighted_mean(per_class, weights)
 
 
@@ -144,7 +163,7 @@ WEIGHTS = [0.5, 2.0, 1.0, 3.0]
 )
 def test_each_loss_is_its_formula_and_leaves_ignored_pixels_out(name, reference, weights):
     logits, labels = _batch()
-    loss = PixelLoss({name: 1.0}, weights)
+    loss = build_loss(name, weights)
     expected = reference(logits, labels) if weights is None else reference(logits, labels, weights)
     assert loss(logits, labels).item() == pytest.approx(expected, rel=1e-5)
     # The ignored pixels' logits change nothing.
@@ -155,7 +174,7 @@ def test_each_loss_is_its_formula_and_leaves_ignored_pixels_out(name, reference,
 
 def test_a_weighted_sum_is_the_sum_of_its_terms_and_the_default_is_cross_entropy():
     logits, labels = _batch()
-    total = PixelLoss({"ce": 1.0, "dice": 0.5})(logits, labels).item()
+    total = build_loss({"ce": 1.0, "dice": 0.5})(logits, labels).item()
     assert total == pytest.approx(ref_ce(logits, labels) + 0.5 * ref_dice(logits, labels), rel=1e-5)
     task = SegmentationTask(num_classes=K, arch="resnet18", norm="bn", log_predictions_every_n_epochs=0)
     assert task.criterion(logits, labels).item() == pytest.approx(ref_ce(logits, labels), rel=1e-6)
@@ -176,7 +195,7 @@ def test_the_auxiliary_head_takes_the_same_loss_at_its_weight():
 @pytest.mark.parametrize("name", ["ce", "dice", "focal", "lovasz", "ohem"])
 def test_a_batch_of_ignored_pixels_only_trains_nothing(name):
     logits = torch.randn(1, K, 2, 2, requires_grad=True)
-    loss = PixelLoss({name: 1.0}, None, 0.7, 1)(logits, torch.full((1, 2, 2), IGNORE))
+    loss = build_loss(name)(logits, torch.full((1, 2, 2), IGNORE))
     loss.backward()
     assert loss.item() == 0.0 and torch.equal(logits.grad, torch.zeros_like(logits))
 
@@ -192,15 +211,17 @@ def test_a_batch_of_ignored_pixels_only_trains_nothing(name):
     ],
     ids=["ce", "ce weighted", "ohem", "focal", "lovasz"],
 )  # not dice: smp's one_hot checks the labels on the host on the CPU, where a GPU's leaves it to its kernel
-def test_the_loss_reads_the_host_as_its_doc_says(name, weights, reads, monkeypatch):
+def test_the_loss_reads_the_host_as_its_entry_says(name, weights, reads, monkeypatch):
     """The recipe's cross-entropy, weighted or not, reads nothing from the device in a step's forward and backward;
-    OHEM, Focal and Lovász do, as docs/mabn-callback.md says (``helpers.host_reads``)."""
+    OHEM, Focal and Lovász do, as their entries' ``host_reads`` say (and docs/training.md's table, held to them
+    below; ``helpers.host_reads``)."""
+    assert bool(LOSSES[name].host_reads) == reads
     logits, labels = _batch()
     logits.requires_grad_()
     recorder = HostReads()
     recorder.install(monkeypatch)
     with recorder.recording():
-        PixelLoss({name: 1.0}, weights, 0.7, 1)(logits, labels).backward()
+        build_loss(name, weights)(logits, labels).backward()
     monkeypatch.undo()
     assert bool(recorder.reads) == reads, recorder.reads
 
@@ -217,9 +238,8 @@ def test_ohem_keeps_the_pixels_under_the_threshold_and_at_least_min_kept(thresh,
     logits, labels = _batch()
     for weights in (None, WEIGHTS):
         expected, count = ref_ohem(logits, labels, thresh, min_kept, weights)
-        assert PixelLoss({"ohem": 1.0}, weights, thresh, min_kept)(logits, labels).item() == pytest.approx(
-            expected, rel=1e-5
-        )
+        loss = build_loss({"ohem": {"thresh": thresh, "min_kept": min_kept}}, weights)
+        assert loss(logits, labels).item() == pytest.approx(expected, rel=1e-5)
         assert count == kept if kept is not None else count > 2 * min_kept
     if min_kept * 2 < count:  # as mmsegmentation keeps distinct probabilities: p < max(p_(min_kept x N), thresh)
         z, y = _flat(logits, labels)
@@ -230,23 +250,136 @@ def test_ohem_keeps_the_pixels_under_the_threshold_and_at_least_min_kept(thresh,
 def test_ohem_keeps_min_kept_through_a_tie_at_the_cut():
     # Every pixel has p_true = 1/K: mmsegmentation's strict p < cut would keep none; every one is kept here.
     logits, labels = torch.zeros(1, K, 2, 3), torch.tensor([[[0, 1, 2], [3, 0, IGNORE]]])
-    assert PixelLoss({"ohem": 1.0}, None, 0.1, 2)(logits, labels).item() == pytest.approx(math.log(K), rel=1e-6)
+    loss = build_loss({"ohem": {"thresh": 0.1, "min_kept": 2}})
+    assert loss(logits, labels).item() == pytest.approx(math.log(K), rel=1e-6)
 
 
 def test_the_loss_arguments_are_refused_in_one_line():
     for args, named in [
-        (("dyce", None, 0.7, 1), "loss='dyce': choose one of ce, dice, focal, lovasz, ohem"),
-        (({"ce": 1.0, "dice": 0}, None, 0.7, 1), "the weight of dice must be a number > 0"),
-        (({}, None, 0.7, 1), "loss={}"),
-        (("ce", "median", 0.7, 1), "class_weights='median'"),
-        (("ce", [1.0, -1.0], 0.7, 1), "class_weights=[1.0, -1.0]"),
-        (("lovasz", "counts", 0.7, 1), "loss lovasz takes no class weights"),
-        (("ohem", None, 1.5, 1), "ohem_thresh=1.5"),
-        (("ohem", None, 0.7, 0), "ohem_min_kept=0"),
+        (("dyce", None), "loss 'dyce' is not a loss; choose one of ce, dice, focal, lovasz, ohem, or module.name"),
+        (({"ce": 1.0, "dice": 0}, None), "the weight of dice must be a number > 0"),
+        (({"ce": 1.0, "dice": {"weight": -1}}, None), "the weight of dice must be a number > 0"),
+        (({}, None), "loss={}"),
+        (("ce", "median"), "class_weights='median'"),
+        (("ce", [1.0, -1.0]), "class_weights=[1.0, -1.0]"),
+        (("lovasz", "counts"), "loss lovasz takes no class weights"),
+        (({"ohem": {"thresh": 1.5}}, None), "ohem's thresh=1.5: a probability in (0, 1]"),
+        (({"ohem": {"min_kept": 0}}, None), "ohem's min_kept=0: a whole number of pixels per image"),
+        (({"ohem": {"min_kept": 2.5}}, None), "ohem's min_kept=2.5 is not of type"),
+        (({"ohem": {"min_kep": 5}}, None), "ohem has no option 'min_kep'; its options are weight, thresh, min_kept"),
+        (({"ce": {"smooth": 1.0}}, None), "ce takes no options, got smooth"),
+        (({"dice": {"smooth": True}}, None), "dice's smooth=True is not of type"),
+        (("no_such_module.tversky", None), "cannot import module 'no_such_module'"),
+        (("math.tversky", None), "module 'math' registers no loss 'tversky'"),
     ]:
-        with pytest.raises(ConfigError, match=named.replace("[", r"\[").replace("{", r"\{")) as caught:
+        with pytest.raises(ConfigError, match=re.escape(named)) as caught:
             check_loss(*args)
         assert "\n" not in str(caught.value)
+
+
+def test_the_options_of_dice_and_focal_reach_their_formulas():
+    logits, labels = _batch()
+    dice = build_loss({"dice": {"smooth": 1.0}})(logits, labels).item()
+    assert dice == pytest.approx(ref_dice(logits, labels, smooth=1.0), rel=1e-5)
+    assert abs(ref_dice(logits, labels, smooth=1.0) - ref_dice(logits, labels)) > 1e-3  # the option changes it
+    focal = build_loss({"focal": {"gamma": 0.5, "weight": 2.0}}, WEIGHTS)(logits, labels).item()
+    assert focal == pytest.approx(2.0 * ref_focal(logits, labels, WEIGHTS, gamma=0.5), rel=1e-5)
+    assert abs(ref_focal(logits, labels, gamma=0.5) - ref_focal(logits, labels)) > 1e-3
+
+
+def test_ohem_keeps_a_share_of_the_crop_unless_min_kept_is_given():
+    # mmsegmentation's 100000 of a 512 x 1024 crop (524288 pixels): 100000 x 14400 / 524288 = 2746.6 at 120 x 120,
+    # 100000 x 508369 / 524288 = 96963.7 at 713 x 713, 100000 x 16 / 524288 = 3.05 at 4 x 4.
+    assert OhemOptions().kept(120) == 2747 and OhemOptions().kept(713) == 96964 and OhemOptions().kept(4) == 3
+    assert OhemOptions().kept(None) == 100_000  # a task built outside a fit: the reference's count
+    assert OhemOptions(min_kept=64).kept(120) == 64
+    logits, labels = _batch()  # 2 images of 12 pixels; no pixel under the threshold 1e-6: the 3 x 2 hardest
+    expected, count = ref_ohem(logits, labels, 1e-6, 3)
+    assert count == 6
+    loss = build_loss({"ohem": {"thresh": 1e-6}}, crop=4)
+    assert loss(logits, labels).item() == pytest.approx(expected, rel=1e-5)
+
+
+def test_ohem_at_a_small_crop_says_what_it_keeps(banded, tmp_path, capsys):
+    """The crop of ``banded`` is 40x40 (1600 pixels): OHEM keeps 19.1 % of it, 1600 x 100000 / 524288 = 305.2; a
+    min_kept of 2000 keeps every pixel, which the plan says."""
+    batch = ["--data.init_args.global_batch_size", "4"]
+    code, out, err = segment(banded, tmp_path / "run", capsys, "--model.init_args.loss", "ohem", *batch)
+    assert code == 0, err
+    assert line(out, "loss:") == (
+        "loss: OHEM cross-entropy (pixels of true-class probability < 0.7, at least the hardest 19.1 % of each crop); "
+        "main head + 0.4 x auxiliary head"
+    )
+    assert line(out, "ohem:") == (
+        "ohem: keeps the pixels of true-class probability < 0.7, and at least the 305 hardest of each 40x40 crop's "
+        "1600 (19.1 % of the crop: mmsegmentation's 100000 of 512x1024)"
+    )
+    loss = ["--model.init_args.loss", "{ohem: {min_kept: 2000}}"]
+    code, out, err = segment(banded, tmp_path / "run", capsys, *loss, *batch)
+    assert code == 0, err
+    assert line(out, "warning: ohem") == (
+        "warning: ohem keeps at least 2000 pixels per image, every pixel of a 40x40 crop (1600): the loss is plain "
+        "cross-entropy; give min_kept below 1600, or null for 19.1 % of the crop (305), --model.init_args.loss "
+        "'{ohem: {min_kept: null}}'"
+    )
+    code, out, err = segment(
+        banded, tmp_path / "run", capsys, "--model.init_args.loss", "{ohem: {min_kept: null}}", *batch
+    )
+    assert code == 0 and line(out, "ohem:").startswith(
+        "ohem: keeps the pixels of true-class probability < 0.7, and at least the 305 "
+    )
+
+
+def test_ohems_old_task_arguments_are_refused_naming_its_options(banded, tmp_path, capsys):
+    code, out, err = segment(banded, tmp_path / "run", capsys, "--model.init_args.ohem_min_kept", "64")
+    assert code == 2
+    assert err.strip().splitlines()[-1] == (
+        "error: unrecognized argument --model.init_args.ohem_min_kept (moved: an option of the ohem loss, "
+        "--model.init_args.loss '{ohem: {min_kept: 2000}}'); python -m mabn fit --help lists the arguments"
+    )
+
+
+def test_a_checkpoint_with_ohems_task_arguments_rebuilds_with_them_as_its_options():
+    old = {"loss": "ohem", "ohem_thresh": 1e-6, "ohem_min_kept": 3, "num_classes": K}
+    assert from_checkpoint(old) == {"loss": {"ohem": {"thresh": 1e-6, "min_kept": 3, "weight": 1.0}}, "num_classes": K}
+    summed = {"loss": {"ohem": 1.0, "dice": 0.5}, "ohem_thresh": 0.7, "ohem_min_kept": 100000}
+    assert from_checkpoint(summed) == {
+        "loss": {"ohem": {"thresh": 0.7, "min_kept": 100000, "weight": 1.0}, "dice": 0.5}
+    }
+    assert from_checkpoint({"loss": "ce", "ohem_thresh": 0.7, "ohem_min_kept": 100000}) == {"loss": "ce"}
+    task = SegmentationTask(**task_hparams(old), arch="resnet18", norm="bn", log_predictions_every_n_epochs=0)
+    logits, labels = _batch()
+    assert task.criterion(logits, labels).item() == pytest.approx(ref_ohem(logits, labels, 1e-6, 3)[0], rel=1e-5)
+
+
+def test_the_docs_and_the_help_list_the_registrys_losses_and_which_read_the_host(capsys):
+    """docs/training.md's table has one row per loss of the registry, and says "yes" in its host-read column where
+    the entry reads the host; ``--model.init_args.loss``'s help names every loss."""
+    text = (Path(__file__).parents[1] / "docs" / "training.md").read_text()
+    section = text.split("## Losses and class weights", 1)[1].split("\n## ", 1)[0]
+    rows = re.findall(r"^\| `(\w+)` \| [^|]* \| (yes|no)[^|]* \|", section, re.M)
+    assert [name for name, _ in rows] == list(LOSSES)
+    for name, reads in rows:
+        assert (reads == "yes") == bool(LOSSES[name].host_reads), name
+    code, out, _ = run_mabn(["fit", "--model.help", "mabn.tasks.SegmentationTask"], capsys)
+    assert code == 0
+    help_text = " ".join(out.split("  --model.loss LOSS ", 1)[1].split("--model.class_weights")[0].split())
+    assert f"a loss name ({', '.join(LOSSES)};" in help_text
+
+
+def test_register_loss_refuses_a_name_taken_or_dotted_and_an_option_named_weight():
+    @dataclasses.dataclass(frozen=True)
+    class Weighted:
+        weight: float = 1.0
+
+    for entry, said in [
+        (LOSSES["ce"], "loss 'ce' exists already"),
+        (dataclasses.replace(LOSSES["ce"], name="my.ce"), "loss name 'my.ce' is not an identifier"),
+        (dataclasses.replace(LOSSES["ce"], name="ce2", options=Weighted), "an option named 'weight'"),
+    ]:
+        with pytest.raises(ValueError, match=re.escape(said)):
+            register_loss(entry)
+    assert list(LOSSES) == ["ce", "dice", "focal", "lovasz", "ohem"]
 
 
 def test_class_weights_from_counts_are_the_inverse_log_of_the_shares():
@@ -295,11 +428,12 @@ def banded(tmp_path_factory) -> Path:
 
 
 def test_the_dry_run_says_the_loss_and_the_weights_from_counts(banded, tmp_path, capsys):
-    args = ["--model.init_args.loss", "{ohem: 1.0, dice: 0.5}", "--model.init_args.class_weights", "counts"]
+    loss = "{ohem: {min_kept: 1000}, dice: 0.5}"
+    args = ["--model.init_args.loss", loss, "--model.init_args.class_weights", "counts"]
     code, out, err = segment(banded, tmp_path / "run", capsys, *args, "--data.init_args.global_batch_size", "4")
     assert code == 0, err
     assert line(out, "loss:") == (
-        "loss: 1 x OHEM cross-entropy (pixels of true-class probability < 0.7, at least the 100000 hardest per "
+        "loss: 1 x OHEM cross-entropy (pixels of true-class probability < 0.7, at least the 1000 hardest per "
         "image) + 0.5 x Dice (smp), class weights from the training pixels per class; main head + 0.4 x auxiliary head"
     )
     # shares 21/64, 21/64, 22/64: 1 / ln(1.02 + share)
@@ -343,10 +477,15 @@ def test_a_fit_trains_ohem_and_dice_with_the_weights_of_classes_yaml(tmp_path, c
     data = bands(tmp_path / "d", (40, 64), train=4)
     with (data / "classes.yaml").open("a") as file:
         file.write("weights: [1.0, 2.0, 0.5]\n")
-    loss = ["--model.init_args.loss", "{ohem: 1.0, dice: 0.5}", "--model.init_args.ohem_min_kept", "64"]
+    loss = ["--model.init_args.loss", "{ohem: {min_kept: 64}, dice: 0.5}"]
     out = _fit(data, tmp_path / "run", capsys, *loss)
     weights = f"class weights (weights of {data / 'classes.yaml'}): sky 1.00, grass 2.00, road 0.50"
     assert line(out, "class weights") == weights
+    # The fit says what OHEM keeps at its crop (TINY's 32x32), as the dry run does.
+    assert line(out, "ohem:") == (
+        "ohem: keeps the pixels of true-class probability < 0.7, and at least the 64 hardest of each 32x32 crop's "
+        "1024 (min_kept 64 as given)"
+    )
 
 
 @pytest.mark.slow
@@ -355,3 +494,112 @@ def test_a_fit_trains_each_loss(banded, tmp_path, capsys, loss, weights):
     args = ["--model.init_args.loss", loss, "--model.init_args.class_weights", weights]
     out = _fit(banded, tmp_path / "run", capsys, *args)
     assert bool([text for text in out if text.startswith("class weights")]) == (weights == "counts")
+
+
+# A loss of one's own, as a user writes it: a module outside the package that registers it through the public
+# registration only; a config names it as ``tversky_loss.tversky``, so every process that builds the task imports it.
+TVERSKY_MODULE = '''
+"""The Tversky loss (Salehi et al. 2017): per class c, 1 - TP / (TP + alpha FP + beta FN) over the batch's labelled
+pixels (soft counts from the softmax), averaged over the classes present."""
+
+from dataclasses import dataclass
+
+import torch
+
+from mabn.data.classes import IGNORE_INDEX
+from mabn.tasks.losses import LossEntry, register_loss
+
+BUILT = []  # the options of each loss built in this process
+
+
+@dataclass(frozen=True)
+class TverskyOptions:
+    alpha: float = 0.5
+    beta: float = 0.5
+
+    def __post_init__(self):
+        if self.alpha < 0 or self.beta < 0:
+            raise ValueError(f"alpha={self.alpha}, beta={self.beta}: both must be >= 0")
+
+
+def build(options, data):
+    BUILT.append((options.alpha, options.beta))
+
+    def loss(logits, labels):
+        labelled = (labels != IGNORE_INDEX).unsqueeze(1)
+        probs = logits.float().softmax(1) * labelled
+        truth = torch.nn.functional.one_hot(labels.clamp(0, logits.shape[1] - 1), logits.shape[1])
+        truth = truth.permute(0, 3, 1, 2) * labelled
+        tp, fp = (probs * truth).sum((0, 2, 3)), (probs * (1 - truth)).sum((0, 2, 3))
+        fn = ((1 - probs) * truth).sum((0, 2, 3))
+        present = truth.sum((0, 2, 3)) > 0
+        index = tp / (tp + options.alpha * fp + options.beta * fn).clamp_min(1e-7)
+        return ((1 - index) * present).sum() / present.sum().clamp_min(1)
+
+    return loss
+
+
+register_loss(
+    LossEntry("tversky", "Tversky", build, TverskyOptions, detail=lambda o: f"alpha {o.alpha:g}, beta {o.beta:g}")
+)
+'''
+
+
+@pytest.fixture
+def tversky(tmp_path, monkeypatch) -> Path:
+    """The folder of ``tversky_loss.py``, importable in this process (and by a subprocess given it in
+    PYTHONPATH); the loss and the module are gone after the test."""
+    folder = tmp_path / "plugins"
+    folder.mkdir()
+    (folder / "tversky_loss.py").write_text(TVERSKY_MODULE)
+    monkeypatch.syspath_prepend(str(folder))
+    yield folder
+    if "tversky" in LOSSES:
+        unregister_loss("tversky")
+    sys.modules.pop("tversky_loss", None)
+
+
+def test_a_loss_of_ones_own_registers_with_its_options_and_the_plan_says_them(banded, tversky, tmp_path, capsys):
+    assert "tversky" not in LOSSES
+    loss = ["--model.init_args.loss", "{ce: 1.0, tversky_loss.tversky: {weight: 0.5, alpha: 0.3, beta: 0.7}}"]
+    code, out, err = segment(banded, tmp_path / "run", capsys, *loss, "--data.init_args.global_batch_size", "4")
+    assert code == 0, err
+    assert line(out, "loss:") == (
+        "loss: 1 x cross-entropy + 0.5 x Tversky (alpha 0.3, beta 0.7); main head + 0.4 x auxiliary head"
+    )
+    bad = ["--model.init_args.loss", "{tversky_loss.tversky: {alpha: -1.0}}"]
+    code, out, err = segment(banded, tmp_path / "run", capsys, *bad, "--data.init_args.global_batch_size", "4")
+    assert code == 2
+    assert err.strip().splitlines()[-1] == (
+        "error: loss={'tversky_loss.tversky': {'alpha': -1.0}}: tversky's alpha=-1.0, beta=0.5: both must be >= 0"
+    )
+
+
+@pytest.mark.slow  # a 2-step stage-2 fit, test, predict, export, and mabn.load in a fresh process
+def test_a_loss_of_ones_own_trains_and_its_checkpoint_serves_every_command(banded, tversky, tmp_path, capsys):
+    config = tmp_path / "loss.yaml"
+    config.write_text("model:\n  init_args:\n    loss:\n      tversky_loss.tversky: {alpha: 0.3, beta: 0.7}\n")
+    _fit(banded, tmp_path / "run", capsys, "--config", str(config))
+    assert (0.3, 0.7) in sys.modules["tversky_loss"].BUILT  # the fit trained the registered loss with its options
+    ckpt = tmp_path / "run" / "checkpoints" / "last.ckpt"
+    for argv in (
+        ["test", str(ckpt), "--num-workers", "0"],
+        ["predict", str(ckpt), "--num-workers", "0", "--out", str(tmp_path / "predicted")],
+        ["export", str(ckpt), "--out", str(tmp_path / "exported"), "--input-size", "32", "32"],
+    ):
+        code, _, err = run_mabn(argv, capsys)
+        assert code == 0, (argv, err)
+    assert len(list((tmp_path / "predicted" / "masks").glob("*.png"))) == 4
+    assert list((tmp_path / "exported").glob("*.onnx"))
+    # A fresh process knows the loss only from the checkpoint's loss argument, which names its module.
+    script = (
+        "import sys, numpy, mabn\n"
+        f"classes = mabn.load({str(ckpt)!r}, device='cpu').predict(numpy.zeros((40, 64, 3), numpy.uint8))\n"
+        "print(classes.shape, 'tversky_loss' in sys.modules)\n"
+    )
+    path = os.pathsep.join([str(tversky), os.environ.get("PYTHONPATH", "")])
+    done = subprocess.run(
+        [sys.executable, "-c", script], env={**os.environ, "PYTHONPATH": path}, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split("\n")[-2] == "(40, 64) True"

@@ -4,19 +4,27 @@ name meets one error naming the known norms."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
+import re
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
 
+import mabn
+from helpers import own_dataset
+from helpers.commands import run_mabn
+from helpers.fits import TINY
 from mabn.callbacks.syncbn import has_sync_batchnorm
 from mabn.cli import launch
 from mabn.errors import ConfigError
+from mabn.inference import export
 from mabn.models import resnet
-from mabn.models.backbone import STAGE1, TORCHVISION, Backbone, BackboneError, check_fits
+from mabn.models.backbone import STAGE1, TORCHVISION, Backbone, BackboneError, adapt_statistics, check_fits
 from mabn.models.resnet import norm_kwargs_for
 from mabn.norm import (
     NORM_PRESETS,
@@ -83,7 +91,8 @@ TOY = NormEntry(
     (ToyNorm2d,),
     batch=True,
     inference_affine=lambda m: (m.scale(), m.bias),
-    takes_bn_statistics=True,
+    # BN's statistics as the toy keeps them: its second moment var + mean^2
+    from_bn=lambda bn, layer: layer.running_sq.copy_(bn.running_var + bn.running_mean.square()),
     cost_family="bn",
     steady_state={"gain": 1.0},
 )
@@ -94,7 +103,7 @@ SYNC_TOY = dataclasses.replace(
     layers=(SyncToyNorm2d,),
     sync=True,
     steady_state=None,
-    takes_bn_statistics=False,
+    from_bn=None,
 )
 
 
@@ -135,6 +144,24 @@ def test_convert_norm_swaps_every_batchnorm_for_the_registered_layer_and_keeps_s
     assert not any(isinstance(m, CenConv2d) for m in model.modules())  # the entry centres nothing
     centred = convert_norm(_net(), "toy", centralize_weights=True)
     assert sum(isinstance(m, CenConv2d) for m in centred.modules()) == 2  # both convs feed a toy norm
+
+
+def test_convert_norm_carries_bn_statistics_as_the_entry_says(toy):
+    """The toy's entry takes BN's statistics as a second moment (``from_bn``): convert_norm carries them so; the
+    synchronized toy's entry takes none, and its layers keep their start."""
+    torch.manual_seed(0)
+    model = _net()
+    for _ in range(3):
+        model(torch.randn(4, 3, 8, 8) * 2 + 1)  # BN's running statistics away from their start
+    mean, var = model[4].running_mean.clone(), model[4].running_var.clone()
+    converted = convert_norm(copy.deepcopy(model), "toy")
+    torch.testing.assert_close(converted[4].running_sq, var + mean * mean, rtol=0, atol=1e-6)
+    assert convert_norm(copy.deepcopy(model), "toy_sync")[4].running_sq.eq(1.0).all()
+    # A BN backbone's state dict for a toy encoder: the toy's buffer in place of BN's, the weights as they were.
+    state = adapt_statistics(model.state_dict(), converted, eps=1e-5)
+    assert "4.running_var" not in state and "4.running_mean" not in state
+    torch.testing.assert_close(state["4.running_sq"], var + mean * mean, rtol=0, atol=1e-6)
+    converted.load_state_dict(state, strict=True)
 
 
 def test_fold_norms_folds_the_registered_norm_by_its_entrys_affine(toy):
@@ -217,3 +244,37 @@ def test_an_unregistered_norm_is_unknown_everywhere():
         NormTask.check_hparams({"norm": "toy"})
     assert "toy" not in norm_bench.compared() and "toy" not in step.benched()
     assert not any(NORMS[n].layers == (ToyNorm2d,) for n in NORMS)
+
+
+def test_the_lists_of_norms_for_users_name_every_registered_norm():
+    """``--norm``'s help is made from the registry; the Makefile's NORM line is written by hand, and names each."""
+    from mabn.cli.commands import stage
+
+    assert all(name in stage.norm_help() for name in NORM_PRESETS)
+    makefile = (Path(__file__).parents[1] / "Makefile").read_text()
+    line = next(line for line in makefile.splitlines() if "NORM: " in line)
+    listed = set(re.findall(r"[a-z_]+", line.split("NORM: ", 1)[1]))
+    assert set(NORMS) <= listed, f"the Makefile's NORM line lacks {sorted(set(NORMS) - listed)}"
+
+
+@pytest.mark.slow  # a fit and the four readers of its checkpoint
+def test_a_registered_norm_trains_and_its_checkpoint_is_tested_predicted_loaded_and_exported(toy, tmp_path, capsys):
+    """A norm added through ``register_norm`` alone goes the whole way: a 2-step ``segment`` fit with it, then
+    ``test``, ``predict``, ``mabn.load(...).predict`` and ``export``, whose folded model has no toy layer left."""
+    data = own_dataset.bands(tmp_path / "data", train=4)
+    run = tmp_path / "run"
+    argv = ["segment", "--data", str(data), "--norm", "toy", "--backbone", "none", "--run-dir", str(run), "--", *TINY]
+    code, _, err = run_mabn(argv, capsys)
+    assert code == 0, err
+    ckpt = run / "checkpoints" / "last.ckpt"
+    code, out, err = run_mabn(["test", str(ckpt), "--num-workers", "0"], capsys)
+    assert code == 0 and "| road |" in out, err
+    code, _, err = run_mabn(
+        ["predict", str(ckpt), "--split", "val", "--out", str(tmp_path / "p"), "--num-workers", "0"], capsys
+    )
+    assert code == 0 and len(list((tmp_path / "p" / "masks").iterdir())) == own_dataset.VAL, err
+    segmenter = mabn.load(ckpt, device="cpu")
+    assert any(isinstance(m, ToyNorm2d) for m in segmenter.task.modules())
+    assert segmenter.predict(np.zeros((40, 56, 3), np.uint8)).shape == (40, 56)
+    result = export.export(ckpt, tmp_path / "exported", (64, 64), formats=("torchscript",))
+    assert result.folded.relative < 1e-10

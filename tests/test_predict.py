@@ -17,6 +17,7 @@ import mabn
 from helpers.commands import run_mabn
 from helpers.fits import copy_run
 from mabn.cli.commands import test as evaluate
+from mabn.data import cityscapes
 from mabn.data.cityscapes import CLASS_NAMES
 from mabn.inference import predict
 
@@ -85,20 +86,23 @@ def test_official_evaluator_on_predict_pngs_gives_the_miou_of_test(fitted, tmp_p
     # The PNGs hold labelIds (road is 7, not its trainId 0) and the Cityscapes colours.
     label_ids = np.asarray(Image.open(folder / "labelIds" / f"{frames[0]}_labelIds.png"))
     colors = np.asarray(Image.open(folder / "color" / f"{frames[0]}_color.png"))
-    assert set(np.unique(label_ids)) <= set(predict.TRAIN_TO_LABEL_ID.tolist())
+    assert set(np.unique(label_ids)) <= set(cityscapes.TRAIN_TO_LABEL_ID.tolist())
     for label_id in np.unique(label_ids):
-        train_id = predict.TRAIN_TO_LABEL_ID.tolist().index(label_id)
-        assert (colors[label_ids == label_id] == predict.TRAIN_ID_COLORS[train_id]).all()
+        train_id = cityscapes.TRAIN_TO_LABEL_ID.tolist().index(label_id)
+        assert (colors[label_ids == label_id] == cityscapes.TRAIN_ID_COLORS[train_id]).all()
 
 
 def test_label_id_and_colour_tables_follow_cityscapes():
     # The 19 evaluated classes' labelIds in trainId order (cityscapesscripts' labels table).
     label_ids = [7, 8, 11, 12, 13, 17, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 31, 32, 33]  # fmt: skip
-    assert predict.TRAIN_TO_LABEL_ID.tolist() == label_ids
-    assert predict.TRAIN_ID_COLORS[0].tolist() == [128, 64, 128]  # road
-    assert predict.TRAIN_ID_COLORS[13].tolist() == [0, 0, 142]  # car
-    assert predict.frame_name(Path("x/aachen_000000_000019_leftImg8bit.png")) == "aachen_000000_000019"
-    assert predict.frame_name(Path("x/street.jpg")) == "street"
+    assert cityscapes.TRAIN_TO_LABEL_ID.tolist() == label_ids
+    assert cityscapes.TRAIN_ID_COLORS[0].tolist() == [128, 64, 128]  # road
+    assert cityscapes.TRAIN_ID_COLORS[13].tolist() == [0, 0, 142]  # car
+    assert (
+        cityscapes.CityscapesDataset.frame_name(Path("x/aachen_000000_000019_leftImg8bit.png"))
+        == "aachen_000000_000019"
+    )
+    assert cityscapes.CityscapesDataset.frame_name(Path("x/street.jpg")) == "street"
 
 
 def test_predict_never_writes_into_another_runs_folder(fitted, tmp_path, monkeypatch, capsys):

@@ -228,7 +228,7 @@ def test_classes_file_defaults_and_names():
     table = ClassTable.parse({"classes": ["a", "b"], "ignore_index": None, "mask_values": {10: "b", 20: 0, "30": 1}})
     assert table.class_values.tolist() == [20, 10] and table.classes_of(np.array([30]))[0].tolist() == [1]
     assert ClassTable.parse({"classes": ["a", "b"], "mask_values": {300: "a", 0: "b"}}).class_values.dtype == np.uint16
-    assert cityscapes.CLASSES.class_values.tolist() == predict.TRAIN_TO_LABEL_ID.tolist()
+    assert cityscapes.CLASSES.class_values.tolist() == cityscapes.TRAIN_TO_LABEL_ID.tolist()
 
 
 @pytest.mark.parametrize(

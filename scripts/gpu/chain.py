@@ -99,6 +99,9 @@ class Plan:
     crop: int = 713
     image_size: tuple[int, int] = (512, 1024)
     work: Path = Path("runs/gpu-check/chain")  # the chain's own folders: a new one per chain (``fresh``)
+    # The recipe's loader workers: 8 processes pinning 713x713 batches while the first step captures its graphs,
+    # the condition a capture that is not thread-local fails in
+    workers: int = 8
 
     def fresh(self) -> Plan:
         """This plan in a new folder beside ``work``, created here: a chain never meets an earlier chain's run."""
@@ -139,7 +142,7 @@ class Plan:
             *_mabn("cityscapes", "--data", str(self.data), "--norm", "mabn", "--backbone", "none"),
             *("--gpus", "1", "--run-dir", str(run), *launch, "--"),
             *("--model.init_args.arch", self.arch, "--data.init_args.crop_size", str(self.crop)),
-            *("--data.init_args.global_batch_size", "2", "--data.init_args.num_workers", "2"),
+            *("--data.init_args.global_batch_size", "2", "--data.init_args.num_workers", str(self.workers)),
             *("--trainer.max_epochs", str(epochs), "--trainer.accumulate_grad_batches", str(accumulate)),
             *("--trainer.check_val_every_n_epoch", "1", "--trainer.limit_val_batches", "1"),
             *("--trainer.num_sanity_val_steps", "0", "--trainer.enable_progress_bar", "false"),
@@ -293,7 +296,8 @@ def compare(link: Link, graphed: Path, eager: Path, device: torch.device) -> Non
 def describe(plan: Plan) -> str:
     """The chain in one line (``--dry-run``)."""
     return (
-        f"the chain of a real stage-2 run: {plan.arch} PSPNet at crop {plan.crop}, {FIT_STEPS} steps of {ACCUMULATE} "
+        f"the chain of a real stage-2 run: {plan.arch} PSPNet at crop {plan.crop} with {plan.workers} loader workers, "
+        f"{FIT_STEPS} steps of {ACCUMULATE} "
         f"accumulated batches with MABN's phase switches at steps {PHASE_STEPS[0]} and {PHASE_STEPS[1]}; the "
         "default path (CUDA graphs on a GPU) killed after its first epoch's checkpoint and resumed, against the "
         f"same fit eager, killed and resumed alike (losses rtol {LOSS_RTOL:g}, weights {WEIGHT_RTOL:g} relative); "

@@ -22,11 +22,14 @@ import shlex
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
 import torch
+import yaml
 
+from ..data.loading import DataLayout
 from ..data.once import generate_once
 from ..distributed import launch_rank, say
 from ..errors import ConfigError, UserErrors
@@ -71,16 +74,28 @@ def _demo_set(root: Path, generate: Callable[[Path], Path], marker: str) -> Path
 
 @dataclass(frozen=True)
 class Profile:
-    """A stage's data: the folders (and files) that make ``--data`` the real dataset (then the recipe ``config``
-    runs, after the ``base`` configs it builds on), and without ``--data`` the message and the demo set that
-    replaces it (then each config's ``configs/demo/`` version follows, where there is one)."""
+    """A stage: its recipe ``config`` (after the ``base`` configs it builds on) and the data module that config names,
+    whose ``layout`` (``mabn.data.loading.DataLayout``) says which folders (and files) make ``--data`` its dataset,
+    and without ``--data`` the message and the demo set that replaces it (then each config's ``configs/demo/``
+    version follows, where there is one)."""
 
     config: str
-    layout: tuple[str, ...]
-    demo: str  # demo_<module of mabn.data.synthetic> that generates the demo set, named like its folder under data/
-    missing: str
     base: tuple[str, ...] = ()  # configs read before ``config`` (segment: cityscapes.yaml's recipe)
-    files: tuple[str, ...] = ()  # files of the layout besides its folders
+
+    @cached_property
+    def layout(self) -> DataLayout:
+        """The layout of the data module the stage's configs name (the last that names one, by class path)."""
+        class_path = None
+        for name in (*self.base, self.config):
+            data = (yaml.safe_load((CONFIGS / name).read_text()) or {}).get("data") or {}
+            class_path = data.get("class_path", class_path)
+        module, _, name = str(class_path).rpartition(".")
+        return getattr(importlib.import_module(module), name).layout
+
+    @property
+    def demo(self) -> str:
+        """The folder of its demo set under data/ (``demo-<generator>``)."""
+        return f"demo-{self.layout.demo}"
 
     def resolve(self, data: Path | None) -> tuple[list[str], Path]:
         """(the configs to run, the data root): the demo's without ``data``; a ``data`` that is not the layout
@@ -89,51 +104,31 @@ class Profile:
         if data is not None:
             if not data.is_dir():
                 raise LaunchError(f"DATA={data}: no such folder (expected {self.expected})")
-            for folder in self.layout:
+            for folder in self.layout.folders:
                 if not (data / folder).is_dir():
                     raise LaunchError(f"DATA={data}: missing folder {data / folder} (expected {self.expected})")
-            for name in self.files:
+            for name in self.layout.files:
                 if not (data / name).is_file():
                     raise LaunchError(f"DATA={data}: missing file {data / name} (expected {self.expected})")
             return configs, data
-        say(self.missing)
+        say(self.layout.missing)
         demo = [f"demo/{name}" for name in configs if (CONFIGS / "demo" / name).is_file()]
-        return configs + demo, DEMO_DATA / self.demo.replace("_", "-")
+        return configs + demo, DEMO_DATA / self.demo
 
     @property
     def expected(self) -> str:
-        return ", ".join([*(f"{folder}/..." for folder in self.layout), *self.files])
+        return ", ".join([*(f"{folder}/..." for folder in self.layout.folders), *self.layout.files])
 
     def generate_demo(self, root: Path) -> Path:
-        generator = importlib.import_module(f"mabn.data.synthetic.{self.demo.removeprefix('demo_')}")
+        generator = importlib.import_module(f"mabn.data.synthetic.{self.layout.demo}")
         return _demo_set(root, generator.generate, generator.MARKER)
 
 
+# The stages of ``python -m mabn``; their data modules (named in the configs) declare their datasets' layouts.
 PROFILES = {
-    "pretrain": Profile(
-        "pretrain.yaml",
-        ("train", "val"),
-        "demo_imagenet",
-        "No ImageNet given (DATA=...): expected train/<wnid>/*.JPEG and val/<wnid>/*.JPEG.\n"
-        "Running the demo profile on generated data (configs/demo/pretrain.yaml).",
-    ),
-    "cityscapes": Profile(
-        "cityscapes.yaml",
-        ("leftImg8bit", "gtFine"),
-        "demo_cityscapes",
-        "No Cityscapes given (DATA=...): expected leftImg8bit/<split>/<city>/*_leftImg8bit.png and\n"
-        "gtFine/<split>/<city>/*_gtFine_labelIds.png. Running the demo profile on generated street scenes\n"
-        "(configs/demo/cityscapes.yaml).",
-    ),
-    "segment": Profile(
-        "segment.yaml",
-        ("images", "masks"),
-        "demo_segment",
-        "No dataset given (DATA=...): expected images/<split>/*, masks/<split>/*.png and classes.yaml\n"
-        "(docs/your-data.md). Running the demo profile on the generated example (configs/demo/cityscapes.yaml).",
-        base=("cityscapes.yaml",),
-        files=("classes.yaml",),
-    ),
+    "pretrain": Profile("pretrain.yaml"),
+    "cityscapes": Profile("cityscapes.yaml"),
+    "segment": Profile("segment.yaml", base=("cityscapes.yaml",)),
 }
 
 
@@ -410,7 +405,7 @@ def checked_plan(
     args += ["--data.init_args.data_dir", str(data_dir), "--model.init_args.norm", norm]
     args += ["--trainer.default_root_dir", str(folder)]
     # wandb's run name, group and tags (mabn.run.loggers.WandbLogger, the recipes' last logger): the stage and dataset
-    dataset = {"pretrain": "imagenet", "cityscapes": "cityscapes"}.get(stage) if data is not None else None
+    dataset = profile.layout.name if data is not None else None
     args += ["--trainer.logger.init_args.stage", stage]
     args += ["--trainer.logger.init_args.dataset", dataset or data_dir.resolve().name]
     loading: list[str] = []

@@ -77,6 +77,7 @@ from ..run import (
 from ..run import folder as runs
 from ..run import lock as runlock
 from ..tasks.classification import backbone_path
+from ..tasks.losses import MOVED
 from ..tasks.memory import MemoryPlan
 from .help import PROG, PlainTextHelp
 
@@ -163,13 +164,14 @@ def run_shape(config: Namespace, samples: int | None, memory: MemoryPlan | None 
 
 
 def plan_lines(config: Namespace) -> list[str]:
-    """What the run's task says at the start of fit (its ``run_plan``'s batch, lr and schedule, and where it has a
-    ``memory_plan`` the memory per device), computed from ``config``, then what the data module's ``plan`` says of
-    the data set (checked once for both), then the class weights the task takes from it (``class_weight_lines``)."""
+    """What the run's task says at the start of fit (its ``run_plan``'s batch, lr and schedule, and what its
+    ``memory_plan`` estimates of the memory per device, where it estimates it), computed from ``config``, then what
+    the data module's ``plan`` says of the data set (checked once for both), then what the task's loss takes from it
+    (``loss_lines``: the class weights, the crop). The three are the planning contract of ``NormTask``."""
     planned = data_plan(config)
     task, per_device, trainer = _import(config.model.class_path), _device_batch(config), config.trainer
     memory = None
-    if per_device and hasattr(task, "memory_plan"):  # on the devices the run asks for, at its crop
+    if per_device:  # on the devices the run asks for, at its crop
         accelerator = str(trainer.get("accelerator") or "auto")
         cuda = accelerator in ("gpu", "cuda") or (accelerator == "auto" and torch.cuda.is_available())
         devices = _devices(trainer) or 1
@@ -178,11 +180,10 @@ def plan_lines(config: Namespace) -> list[str]:
         crop = planned.crop if planned and planned.crop else (config.data.get("init_args") or {}).get("crop_size")
         memory = task.memory_plan(dict(config.model.init_args), per_device, global_batch, cuda, per_node, crop)
     shape = run_shape(config, planned and planned.train_samples, memory)
-    known = shape is not None and hasattr(task, "run_plan")
-    lines = list(task.run_plan(dict(config.model.init_args), shape).lines) if known else []
-    # The class weights the data gives (its class table's, its training pixels'), after the data's lines.
-    weighs = planned is not None and hasattr(task, "class_weight_lines")
-    weights = task.class_weight_lines(dict(config.model.init_args), planned) if weighs else []
+    lines = list(task.run_plan(dict(config.model.init_args), shape).lines) if shape is not None else []
+    # What the loss takes from the data (its class table's weights, its training pixels', its crop), after the
+    # data's lines.
+    weights = task.loss_lines(dict(config.model.init_args), planned) if planned is not None else []
     return lines + (memory.lines if memory else []) + (planned.lines if planned else []) + weights
 
 
@@ -274,13 +275,12 @@ def accelerator_problem(config: Namespace) -> str | None:
     return None
 
 
-def check_fit_config(config: Namespace) -> pl.LightningModule | None:
+def check_fit_config(config: Namespace) -> pl.LightningModule:
     """Every check that needs no data and no weights: the task's arguments, the model the fit builds and the checks
     its setup runs on it (``build_task``), the batch layout, the loggers, the run's folder and its artefacts.
-    Returns the task built without weights, where it has that build."""
+    Returns the task built without weights."""
     task = _import(config.model.class_path)
-    if hasattr(task, "check_hparams"):
-        task.check_hparams(dict(config.model.init_args))
+    task.check_hparams(dict(config.model.init_args))
     built = build_task(config)
     check_batch(config)
     check_loggers(config)
@@ -291,21 +291,17 @@ def check_fit_config(config: Namespace) -> pl.LightningModule | None:
     return built
 
 
-def build_task(config: Namespace) -> pl.LightningModule | None:
+def build_task(config: Namespace) -> pl.LightningModule:
     """The fit's task built by its own constructor on the meta device and checked as the fit's setup checks it
     (its ``build_unweighted``), so that a choice of encoder, decoder, norm and norm policy that cannot train stops
-    the dry run and the fit alike, before anything is read or written; None for a task without that build."""
-    build = getattr(_import(config.model.class_path), "build_unweighted", None)
-    return None if build is None else build(_plain_args(config.model))
+    the dry run and the fit alike, before anything is read or written."""
+    return _import(config.model.class_path).build_unweighted(_plain_args(config.model))
 
 
 def checkpoint_line(task: pl.LightningModule) -> list[str]:
     """The plan's line on the size of a checkpoint of ``task`` (its ``checkpoint_bytes``: weights and buffers, and
     the optimizer's state that a resume needs)."""
-    sizes = getattr(task, "checkpoint_bytes", None)
-    if sizes is None:
-        return []
-    weights, optimizer = sizes()
+    weights, optimizer = task.checkpoint_bytes()
 
     def mb(size: int) -> str:  # three significant digits, or whole megabytes
         return f"{size / 1e6:.0f}" if size >= 1e8 else f"{size / 1e6:.3g}"
@@ -438,8 +434,11 @@ def _init_options(class_path: str) -> list[str]:
 
 def _close(name: str, known: list[str]) -> str:
     """`` (did you mean X?)`` for the ``known`` name closest to ``name``: among those of its group (the same
-    dotted prefix) by the last part, else among all."""
+    dotted prefix) by the last part, else among all; where a loss's option was an argument of the task
+    (``mabn.tasks.losses.MOVED``), `` (moved: <where it is>)``."""
     group, _, last = name.rpartition(".")
+    if last in MOVED:  # an argument that is now an option of its loss: where it is
+        return f" (moved: {MOVED[last]})"
     same = {k.rpartition(".")[2]: k for k in known if k.rpartition(".")[0] == group}
     match = [same[m] for m in difflib.get_close_matches(last, same, n=1)] or difflib.get_close_matches(
         name, known, n=1, cutoff=0.8
@@ -656,7 +655,7 @@ class MabnCLI(lightning_cli()):
         if self.dry_run:
             if self.subcommand == "fit":
                 try:
-                    built = checkpoint_line(self.task) if self.task is not None else []
+                    built = checkpoint_line(self.task)
                     self.plan_lines = plan_lines(self.config.fit) + built + self.notes
                 except UserError as err:
                     self.problems += err.messages if isinstance(err, UserErrors) else [str(err)]

@@ -19,7 +19,7 @@ from torchvision.datasets import Cityscapes
 from .classes import IGNORE_INDEX, ClassTable
 from .errors import DatasetError, require_pairs
 from .folder import FolderDataModule, FolderDataset, Sample
-from .loading import DataPlan
+from .loading import DataLayout, DataPlan
 
 __all__ = [
     "CLASSES",
@@ -89,11 +89,32 @@ class CityscapesDataset(FolderDataset):
 
     image_folder = IMAGES
     mask_term, mask_expected = "label", "a single-channel labelIds PNG"
+    # Predictions as the benchmark server and cityscapesscripts' evalPixelLevelSemanticLabeling read them: labelIds
+    # in ``labelIds/<frame>_labelIds.png`` (it matches ``<city>_<seq>_<frame>*.png`` to each ground truth).
+    prediction_masks = "labelIds"
+    prediction_scorer = "CITYSCAPES_RESULTS=<folder> csEvalPixelLevelSemanticLabeling"
     # The official files' sizes match: a pair is checked when it is read, not all 3,475 pairs' headers at each start.
     index_sizes = False
 
-    def __init__(self, root: str | Path, split: str, transform: A.BasicTransform | A.Compose | None = None) -> None:
+    def __init__(
+        self,
+        root: str | Path,
+        split: str,
+        transform: A.BasicTransform | A.Compose | None = None,
+        classes: ClassTable = CLASSES,
+    ) -> None:
+        if classes.names != CLASSES.names:
+            raise ValueError(f"Cityscapes has its own 19 classes, not {', '.join(classes.names)}")
         super().__init__(root, split, CLASSES, transform)
+
+    @staticmethod
+    def frame_name(image: Path) -> str:
+        """``<city>_<seq>_<frame>`` for a Cityscapes image, the file's stem for any other."""
+        return image.name[: -len(IMAGE_SUFFIX)] if image.name.endswith(IMAGE_SUFFIX) else image.stem
+
+    @classmethod
+    def mask_file(cls, frame: str) -> Path:
+        return Path(cls.prediction_masks, f"{frame}_labelIds.png")
 
     @staticmethod
     def find_pairs(root: Path, split: str) -> list[Sample]:
@@ -152,12 +173,18 @@ class CityscapesDataModule(FolderDataModule):
     """
 
     fixed_classes = CLASSES
+    dataset_class = CityscapesDataset
+    layout = DataLayout(
+        (IMAGES, LABELS),
+        f"No Cityscapes given (DATA=...): expected {IMAGES}/<split>/<city>/*{IMAGE_SUFFIX} and\n"
+        f"{LABELS}/<split>/<city>/*{LABEL_SUFFIX}. Running the demo profile on generated street scenes\n"
+        "(configs/demo/cityscapes.yaml).",
+        "cityscapes",
+        name="cityscapes",
+    )
 
     def __init__(self, data_dir: str, crop_size: int = 713, **kwargs: Any) -> None:
         super().__init__(data_dir, crop_size, **kwargs)
-
-    def dataset(self, split: str) -> CityscapesDataset:
-        return CityscapesDataset(self.data_dir, split)
 
     @staticmethod
     def plan(args: Mapping[str, Any]) -> DataPlan:

@@ -71,7 +71,7 @@ from .images import (
     read_image,
     read_values,
 )
-from .loading import DataPlan, augmentation_seed, make_loader
+from .loading import DataLayout, DataPlan, augmentation_seed, make_loader
 
 __all__ = [
     "ClassPixels",
@@ -706,6 +706,10 @@ class FolderDataset(Dataset):
 
     image_folder = IMAGES  # the folder of the images below the root, which holds the split folders
     mask_term, mask_expected = MASK_TERM, MASK_EXPECTED
+    # Where ``python -m mabn predict`` writes a frame's mask in the dataset's values, below its output folder, and
+    # what a split's predictions are scored with there ("" where the dataset names no scorer).
+    prediction_masks = MASKS
+    prediction_scorer = ""
     # Whether indexing a split reads every pair's size from the headers, so that a mask of another size than its
     # image is named before the first step (its pair is checked when it is read either way).
     index_sizes = True
@@ -729,6 +733,22 @@ class FolderDataset(Dataset):
         """The image/mask pairs of ``split`` under ``root`` in sorted order; ``DatasetError`` for the first problem
         of the layout."""
         return find_pairs(root, split)
+
+    @classmethod
+    def split_images(cls, root: Path, split: str) -> list[Path]:
+        """What ``predict --split`` predicts of ``split`` under ``root``: folders or image files (the split's folder
+        of images, searched recursively)."""
+        return [root / cls.image_folder / split]
+
+    @staticmethod
+    def frame_name(image: Path) -> str:
+        """The frame an image file holds, which names its prediction files: the file's stem."""
+        return image.stem
+
+    @classmethod
+    def mask_file(cls, frame: str) -> Path:
+        """The mask prediction of ``frame`` below the output folder, as the dataset's own masks are named."""
+        return Path(cls.prediction_masks, f"{frame}{MASK_TYPE}")
 
     def image_sizes(self) -> list[tuple[int, int]]:
         """``sizes``, read from the headers now where indexing did not read them; ``DatasetError`` for an unreadable
@@ -831,6 +851,15 @@ class FolderDataModule(pl.LightningDataModule):
     # those of the data folder's classes.yaml, which the checkpoints record and whose masks are checked for values
     # of no class before a fit.
     fixed_classes: ClassTable | None = None
+    # The dataset of its layout: what ``full_dataset`` makes, and what inference reads a split and names frames by.
+    dataset_class: type[FolderDataset] = FolderDataset
+    layout = DataLayout(
+        (IMAGES, MASKS),
+        "No dataset given (DATA=...): expected images/<split>/*, masks/<split>/*.png and classes.yaml\n"
+        "(docs/your-data.md). Running the demo profile on the generated example (configs/demo/cityscapes.yaml).",
+        "segment",
+        files=(CLASSES_FILE,),
+    )
     # Init arguments that change how a run reads its data, not what it trains on (mabn.cli.lightning.run_settings).
     run_settings = frozenset({"num_workers", "val_batch_size"})
     class_pixels: ClassPixels | None = None
@@ -877,9 +906,23 @@ class FolderDataModule(pl.LightningDataModule):
     def class_names(self) -> tuple[str, ...]:
         return self.classes.names
 
+    @classmethod
+    def recorded_classes(cls, hparams: Mapping[str, Any]) -> ClassTable | None:
+        """The classes of a model trained on this module with hyperparameters ``hparams`` (a checkpoint's): the
+        fixed ones, else the table ``setup`` recorded; None where it records none."""
+        if cls.fixed_classes is not None:
+            return cls.fixed_classes
+        return ClassTable.from_dict(hparams["classes"]) if "classes" in hparams else None
+
+    @classmethod
+    def full_dataset(cls, root: str | Path, split: str, classes: ClassTable) -> FolderDataset:
+        """The full images and labels of ``split`` under ``root`` with ``classes``: what validation, ``test`` and
+        ``predict --split`` read."""
+        return cls.dataset_class(root, split, classes=classes)
+
     def dataset(self, split: str) -> FolderDataset:
         """The full-image dataset of ``split``."""
-        return FolderDataset(self.data_dir, split, self.classes)
+        return self.full_dataset(self.data_dir, split, self.classes)
 
     def setup(self, stage: str | None = None) -> None:
         """Index the splits the stage needs; raises ``DatasetError`` if the layout is missing or broken."""

@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader, Dataset
 from ..distributed import rank
 from .errors import DatasetError
 from .images import imagenet_normalize, read_image
-from .loading import DataPlan, augmentation_seed, make_loader
+from .loading import DataLayout, DataPlan, augmentation_seed, make_loader
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".webp")
 LAYOUT = "<data_dir>/train/<class>/<image> and <data_dir>/val/<class>/<image>"
@@ -72,6 +72,13 @@ class ImageFolderDataModule(pl.LightningDataModule):
         crop_scale: the smallest and largest area of a random training crop, as fractions of the image's area.
     """
 
+    layout = DataLayout(
+        ("train", "val"),
+        "No ImageNet given (DATA=...): expected train/<wnid>/*.JPEG and val/<wnid>/*.JPEG.\n"
+        "Running the demo profile on generated data (configs/demo/pretrain.yaml).",
+        "imagenet",
+        name="imagenet",
+    )
     # Init arguments that change how a run reads its data, not what it trains on (mabn.cli.lightning.run_settings).
     run_settings = frozenset({"num_workers"})
 

@@ -28,6 +28,18 @@ class DataPlan(NamedTuple):
     class_pixels: Any = None
 
 
+class DataLayout(NamedTuple):
+    """What makes a folder a data module's dataset, for the stage launch (``mabn.cli.launch``): the folders and files
+    below its root, the lines it says when no folder is given (``missing``), the module of ``mabn.data.synthetic``
+    whose demo set then stands in for it, and the dataset's name in a run's wandb tags (None: the folder's name)."""
+
+    folders: tuple[str, ...]
+    missing: str
+    demo: str
+    files: tuple[str, ...] = ()
+    name: str | None = None
+
+
 def augmentation_seed(rank: int) -> int:
     """A seed for an albumentations stream that follows torch's seed and differs per DDP ``rank``.
 

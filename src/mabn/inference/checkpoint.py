@@ -13,6 +13,7 @@ from ..callbacks import NormPolicy
 from ..errors import ConfigError
 from ..models import key_differences
 from ..run import first_line, load_weights_file
+from ..tasks import losses
 from ..tasks.base import NormTask
 from ..tasks.classification import ClassificationTask
 from ..tasks.segmentation import SegmentationTask
@@ -57,8 +58,9 @@ def _mismatch(expected: dict[str, Tensor], given: dict[str, Tensor]) -> str | No
 
 def task_hparams(hparams: dict[str, Any]) -> dict[str, Any]:
     """A checkpoint's ``hyper_parameters`` with the task's settings under the keys the task takes: a ``norm_policy``
-    rule may name its first steps by older keys (``NormPolicy.from_checkpoint`` translates them)."""
-    out = dict(hparams)
+    rule may name its first steps by older keys (``NormPolicy.from_checkpoint`` translates them), OHEM's options
+    may be the task's arguments (``losses.from_checkpoint`` moves them into its ``loss``)."""
+    out = losses.from_checkpoint(hparams)
     if out.get("norm_policy") is not None:
         out["norm_policy"] = NormPolicy.from_checkpoint(out["norm_policy"]).as_dict()
     return out

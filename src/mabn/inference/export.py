@@ -107,8 +107,8 @@ def metadata(restored: Restored) -> dict[str, Any]:
     """What a consumer of the exported files needs beside the graph: the input is RGB, NCHW, float32, made from
     8-bit pixels (``value_range``) as ``(pixels / 255 - mean) / std`` per channel (ImageNet's statistics, those
     every stage trains with); the output is logits over ``num_classes``. A segmentation checkpoint adds its classes'
-    names and [R, G, B] colours in class-index order when it records them (Cityscapes' 19 classes, or a dataset's
-    ``classes.yaml``); a classification checkpoint records none."""
+    names and [R, G, B] colours in class-index order when its data module declares them (``recorded_classes``: fixed
+    by the dataset, or its folder's ``classes.yaml``); a classification checkpoint records none."""
     num_classes = int(restored.task.hparams.num_classes)
     segmentation = restored.name == "SegmentationTask"
     meta: dict[str, Any] = {

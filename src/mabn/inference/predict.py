@@ -19,26 +19,20 @@ from PIL import Image
 from pytorch_lightning.callbacks import BasePredictionWriter
 from torch.utils.data import Dataset
 
-from ..data.cityscapes import IMAGE_SUFFIX, TRAIN_ID_COLORS, TRAIN_TO_LABEL_ID
 from ..data.classes import ClassTable
 from ..data.errors import DatasetError
-from ..data.folder import IMAGE_TYPES, MASKS
+from ..data.folder import IMAGE_TYPES, FolderDataset
 from ..data.images import imagenet_normalize, read_image, to_rgb
 from ..errors import ConfigError
 from ..run import atomic_path, write_text_atomic
 from .stage2 import Stage2Checkpoint, configure, load_stage2
 
-__all__ = ["Segmenter", "TRAIN_ID_COLORS", "TRAIN_TO_LABEL_ID", "load"]
+__all__ = ["Segmenter", "load"]
 
 MANIFEST = "predict.json"
 OVERLAY_ALPHA = 0.5  # weight of the class colours over the image
 GLOB = re.compile(r"[*?[]")
 ImageInput: TypeAlias = np.ndarray | Image.Image | str | Path  # what ``Segmenter.rgb`` converts
-
-
-def frame_name(image: Path) -> str:
-    """``<city>_<seq>_<frame>`` for a Cityscapes image, the file's stem for any other."""
-    return image.name[: -len(IMAGE_SUFFIX)] if image.name.endswith(IMAGE_SUFFIX) else image.stem
 
 
 def _is_image(path: Path) -> bool:
@@ -84,14 +78,16 @@ def images_name(specs: list[str | Path]) -> str:
 
 
 class FrameImages(Dataset):
-    """``files`` as normalized 3xHxW tensors with their index, named by ``frame_name``.
+    """``files`` as normalized 3xHxW tensors with their index, each named by the frame it holds in ``layout``, the
+    dataset of the checkpoint (``FolderDataset.frame_name``).
 
-    Normalized as ``CityscapesDataset`` does, so a split predicted here scores what ``test`` scores.
+    Normalized as the datasets do, so a split predicted here scores what ``test`` scores.
     """
 
-    def __init__(self, files: list[Path]) -> None:
+    def __init__(self, files: list[Path], layout: type[FolderDataset] = FolderDataset) -> None:
         self.files = list(files)
-        self.names = [frame_name(p) for p in self.files]
+        self.layout = layout
+        self.names = [layout.frame_name(p) for p in self.files]
         seen: dict[str, Path] = {}
         for name, path in zip(self.names, self.files):
             if name in seen:  # their predictions would share one file name
@@ -120,20 +116,13 @@ def overlay(image: np.ndarray, colors: np.ndarray) -> np.ndarray:
     return blend.round().clip(0, 255).astype(np.uint8)
 
 
-def mask_file(own_data: bool, name: str) -> Path:
-    """Where the mask of frame ``name`` goes: ``labelIds/<name>_labelIds.png`` (Cityscapes), ``masks/<name>.png``."""
-    return Path(MASKS, f"{name}.png") if own_data else Path("labelIds", f"{name}_labelIds.png")
-
-
 class PredictionWriter(BasePredictionWriter):
-    """Writes each predicted image's mask, colour and (optionally) overlay PNG as its batch ends."""
+    """Writes each predicted image's mask (named as its dataset names masks: ``FolderDataset.mask_file``), colour
+    and (optionally) overlay PNG as its batch ends."""
 
-    def __init__(
-        self, out: Path, images: FrameImages, with_overlay: bool, classes: ClassTable, own_data: bool = False
-    ) -> None:
+    def __init__(self, out: Path, images: FrameImages, with_overlay: bool, classes: ClassTable) -> None:
         super().__init__(write_interval="batch")
-        self.out, self.images, self.with_overlay = out, images, with_overlay
-        self.classes, self.own_data = classes, own_data
+        self.out, self.images, self.with_overlay, self.classes = out, images, with_overlay, classes
         self.written = 0
 
     def write_on_batch_end(
@@ -141,7 +130,7 @@ class PredictionWriter(BasePredictionWriter):
     ) -> None:
         for class_map, index in zip(prediction.cpu().numpy(), batch[1].tolist()):
             name, colors = self.images.names[index], self.classes.palette[class_map]
-            save_png(self.out / mask_file(self.own_data, name), self.classes.to_mask(class_map))
+            save_png(self.out / self.images.layout.mask_file(name), self.classes.to_mask(class_map))
             save_png(self.out / "color" / f"{name}_color.png", colors)
             if self.with_overlay:
                 save_png(self.out / "overlay" / f"{name}_overlay.png", overlay(self.images.read_rgb(index), colors))
@@ -263,9 +252,8 @@ class Segmenter:
         return self.classes.palette[class_map]
 
     def to_mask(self, class_map: np.ndarray) -> np.ndarray:
-        """The class map as the dataset's masks hold it: labelIds for Cityscapes, the values of ``classes.yaml``
-        (each class's first) or, with ``mask_format: color``, its colours for a dataset of the user's own
-        (``predict``'s ``labelIds/`` or ``masks/`` files)."""
+        """The class map as the dataset's masks hold it: the values of its class table (each class's first;
+        Cityscapes' labelIds) or, with ``mask_format: color``, its colours (``predict``'s mask files)."""
         return self.classes.to_mask(class_map)
 
 

@@ -7,16 +7,17 @@ validation.
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytorch_lightning as pl
 
-from ..data.cityscapes import CLASSES, NUM_CLASSES, CityscapesDataset
 from ..data.classes import CLASSES_FILE, ClassTable
-from ..data.folder import IMAGES, FolderDataset
+from ..data.folder import FolderDataModule, FolderDataset
 from ..errors import ConfigError
+from ..run import first_line
 from ..run import folder as runs
 from ..tasks import SegmentationTask
 from .checkpoint import load_task
@@ -40,48 +41,66 @@ class Stage2Checkpoint:
         return parent.parent if parent.name == runs.CHECKPOINTS else parent
 
     @property
-    def own_data(self) -> bool:
-        """Whether it was trained on a dataset of the user's own (``FolderDataModule``, which records its classes)."""
-        return "classes" in self.data
+    def data_module(self) -> type[FolderDataModule]:
+        """The data module it was trained with (``data_module_class``), which declares its dataset's layout, classes
+        and prediction files."""
+        return data_module_class(self.data, self.path)
 
     @property
     def classes(self) -> ClassTable:
         """Its classes (``recorded_classes``); ``ConfigError`` naming the file when it records none."""
-        classes = recorded_classes(self.task.hparams.num_classes, self.data)
+        classes = recorded_classes(self.task.hparams.num_classes, self.data, self.path)
         if classes is None:
             raise ConfigError(
-                f"{self.path} predicts {self.task.hparams.num_classes} classes and records no class table "
-                f"(Cityscapes has {NUM_CLASSES})"
+                f"{self.path} predicts {self.task.hparams.num_classes} classes and records no class table"
             )
         return classes
 
-    def dataset(self, root: Path, split: str) -> CityscapesDataset:
-        """The full images and labels of ``split`` under ``root``, in the layout it was trained on. A dataset of
-        the user's own is read with ``root``'s own classes.yaml when it has one, which must name the same classes."""
-        if not self.own_data:
-            return CityscapesDataset(root, split)
+    def dataset(self, root: Path, split: str) -> FolderDataset:
+        """The full images and labels of ``split`` under ``root``, in the layout it was trained on. A dataset whose
+        classes come from its folder is read with ``root``'s own classes.yaml when it has one, which must name the
+        same classes."""
         classes = self.classes
-        if (root / CLASSES_FILE).is_file():
+        if self.data_module.fixed_classes is None and (root / CLASSES_FILE).is_file():
             classes = ClassTable.read(root / CLASSES_FILE)
             if classes.names != self.classes.names:
                 raise ConfigError(
                     f"{root / CLASSES_FILE} names the classes {', '.join(classes.names)}, but {self.path} was "
                     f"trained on {', '.join(self.classes.names)}"
                 )
-        return FolderDataset(root, split, classes)
+        return self.data_module.full_dataset(root, split, classes)
 
-    def image_folder(self, root: Path, split: str) -> Path:
-        """The images of ``split`` under ``root``: ``leftImg8bit/<split>``, or ``images/<split>`` for a dataset of
-        the user's own."""
-        return root / (IMAGES if self.own_data else "leftImg8bit") / split
+    def split_images(self, root: Path, split: str) -> list[Path]:
+        """The images of ``split`` under ``root``, in the layout it was trained on (``FolderDataset.split_images``)."""
+        return self.data_module.dataset_class.split_images(root, split)
 
 
-def recorded_classes(num_classes: int, data: dict[str, Any]) -> ClassTable | None:
-    """The classes of a stage-2 checkpoint with ``num_classes`` outputs and data module arguments ``data``: the
-    table a dataset of the user's own records, else Cityscapes' 19; None for another count without a table."""
-    if "classes" in data:
-        return ClassTable.from_dict(data["classes"])
-    return CLASSES if num_classes == NUM_CLASSES else None
+def data_module_class(data: dict[str, Any], path: Path | None = None) -> type[FolderDataModule]:
+    """The data module class a checkpoint's data hyperparameters ``data`` name (LightningCLI records its class path);
+    ``FolderDataModule`` where they name none (a checkpoint written outside the CLI). ``ConfigError`` for a class
+    that cannot be imported or is no segmentation data module."""
+    class_path = data.get("_class_path")
+    if class_path is None:
+        return FolderDataModule
+    module_name, _, name = str(class_path).rpartition(".")
+    try:
+        found = getattr(importlib.import_module(module_name), name)
+    except (ImportError, AttributeError, ValueError) as err:
+        raise ConfigError(
+            f"{path or 'the checkpoint'} was trained with the data module {class_path}, which cannot be imported "
+            f"here ({first_line(err)}): make its module importable (PYTHONPATH) to read the checkpoint's dataset"
+        ) from err
+    if not (isinstance(found, type) and issubclass(found, FolderDataModule)):
+        raise ConfigError(f"{path or 'the checkpoint'}: its data module {class_path} is no FolderDataModule")
+    return found
+
+
+def recorded_classes(num_classes: int, data: dict[str, Any], path: Path | None = None) -> ClassTable | None:
+    """The classes of a stage-2 checkpoint with ``num_classes`` outputs and data module arguments ``data``, as its
+    data module declares them (``FolderDataModule.recorded_classes``); None where it records none or a table of
+    another size."""
+    classes = data_module_class(data, path).recorded_classes(data)
+    return classes if classes is not None and len(classes.names) == num_classes else None
 
 
 def load_stage2(path: Path) -> Stage2Checkpoint:

@@ -18,6 +18,7 @@ encoder that is not a ResNet (stage 2 takes any smp encoder; stage 1 trains ResN
 
 from __future__ import annotations
 
+import copy
 import zipfile
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -28,8 +29,8 @@ import torch
 from torch import Tensor, nn
 
 from ..errors import ConfigError
-from ..norm import NORM_PRESETS, BatchRenorm2d, CenConv2d, FrozenBatchNorm2d, MABN2d, check_norm, norm_entry
-from ..norm.factory import norms_where
+from ..norm import NORM_PRESETS, CenConv2d, MABN2d, check_norm, norm_entry
+from ..norm.factory import entry_of, norms_where
 from ..run import load_weights_file, write_atomic
 from .resnet import ARCHS, DEFAULT_ARCH, check_arch
 
@@ -283,33 +284,33 @@ def load_backbone(path: str | Path, norm: str) -> dict[str, Any]:
 
 
 def adapt_statistics(state: dict[str, torch.Tensor], encoder: nn.Module, eps: float) -> dict[str, torch.Tensor]:
-    """``state`` with each norm's running statistics in the form ``encoder``'s layer keeps them.
-
-    BatchNorm keeps ``running_var`` and divides by sqrt(running_var + eps) at inference; BatchRenorm2d (also
-    ghost-batch BN) keeps ``running_std`` with eps inside and divides by it. So running_std = sqrt(running_var +
-    ``eps``), the source BN's eps, and running_var = running_std^2 - eps of the target BN: either way the eval
-    output is the source's; FrozenBatchNorm2d keeps BatchNorm's buffers without ``num_batches_tracked``. A converted
-    layer's ``num_batches_tracked`` starts at 0 (BRN's clipping ramps have
-    not begun; BN with a momentum does not read it).
+    """``state`` with each norm's running statistics in the form ``encoder``'s layer keeps them, as the layer's norm
+    takes BN's (``NormEntry.from_bn``): the source layer's mean and variance (``bn_variance``: a source that keeps the
+    std with its ``eps`` inside gives std^2 - eps) go through a BatchNorm2d of the source's ``eps`` into the layer,
+    whose buffers replace the source's, so the eval output is the source's. BatchNorm keeps ``running_var``;
+    BatchRenorm2d and ghost-batch BN keep sqrt(running_var + eps); FrozenBatchNorm2d keeps BatchNorm's buffers
+    without ``num_batches_tracked``; a registered norm keeps what its ``from_bn`` writes. Every carried layer's
+    ``num_batches_tracked`` starts at 0 (BRN's clipping ramps have not begun; BN with a momentum does not read it).
     """
     out = dict(state)
     for name, layer in encoder.named_modules():
+        entry = entry_of(layer)
         prefix = f"{name}." if name else ""
-        if isinstance(layer, FrozenBatchNorm2d):  # BatchNorm's buffers without its counter of batches
-            if f"{prefix}running_std" in out:
-                var = out.pop(f"{prefix}running_std").double().square() - layer.eps
-                out[f"{prefix}running_var"] = var.clamp_min(0.0).float()
-            out.pop(f"{prefix}num_batches_tracked", None)
-            continue
-        if isinstance(layer, BatchRenorm2d) and f"{prefix}running_var" in out:
-            out[f"{prefix}running_std"] = (out.pop(f"{prefix}running_var").double() + eps).sqrt().float()
-        elif isinstance(layer, nn.BatchNorm2d | nn.SyncBatchNorm) and f"{prefix}running_std" in out:
-            # clamp: rounding of a std at its floor sqrt(eps) must not give a negative variance
-            var = out.pop(f"{prefix}running_std").double().square() - layer.eps
-            out[f"{prefix}running_var"] = var.clamp_min(0.0).float()
-        else:
-            continue
-        out[f"{prefix}num_batches_tracked"] = torch.zeros((), dtype=torch.long)
+        has = {key for key in ("running_mean", "running_var", "running_std") if f"{prefix}{key}" in out}
+        if entry is None or entry.from_bn is None or "running_mean" not in has or len(has) < 2:
+            continue  # a norm that takes no BN statistics, or a source without them: the key check names it
+        bn = nn.BatchNorm2d(layer.num_features, eps=eps)
+        target = copy.deepcopy(layer)  # the encoder itself is loaded only once every key fits
+        with torch.no_grad():
+            bn.running_mean.copy_(_take(out, f"{prefix}running_mean", bn.running_mean))
+            bn.running_var.copy_(bn_variance(out, prefix, eps, bn.running_var.double()))
+            entry.from_bn(bn, target)
+        for key in ("running_mean", "running_var", "running_std", "num_batches_tracked"):
+            out.pop(f"{prefix}{key}", None)
+        for key, buffer in target.named_buffers(recurse=False):
+            out[f"{prefix}{key}"] = (
+                torch.zeros_like(buffer) if key == "num_batches_tracked" else buffer.detach().clone()
+            )
     return out
 
 

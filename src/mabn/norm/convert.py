@@ -13,10 +13,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from .batchrenorm import BatchRenorm2d
 from .cenconv import CenConv2d, conv_like
-from .factory import check_norm, create_norm, entry_of, layer_classes
-from .frozen import FrozenBatchNorm2d
+from .factory import NormEntry, check_norm, create_norm, entry_of, layer_classes, norm_entry
 
 _BATCH_NORMS = (nn.BatchNorm2d, nn.SyncBatchNorm)  # the layers convert_norm replaces (with timm's subclasses)
 log = logging.getLogger(__name__)
@@ -91,19 +89,14 @@ def _centrable(conv: nn.Module) -> bool:
     return type(conv) is nn.Conv2d and conv.weight[0].numel() > 1
 
 
-def _copy_state(old: nn.Module, new: nn.Module) -> None:
-    """Carry over gamma/beta always, and running statistics where both sides mean the same thing."""
+def _copy_state(old: nn.Module, new: nn.Module, entry: NormEntry) -> None:
+    """Carry over gamma/beta always, and running statistics where the new norm's entry takes them (``from_bn``)."""
     with torch.no_grad():
         if getattr(old, "weight", None) is not None and getattr(new, "weight", None) is not None:
             new.weight.copy_(old.weight)
             new.bias.copy_(old.bias)
-        if isinstance(old, _BATCH_NORMS) and old.running_var is not None:
-            if isinstance(new, (*_BATCH_NORMS, FrozenBatchNorm2d)):
-                new.running_mean.copy_(old.running_mean)
-                new.running_var.copy_(old.running_var)
-            elif isinstance(new, BatchRenorm2d):
-                new.running_mean.copy_(old.running_mean)
-                new.running_std.copy_((old.running_var + new.eps).sqrt())
+        if isinstance(old, _BATCH_NORMS) and old.running_var is not None and entry.from_bn is not None:
+            entry.from_bn(old, new)
 
 
 def convert_norm(
@@ -122,14 +115,16 @@ def convert_norm(
     dropout and activation. For MABN presets, convs that feed a norm become CenConv2d sharing their weights,
     unless ``centralize_weights=False``; a norm fed by a layer that cannot be centred (a transposed conv, a conv
     subclass with its own forward, a one-weight filter) is converted all the same, with one warning naming those
-    layers. Gamma and beta are kept; BN running statistics are kept only for bn/syncbn/brn (MABN's running_var is
-    a second moment, not a variance). LayerNorms stay unless ``layer_norms=True``, which converts those over an
-    NCHW map's channels (smp's and timm's LayerNorm2d) too; a LayerNorm over tokens always stays.
+    layers. Gamma and beta are kept; BN running statistics are carried as the norm's entry says (``from_bn``: bn,
+    syncbn, frozenbn and brn take them; MABN's running_var is a second moment, not a variance, and it takes none).
+    LayerNorms stay unless ``layer_norms=True``, which converts those over an NCHW map's channels (smp's and timm's
+    LayerNorm2d) too; a LayerNorm over tokens always stays.
 
     One INFO line of this module's logger counts what was converted, by kind, and what was kept; a warning says
     when nothing was converted.
     """
     preset = check_norm(norm)
+    entry = norm_entry(norm)
     centre = preset.centre_weights if centralize_weights is None else centralize_weights
     names = {id(m): n for n, m in model.named_modules()}
 
@@ -157,7 +152,7 @@ def convert_norm(
             channels = child.num_features if isinstance(child, _BATCH_NORMS) else child.normalized_shape[0]
             new = create_norm(norm, channels, **kwargs)
             new.to(device=child.weight.device if child.weight is not None else None)
-            _copy_state(child, new)
+            _copy_state(child, new, entry)
             new.train(child.training)
             if isinstance(child, norm_acts):
                 new = NormAct(new, child.drop, child.act).train(child.training)

@@ -40,8 +40,10 @@ class NormEntry:
     # the conv before it; None: it keeps per-sample statistics and stays
     inference_affine: Callable[[nn.Module], tuple[Tensor, Tensor]] | None = None
     bn_statistics: bool = False  # its layers hold BatchNorm's running statistics: a stage-1 file of it is a BN one
-    # computes w * (x - mean) / std + b at inference, so it takes a BN backbone's statistics over exactly
-    takes_bn_statistics: bool = False
+    # from_bn(bn, layer): set ``layer``'s running statistics from a BatchNorm layer's (``convert_norm`` has copied the
+    # affine), where it computes w * (x - mean) / std + b at inference and so takes a BN backbone over exactly;
+    # None: it takes BN's affine alone
+    from_bn: Callable[[nn.Module, nn.Module], None] | None = None
     sync: bool = False  # normalizes over every device's batch: two or more processes, on GPUs (sync_batchnorm)
     cost_family: str | None = None  # the cost tables' row it is measured under; None: its own name
     # layer options that put it past its warm-ups from the first step, for the cost benchmarks; None: not benched
@@ -49,6 +51,11 @@ class NormEntry:
     # Its layers learn nothing from the data (frozenbn): it starts from BN weights, stage 1 cannot train it, and a
     # segmentation network's decoder and heads are built with this norm instead (their BN layers start untrained).
     head_norm: str | None = None
+
+    @property
+    def takes_bn_statistics(self) -> bool:
+        """Whether a BN network's running statistics carry over into its layers (``from_bn``)."""
+        return self.from_bn is not None
 
     @property
     def frozen(self) -> bool:
@@ -155,6 +162,17 @@ def _bn_affine(norm: nn.Module) -> tuple[Tensor, Tensor]:
     return _own_affine(norm) if isinstance(norm, GhostBatchNorm2d) else batch_norm_affine(norm)
 
 
+def copy_bn_statistics(bn: nn.Module, layer: nn.Module) -> None:
+    """``from_bn`` of the norms that compute w * (x - mean) / std + b at inference: BN's running mean, and its running
+    variance, or where the layer keeps the standard deviation with eps inside (BatchRenorm2d, ghost-batch BN)
+    sqrt(var + BN's eps), so that the layer in eval mode computes what the BN layer did."""
+    layer.running_mean.copy_(bn.running_mean)
+    if hasattr(layer, "running_std"):
+        layer.running_std.copy_((bn.running_var.double() + bn.eps).sqrt())
+    else:
+        layer.running_var.copy_(bn.running_var)
+
+
 _BRN_STEADY = {"r_ramp": (0, 1), "d_ramp": (0, 1)}  # clipping active from the first step
 NORMS: dict[str, NormEntry] = {
     e.name: e
@@ -167,7 +185,7 @@ NORMS: dict[str, NormEntry] = {
             batch=True,
             inference_affine=_bn_affine,
             bn_statistics=True,
-            takes_bn_statistics=True,
+            from_bn=copy_bn_statistics,
             steady_state={},
         ),
         NormEntry(
@@ -177,7 +195,7 @@ NORMS: dict[str, NormEntry] = {
             (nn.SyncBatchNorm,),
             inference_affine=batch_norm_affine,
             bn_statistics=True,
-            takes_bn_statistics=True,
+            from_bn=copy_bn_statistics,
             sync=True,
             cost_family="bn",  # BatchNorm's activations; the synchronization costs no memory
         ),
@@ -189,7 +207,7 @@ NORMS: dict[str, NormEntry] = {
             (BatchRenorm2d,),
             batch=True,
             inference_affine=_own_affine,
-            takes_bn_statistics=True,
+            from_bn=copy_bn_statistics,
             steady_state=_BRN_STEADY,
         ),
         NormEntry(
@@ -199,7 +217,7 @@ NORMS: dict[str, NormEntry] = {
             (FrozenBatchNorm2d,),
             inference_affine=batch_norm_affine,
             bn_statistics=True,
-            takes_bn_statistics=True,
+            from_bn=copy_bn_statistics,
             cost_family="bn",  # at most BatchNorm's activations: the same layers, one fewer saved statistic
             head_norm="bn",
         ),

@@ -9,7 +9,7 @@ import math
 import time
 import warnings
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import pytorch_lightning as pl
 import torch
@@ -21,6 +21,10 @@ from ..models import DEFAULT_ARCH
 from ..norm import check_norm
 from ..norm.cenconv import SGDCentring, keep_centred
 from ..run import RunPlan, RunShape, iterations_per_epoch, plan_shape
+
+if TYPE_CHECKING:  # the planning contract's types; memory imports this module
+    from ..data.loading import DataPlan
+    from .memory import MemoryPlan
 from .cudagraph import (
     GRAPH_SEGMENTS,
     check_capturable,
@@ -316,6 +320,20 @@ class NormTask(pl.LightningModule):
         """The run's lr and schedule for ``shape`` and the lines that say them: what ``--dry-run`` prints and what
         the fit runs (``fit_plan``). Each stage has its own."""
         raise NotImplementedError(f"{cls.__name__} plans no lr schedule")
+
+    @staticmethod
+    def memory_plan(
+        hp: Mapping[str, Any], per_device: int, global_batch: int, cuda: bool, per_node: int, crop: int | None
+    ) -> MemoryPlan | None:
+        """The dry run's estimate of the memory per device for the arguments ``hp`` and the per-device batch that
+        fits it (``mabn.tasks.memory.plan``); None where the task estimates none."""
+        return None
+
+    @classmethod
+    def loss_lines(cls, hp: Mapping[str, Any], plan: DataPlan) -> list[str]:
+        """The dry run's lines on the loss once the data module's ``plan`` is known; none where the loss takes
+        nothing from the data."""
+        return []
 
     def fit_plan(self) -> RunPlan:
         """The fit's ``run_plan``, from the shape ``plan_shape`` computes off the Trainer (the dry run's computation

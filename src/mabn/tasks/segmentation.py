@@ -51,8 +51,8 @@ class SegmentationTask(NormTask):
     linear scaling rule), the new heads at ``head_lr_mult`` x that; lr rises linearly over ``warmup_epochs`` and
     then follows poly(``poly_power``) to the end of the run, stepped per iteration (epochs convert to iterations
     at the run's iterations per epoch, so the schedule keeps the recipe's epochs on any number of devices).
-    Loss: ``loss`` (the recipe's cross-entropy over the labelled pixels by default; Dice, Focal, Lovász, OHEM
-    cross-entropy or a weighted sum, with class weights: ``mabn.tasks.losses``) of the main head plus
+    Loss: ``loss`` (the recipe's cross-entropy over the labelled pixels by default; any loss of the registry
+    ``mabn.tasks.losses.LOSSES`` with its options, or a weighted sum, with class weights) of the main head plus
     ``aux_weight`` x that of the auxiliary head.
     Validation runs the full images through sliding windows of ``eval_crop`` (default: the training
     crop) with stride 2/3 of it, optional flip and scales, and reports the Cityscapes mIoU, the mean per-class
@@ -96,15 +96,13 @@ class SegmentationTask(NormTask):
             ``deeplabv3``, ``deeplabv3plus``, ``upernet``, ``fpn``, ``unet``, ...).
         output_stride: the encoder's output stride, input size / feature size (8, 16 or 32, as the decoder takes);
             null: the decoder's default.
-        loss: the training loss of each head: ``ce`` (cross-entropy, the recipe's), ``dice``, ``focal``,
-            ``lovasz`` (segmentation_models_pytorch's), ``ohem`` (cross-entropy of the hard pixels, as
-            mmsegmentation's OHEM), or a weighted sum such as ``{ce: 1.0, dice: 0.5}`` (``mabn.tasks.losses``).
+        loss: the training loss of each head: a loss name (LOSS_NAMES; ``ce``, cross-entropy, is the recipe's;
+            ``module.name`` imports ``module``, which registers ``name``), or a weighted sum of losses, each a
+            weight or a mapping of its options: ``{ce: 1.0, dice: 0.5}``, ``{ohem: {thresh: 0.7, min_kept:
+            2000}}``, ``{ce: 1.0, dice: {weight: 0.5, smooth: 1.0}}`` (``mabn.tasks.losses``, docs/training.md).
         class_weights: per-class weights of the loss: null (the weights of the dataset's ``classes.yaml`` where it
             gives some, else none), ``counts`` (from the training split's pixels per class, ``1 / ln(1.02 +
             share)``) or a list of numbers > 0, one per class. Lovász takes none.
-        ohem_thresh: ``ohem`` keeps the labelled pixels whose true class has a softmax probability below this.
-        ohem_min_kept: ``ohem`` keeps at least this many pixels per image of the batch, those of the lowest
-            probability of their true class.
         head_norm: the norm of the decoder and heads, one of ``mabn.norm.NORM_PRESETS``; null: ``norm``, or for a
             norm whose layers learn nothing (``frozenbn``) the one its entry names (``bn``).
         centre_encoder: whether the encoder's convs are centred where ``norm`` centres them; null: as the norm's
@@ -132,10 +130,8 @@ class SegmentationTask(NormTask):
         num_logged_predictions: int = 2,
         decoder: str = DEFAULT_DECODER,
         output_stride: int | None = None,
-        loss: dict[str, float] | str = "ce",
+        loss: dict[str, float | dict[str, Any]] | str = "ce",
         class_weights: list[float] | str | None = None,
-        ohem_thresh: float = 0.7,
-        ohem_min_kept: int = 100_000,
         head_norm: str | None = None,
         centre_encoder: bool | None = None,
         **shared: Any,
@@ -162,7 +158,7 @@ class SegmentationTask(NormTask):
             rank_zero_warn("No backbone given (BACKBONE=...): the encoder starts from random weights.")
         # Weights from the data (classes.yaml's, counts) are known at fit's setup, which makes the loss again.
         weights = None if class_weights is None or class_weights == losses.COUNTS else class_weights
-        self.criterion = self.make_loss(self.hparams, self.class_names(), weights)[0]
+        self.criterion = self.make_loss(self.hparams, self.class_names(), weights, None)[0]
         self.val_metric = SegmentationMetric(num_classes, IGNORE_INDEX)
         self.test_metric = SegmentationMetric(num_classes, IGNORE_INDEX)
         self.test_result: dict[str, torch.Tensor] = {}  # the last test's metrics (SegmentationMetric.compute)
@@ -197,7 +193,7 @@ class SegmentationTask(NormTask):
         require(hp["poly_power"] > 0, "poly_power", hp["poly_power"], "must be > 0")
         require(hp["aux_weight"] >= 0, "aux_weight", hp["aux_weight"], "must be >= 0")
         require(0 <= hp["dropout"] < 1, "dropout", hp["dropout"], "must be in [0, 1)")
-        losses.check_loss(hp["loss"], hp["class_weights"], hp["ohem_thresh"], hp["ohem_min_kept"])
+        losses.check_loss(hp["loss"], hp["class_weights"])
         decoder = hp.get("decoder", DEFAULT_DECODER)
         require(decoder in DECODERS, "decoder", decoder, f"choose one of {', '.join(DECODERS)}")
         stride = hp.get("output_stride")
@@ -261,8 +257,7 @@ class SegmentationTask(NormTask):
     @staticmethod
     def loss_line(hp: Mapping[str, Any]) -> str:
         """The ``loss:`` line of the plan: the loss, where its class weights come from, and the heads it weighs."""
-        terms = losses.loss_terms(hp["loss"])
-        text = losses.describe(terms, hp["ohem_thresh"], hp["ohem_min_kept"])
+        text = losses.describe(losses.loss_terms(hp["loss"]))
         weights = hp["class_weights"]
         if weights == losses.COUNTS:
             text += ", class weights from the training pixels per class"
@@ -277,12 +272,14 @@ class SegmentationTask(NormTask):
         hp: Mapping[str, Any],
         names: Sequence[str],
         class_weights: str | Sequence[float] | None,
+        crop: int | None,
         classes: ClassTable | None = None,
         pixels: Sequence[int] | None = None,
     ) -> tuple[losses.PixelLoss, list[str]]:
-        """(the loss of each head; the line that says its class weights, none without). ``class_weights``: the
-        argument, resolved against ``classes`` (the dataset's table, whose weights it may give) and ``pixels`` (the
-        training split's per class) for the classes ``names`` (``losses.resolve_class_weights``)."""
+        """(the loss of each head at a training crop of ``crop`` px, None where not known; the lines that say its
+        class weights and what its terms take of the data). ``class_weights``: the argument, resolved against
+        ``classes`` (the dataset's table, whose weights it may give) and ``pixels`` (the training split's per
+        class) for the classes ``names`` (``losses.resolve_class_weights``)."""
         weights, origin = losses.resolve_class_weights(
             class_weights,
             names,
@@ -291,25 +288,29 @@ class SegmentationTask(NormTask):
             pixels,
         )
         terms = losses.loss_terms(hp["loss"])
-        if weights is not None and all(name in losses.UNWEIGHTED for name in terms):
+        unweighted = [term.entry.name for term in terms if not term.entry.class_weights]
+        if weights is not None and len(unweighted) == len(terms):
             raise ConfigError(
-                f"class weights ({origin}): loss {hp['loss']} takes none (smp's LovaszLoss): remove them, or "
-                "add a term that takes them, e.g. {lovasz: 1.0, ce: 1.0}"
+                f"class weights ({origin}): loss {hp['loss']} takes none: remove them, or add a term that takes "
+                f"them, e.g. {{{unweighted[0]}: 1.0, ce: 1.0}}"
             )
-        if weights is not None and "lovasz" in terms:
-            origin += "; lovasz takes none (smp's LovaszLoss)"
-        criterion = losses.PixelLoss(terms, weights, hp["ohem_thresh"], hp["ohem_min_kept"])
-        return criterion, [] if weights is None else [losses.weights_line(weights, names, origin)]
+        if weights is not None and unweighted:
+            origin += f"; {', '.join(unweighted)} takes none"
+        data = losses.LossData(None if weights is None else tuple(weights), crop)
+        lines = [] if weights is None else [losses.weights_line(weights, names, origin)]
+        return losses.PixelLoss(terms, data), lines + losses.data_lines(terms, data)
 
     @classmethod
-    def class_weight_lines(cls, hp: Mapping[str, Any], plan: DataPlan) -> list[str]:
-        """The dry run's line on the class weights, from the data plan's training pixels per class (and the class
-        table they count), where the data module counts them; ``ConfigError`` where the weights cannot be made."""
+    def loss_lines(cls, hp: Mapping[str, Any], plan: DataPlan) -> list[str]:
+        """The dry run's lines on the loss once the data is known (``make_loss``'s, as the fit says them): the class
+        weights, from the data plan's training pixels per class (and the class table they count) where the data
+        module counts them, and what the loss's terms take of the data plan's crop; ``ConfigError`` where the
+        weights cannot be made."""
         pixels = plan.class_pixels
         classes = None if pixels is None else pixels.classes
         names = default_class_names(hp["num_classes"]) if classes is None else classes.names
         counts = None if pixels is None else pixels.pixels
-        return cls.make_loss(hp, names, hp["class_weights"], classes, counts)[1]
+        return cls.make_loss(hp, names, hp["class_weights"], plan.crop, classes, counts)[1]
 
     @staticmethod
     def warmup_warning(hp: Mapping[str, Any], shape: RunShape) -> list[str]:
@@ -480,13 +481,15 @@ class SegmentationTask(NormTask):
     def setup(self, stage: str) -> None:
         if stage == "fit":  # after the data module's setup, before its loaders: the batch that fits the device
             memory.fit(self)
-            # The class weights the data gives: classes.yaml's, or the training pixels counted by its check.
+            # The class weights the data gives (classes.yaml's, or the training pixels counted by its check) and
+            # the crop the loss sees.
             data = self.trainer.datamodule
             pixels = getattr(data, "class_pixels", None)
             self.criterion, lines = self.make_loss(
                 self.hparams,
                 self.class_names(),
                 self.hparams.class_weights,
+                getattr(data, "crop_size", None),
                 getattr(data, "classes", None),
                 None if pixels is None else pixels.pixels,
             )
@@ -539,6 +542,10 @@ def class_table_rows(
         [name, *(None if math.isnan(value) else value for value in values)]
         for name, *values in zip(class_names, per_class_iou.tolist(), per_class_accuracy.tolist())
     ]
+
+
+# The help's loss names are the registry's (those registered when this module is imported: the built-in ones).
+SegmentationTask.__doc__ = SegmentationTask.__doc__.replace("LOSS_NAMES", ", ".join(losses.LOSSES))
 
 
 def default_class_names(count: int) -> tuple[str, ...]:

@@ -16,5 +16,5 @@ def main(argv: list[str]) -> int:
             parser.error(f"unknown stage {stage!r}: choose from {', '.join(names)}")
     for stage in stages:
         profile = launch.PROFILES[stage]
-        profile.generate_demo(launch.DEMO_DATA / profile.demo.replace("_", "-"))
+        profile.generate_demo(launch.DEMO_DATA / profile.demo)
     return 0

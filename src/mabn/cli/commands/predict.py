@@ -1,16 +1,14 @@
 """``python -m mabn predict CKPT``: a stage-2 checkpoint's predictions as PNG files (``mabn.inference.predict``).
 
 For every image of ``--images`` (folders, searched recursively, image files, or glob patterns) or of a split of
-the checkpoint's dataset (``--data``, ``--split``: ``<root>/leftImg8bit/<split>`` for Cityscapes,
-``<root>/images/<split>`` for a dataset of the user's own) it writes, named after the frame (the image's name
-without ``_leftImg8bit`` and its suffix), into the output folder:
+the checkpoint's dataset (``--data``, ``--split``: the split's folder of images in the dataset's layout) it writes,
+named after the frame the image holds as the checkpoint's dataset names frames (``FolderDataset.frame_name``), into
+the output folder:
 
-- Cityscapes: ``labelIds/<frame>_labelIds.png``, Cityscapes labelIds, what the benchmark server and
-  cityscapesscripts' ``evalPixelLevelSemanticLabeling`` read (it matches ``<city>_<seq>_<frame>*.png`` to each
-  ground truth, so point it at this folder alone: ``CITYSCAPES_RESULTS=<out>/labelIds``);
-  a dataset of the user's own: ``masks/<frame>.png``, in its own mask values (each class's first value in
-  ``classes.yaml``), as its masks are;
-- ``color/<frame>_color.png``: the classes in the dataset's colours (Cityscapes', or those of ``classes.yaml``);
+- the mask in the dataset's own values (each class's first value in its class table), named as the dataset names
+  its masks (``FolderDataset.mask_file``: ``masks/<frame>.png`` for a dataset of the user's own, what the dataset's
+  scorer reads for one that names it, e.g. Cityscapes' labelIds files);
+- ``color/<frame>_color.png``: the classes in the dataset's colours;
 - ``overlay/<frame>_overlay.png`` with ``--overlay``: the colours blended over the image.
 
 The output folder defaults to ``<run>/predictions/<checkpoint name>-<split, folder or image name>``. It records
@@ -23,7 +21,6 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from ...data.folder import MASKS
 from ...data.loading import make_loader
 from ...errors import ConfigError
 from ...inference.predict import FrameImages, PredictionWriter, claim_folder, image_files, images_name
@@ -38,7 +35,7 @@ def image_specs(checkpoint: Stage2Checkpoint, ns: argparse.Namespace) -> list[st
             raise ConfigError("give either --images or --data/--split, not both")
         return list(ns.images)
     split = ns.split or checkpoint.data.get("val_split") or "val"
-    return [checkpoint.image_folder(data_root(checkpoint, ns.data), split)]
+    return list(checkpoint.split_images(data_root(checkpoint, ns.data), split))
 
 
 def run_predict(ns: argparse.Namespace) -> Path:
@@ -46,7 +43,7 @@ def run_predict(ns: argparse.Namespace) -> Path:
     classes = checkpoint.classes
     configure(checkpoint, ns.crop, ns.flip, ns.scales)
     specs = image_specs(checkpoint, ns)
-    images = FrameImages(image_files(specs))
+    images = FrameImages(image_files(specs), checkpoint.data_module.dataset_class)
     name = images_name(specs)
     out = ns.out or checkpoint.run_folder / "predictions" / f"{ns.checkpoint.stem}-{name}"
     hp = checkpoint.task.hparams
@@ -59,13 +56,13 @@ def run_predict(ns: argparse.Namespace) -> Path:
         "overlay": ns.overlay,
     }
     claim_folder(out, manifest, ns.overwrite)
-    writer = PredictionWriter(out, images, ns.overlay, classes, checkpoint.own_data)
+    writer = PredictionWriter(out, images, ns.overlay, classes)
     loader = make_loader(images, 1, False, ns.num_workers)
     inference_trainer(callbacks=[writer]).predict(checkpoint.task, loader, return_predictions=False)
-    masks = MASKS if checkpoint.own_data else "labelIds"
-    parts = f"{masks}/, color/" + (" and overlay/" if ns.overlay else "")
+    layout = images.layout
+    parts = f"{layout.prediction_masks}/, color/" + (" and overlay/" if ns.overlay else "")
     what = ", ".join(map(str, specs))
-    evaluate = "" if checkpoint.own_data else f"; evaluate {out / 'labelIds'}"
+    evaluate = f"; evaluate {out / layout.prediction_masks}" if layout.prediction_scorer else ""
     plural = "" if writer.written == 1 else "s"
     print(f"Wrote {writer.written} prediction{plural} of {what} to {out} ({parts}){evaluate}")
     return out
@@ -80,7 +77,7 @@ def parser() -> argparse.ArgumentParser:
         help="folders (searched recursively), image files or quoted glob patterns ('photos/*.jpg') to predict",
     )
     parser.add_argument(
-        "--split", help="the split under leftImg8bit/ (or images/) of --data (default: the checkpoint's val split)"
+        "--split", help="a split of --data, in the dataset's layout (default: the checkpoint's val split)"
     )
     parser.add_argument("--out", type=Path, help="output folder (default: <run>/predictions/<ckpt>-<images>)")
     parser.add_argument("--overlay", action="store_true", help="also write the colours blended over each image")

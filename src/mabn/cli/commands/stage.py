@@ -23,19 +23,24 @@ from pathlib import Path
 
 from ...distributed import end_process_group_at_exit
 from ...errors import user_error
+from ...norm import NORM_PRESETS, NORMS
 from .. import launch
 from .. import lightning as cli
 from ..help import command_parser
 
 
+def norm_help() -> str:
+    """The norms ``--norm`` takes, from the registry (``NORMS``, ``NORM_PRESETS``) and the stage-1 presets: a norm
+    registered in the process is listed with them."""
+    norms = ", ".join(name + (" (stage 2)" if entry.frozen else "") for name, entry in NORMS.items())
+    ablations = ", ".join(name for name in NORM_PRESETS if name not in NORMS)
+    return f"{norms}, or an ablation preset ({ablations}); stage 1 also {' and '.join(launch.STAGE1_PRESETS)}"
+
+
 def parser(stage: str) -> argparse.ArgumentParser:
     parser = command_parser(stage, __doc__)
     parser.add_argument("--data", type=Path, help="dataset root; the demo profile runs when it is absent")
-    parser.add_argument(
-        "--norm",
-        default="mabn",
-        help="bn, syncbn, gn, brn, mabn, frozenbn (stage 2) or an ablation preset; stage 1 also bn32 and mabn-det",
-    )
+    parser.add_argument("--norm", default="mabn", help=norm_help())
     parser.add_argument("--gpus", type=int, default=0, help="GPUs per node (0: CPU)")
     parser.add_argument("--nodes", type=int, default=1)
     parser.add_argument(

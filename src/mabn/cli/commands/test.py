@@ -1,5 +1,5 @@
-"""``python -m mabn test CKPT``: a stage-2 checkpoint scored on a split of its dataset (Cityscapes, or a dataset of
-the user's own: ``python -m mabn segment``).
+"""``python -m mabn test CKPT``: a stage-2 checkpoint scored on a split of its dataset, read in the layout of the data
+module it was trained with.
 
 The split is read in full images and predicted by the sliding-window code path of validation (crop, flip and
 scales as options, the checkpoint's own by default), on one device (a GPU when there is one). The per-class table
@@ -58,9 +58,7 @@ def run_test(ns: argparse.Namespace) -> dict[str, torch.Tensor]:
 
 def parser() -> argparse.ArgumentParser:
     parser = checkpoint_parser("test", __doc__)
-    parser.add_argument(
-        "--split", help="the split under leftImg8bit/ and gtFine/, or images/ and masks/ (default: the checkpoint's)"
-    )
+    parser.add_argument("--split", help="a split of --data, in the dataset's layout (default: the checkpoint's)")
     return parser
 
 
