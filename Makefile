@@ -79,7 +79,9 @@ triton-compilers: $(STAMP)
 # Its defaults are the GPU image's software: Python 3.12, torch 2.11 (with Triton 3.6) and its torchvision.
 # TORCH_PINS: Triton 3.6's interpreter, which runs the kernels on CPU tensors in the suite (never on a GPU), reads
 # one-element arrays as Python ints, which NumPy 2.4 refuses.
-TORCH_PYTHON ?= python3.12
+# python3.12 where it runs, else pyenv's newest 3.12 (whose shim runs it only where pyenv selects that version).
+TORCH_PYTHON ?= $(shell python3.12 -c '' >/dev/null 2>&1 && echo python3.12 || \
+	{ prefix=$$(pyenv prefix 3.12 2>/dev/null) && echo "$$prefix/bin/python3.12"; } || echo python3.12)
 TORCH        ?= 2.11.0
 TORCHVISION  ?= 0.26.0
 TORCH_PINS   ?= "numpy<2.4"

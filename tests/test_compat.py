@@ -19,6 +19,8 @@ from jsonargparse import ArgumentParser
 from torch import nn
 
 from mabn import compat
+from mabn.data.loading import make_loader
+from mabn.run import RandomStateCallback
 
 
 # -- Lightning ---------------------------------------------------------------------------------------------------
@@ -81,8 +83,9 @@ def test_record_sigterm_makes_lightnings_sigterm_handler_only_record():
 
 
 class _Counted(pl.LightningModule):
-    """A linear model on 16 fixed samples, 4 batches an epoch, a validation at each epoch's end; records Lightning's
-    own counters at each training batch's start and each validation's end."""
+    """A linear model on 16 fixed samples, 4 shuffled batches an epoch (the product's training loader), a
+    validation at each epoch's end; records Lightning's own counters and the batch's samples at each training
+    batch's start, and each validation's end."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -92,7 +95,8 @@ class _Counted(pl.LightningModule):
     def training_step(self, batch, batch_idx):
         loop = self.trainer.fit_loop
         counters = (self.current_epoch, self.global_step, loop.epoch_loop._batches_that_stepped, batch_idx)
-        self.seen.append(("train", *counters, loop.epoch_progress.current.processed))
+        samples = tuple(batch[0][:, 0].int().tolist())  # which samples: the shuffled order, continued on a resume
+        self.seen.append(("train", *counters, loop.epoch_progress.current.processed, samples))
         return self.layer(batch[0]).square().mean()
 
     def validation_step(self, batch, batch_idx):
@@ -103,9 +107,14 @@ class _Counted(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
     def train_dataloader(self):
-        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.arange(32.0).view(16, 2)), batch_size=4)
+        return make_loader(self.samples(), 4, train=True, num_workers=0)
 
-    val_dataloader = train_dataloader
+    def val_dataloader(self):
+        return torch.utils.data.DataLoader(self.samples(), batch_size=4)
+
+    @staticmethod
+    def samples() -> torch.utils.data.TensorDataset:
+        return torch.utils.data.TensorDataset(torch.arange(32.0).view(16, 2))
 
 
 class _SaveAt(pl.Callback):
@@ -141,14 +150,20 @@ class _SaveAt(pl.Callback):
 def test_hold_resumed_epochs_and_resumed_logging_step_follow_lightnings_counters(tmp_path, first, hook):
     """A fit stopped and resumed (max_epochs 3, max_steps 100) counts its epochs, steps, logged steps and batches,
     and validates, where the uninterrupted fit does, read from Lightning's own counters; ``resumed_logging_step``
-    is the logged step of its first training batch, ``epochs_trained`` the epochs ended before the checkpoint."""
+    is the logged step of its first training batch, ``epochs_trained`` the epochs ended before the checkpoint.
+    With ``record_trained_batches`` the batches are the same samples too: inside an epoch the resume trains the
+    rest of that epoch's order (the random states in the checkpoint, ``RandomStateCallback``, give the orders at
+    an epoch's start)."""
 
     def fit(ckpt_path=None, callbacks=(), **limits):
         trainer = pl.Trainer(
             accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
-            enable_model_summary=False, num_sanity_val_steps=0, callbacks=list(callbacks), **limits,
+            enable_model_summary=False, num_sanity_val_steps=0, callbacks=[RandomStateCallback(), *callbacks],
+            **limits,
         )  # fmt: skip
         compat.hold_resumed_epochs(trainer)
+        compat.record_trained_batches(trainer)
+        torch.manual_seed(0)  # the first epoch's order; a resume's comes from the checkpoint
         module = _Counted()
         trainer.fit(module, ckpt_path=ckpt_path)
         return module.seen, trainer

@@ -7,6 +7,8 @@ the same at any depth, and ``export`` rebuilds the network from the checkpoint's
 import importlib.util
 import json
 import logging
+import os
+import sys
 import warnings
 
 import numpy as np
@@ -15,6 +17,7 @@ import pytorch_lightning as pl
 import torch
 from torch import nn
 
+from helpers import full_disk
 from helpers.commands import run_mabn
 from helpers.export_program import programs_take_any_size
 from mabn.cli.commands import export as export_command
@@ -462,3 +465,28 @@ def test_python_m_mabn_export_routes_to_the_exporter(tmp_path, capsys):
     missing = tmp_path / "missing.ckpt"
     code, _, err = run_mabn(["export", str(missing)], capsys)
     assert code == 2 and err.strip() == f"error: checkpoint not found: {missing}"
+
+
+FULL_DISK = full_disk.unavailable()
+
+
+@pytest.mark.slow  # an export in a subprocess per format, the model of 45 MB: ~10 s each
+@pytest.mark.skipif(FULL_DISK is not None, reason=f"no real full disk here: {FULL_DISK}")
+@pytest.mark.parametrize(
+    "fmt, file",
+    [
+        ("torchscript", "cls.folded.pt"),
+        pytest.param("pt2", "cls.folded.pt2", marks=needs_program),
+        pytest.param("onnx", "cls.onnx", marks=needs_onnx),
+    ],
+)
+def test_a_full_disk_during_export_is_one_line_and_leaves_no_file(cls_checkpoint, tmp_path, fmt, file):
+    """The out folder a tmpfs of 1 MiB, the kernel's own ENOSPC: torch's zip writer, writing into the file, threw
+    from its destructor (a C++ dump, exit 134, the temporary file left)."""
+    path, _ = cls_checkpoint
+    argv = [sys.executable, "-m", "mabn", "export", str(path), "--out", "out", "--input-size", "64", "64"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    run, left = full_disk.run_on_full_disk([*argv, "--formats", fmt], tmp_path / "out", 1024, tmp_path, env, 300)
+    assert run.returncode == 2, run.stderr[-3000:]
+    assert run.stderr.strip().splitlines() == [f"error: cannot write out/{file}: No space left on device"]
+    assert left == []

@@ -262,6 +262,8 @@ def test_the_loss_arguments_are_refused_in_one_line():
         (({}, None), "loss={}"),
         (("ce", "median"), "class_weights='median'"),
         (("ce", [1.0, -1.0]), "class_weights=[1.0, -1.0]"),
+        (("ce", [1e308, 1.0]), "class_weights=[1e+308, 1.0]: 1e+308 is outside [1e-06, 1e+06]"),
+        (("ce", [1.0, 1e-300]), "class_weights=[1.0, 1e-300]: 1e-300 is outside [1e-06, 1e+06]"),
         (("lovasz", "counts"), "loss lovasz takes no class weights"),
         (({"ohem": {"thresh": 1.5}}, None), "ohem's thresh=1.5: a probability in (0, 1]"),
         (({"ohem": {"min_kept": 0}}, None), "ohem's min_kept=0: a whole number of pixels per image"),
@@ -398,6 +400,10 @@ def test_classes_yaml_gives_weights_and_refuses_bad_ones_in_one_line():
         with pytest.raises(DatasetError, match=r"weights must hold one number > 0 per class, 2 in all") as caught:
             ClassTable.parse({"classes": ["sky", "road"], "weights": bad}, "d/classes.yaml")
         assert "\n" not in str(caught.value) and "d/classes.yaml" in str(caught.value)
+    for far, shown in ((1.0e308, "1e+308"), (1.0e7, "10000000.0"), (1.0e-30, "1e-30")):
+        with pytest.raises(DatasetError, match=rf"weights: {re.escape(shown)} is outside \[1e-06, 1e\+06\]"):
+            ClassTable.parse({"classes": ["sky", "road"], "weights": [1.0, far]}, "d/classes.yaml")
+    assert ClassTable.parse({"classes": ["sky", "road"], "weights": [1e-6, 1e6]}).weights == (1e-6, 1e6)
 
 
 def test_class_weights_come_from_one_place():
@@ -450,6 +456,22 @@ def test_the_dry_run_refuses_weights_that_do_not_fit_the_classes(banded, tmp_pat
     code, out, err = segment(banded, tmp_path / "run", capsys, *weights)
     assert code == 2
     assert "error: class_weights=[1.0, 2.0]: 2 weights for 3 classes; give one per class, in class-index order" in err
+
+
+@pytest.mark.parametrize("dry_run", [True, False])
+def test_weights_that_float32_cannot_sum_are_refused_by_the_dry_run_and_the_fit(banded, tmp_path, capsys, dry_run):
+    """1e308 is infinite in float32: the fit took it and crashed at the first loss."""
+    weights = ["--model.init_args.class_weights", "[1.0, 1e308, 1.0]", "--data.init_args.global_batch_size", "4"]
+    code, out, err = segment(banded, tmp_path / "run", capsys, *weights, dry_run=dry_run)
+    assert code == 2
+    assert (
+        err.strip()
+        .splitlines()[-1]
+        .startswith(
+            "error: class_weights=[1.0, 1e+308, 1.0]: 1e+308 is outside [1e-06, 1e+06]: class weights are relative"
+        )
+    ), err
+    assert "Traceback" not in err and not (tmp_path / "run" / "checkpoints").exists()
 
 
 TINY = [

@@ -13,8 +13,8 @@ in the temporary file and before the rename, and touches
 space in the middle of writing the checkpoint of ``$TINY_FULL_AT_STEP`` into its temporary file.
 ``SettingTask`` takes its lr as a run setting. ``WorseningTask`` scores worse at every validation, so
 ModelCheckpoint saves only at the first one; ``StopAt`` raises or sends this process SIGTERM at the start of a
-training batch; ``TinyData(num_workers=2)`` reads through the product's loaders (``mabn.data.loading.make_loader``)
-with worker processes.
+training batch; ``TinyData`` trains through the product's loader (``mabn.data.loading.make_loader``), with
+worker processes where ``num_workers`` says.
 """
 
 from __future__ import annotations
@@ -124,9 +124,7 @@ class TinyData(pl.LightningDataModule):
         self.num_workers = num_workers
 
     def train_dataloader(self):
-        if self.num_workers:
-            return make_loader(_data(), 8, train=True, num_workers=self.num_workers)
-        return DataLoader(_data(), batch_size=8, shuffle=True)
+        return make_loader(_data(), 8, train=True, num_workers=self.num_workers)
 
     def val_dataloader(self):
         if self.num_workers:

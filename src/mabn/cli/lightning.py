@@ -52,7 +52,14 @@ import torch
 from jsonargparse import ArgumentParser, DefaultHelpFormatter, Namespace
 from pytorch_lightning.cli import LightningArgumentParser, SaveConfigCallback
 
-from ..compat import argument_error_text, hold_resumed_epochs, lightning_cli, option_strings, subcommand_parsers
+from ..compat import (
+    argument_error_text,
+    hold_resumed_epochs,
+    lightning_cli,
+    option_strings,
+    record_trained_batches,
+    subcommand_parsers,
+)
 from ..data.classes import CLASSES_FILE, ClassTable
 from ..data.errors import DatasetError
 from ..data.loading import DataPlan
@@ -76,6 +83,7 @@ from ..run import (
 )
 from ..run import folder as runs
 from ..run import lock as runlock
+from ..tasks.base import NormTask
 from ..tasks.classification import backbone_path
 from ..tasks.losses import MOVED
 from ..tasks.memory import MemoryPlan
@@ -170,6 +178,8 @@ def plan_lines(config: Namespace) -> list[str]:
     (``loss_lines``: the class weights, the crop). The three are the planning contract of ``NormTask``."""
     planned = data_plan(config)
     task, per_device, trainer = _import(config.model.class_path), _device_batch(config), config.trainer
+    if not issubclass(task, NormTask):  # a LightningModule of one's own plans nothing
+        return planned.lines if planned else []
     memory = None
     if per_device:  # on the devices the run asks for, at its crop
         accelerator = str(trainer.get("accelerator") or "auto")
@@ -275,13 +285,16 @@ def accelerator_problem(config: Namespace) -> str | None:
     return None
 
 
-def check_fit_config(config: Namespace) -> pl.LightningModule:
+def check_fit_config(config: Namespace) -> NormTask | None:
     """Every check that needs no data and no weights: the task's arguments, the model the fit builds and the checks
     its setup runs on it (``build_task``), the batch layout, the loggers, the run's folder and its artefacts.
-    Returns the task built without weights."""
+    Returns a ``NormTask`` built without weights; None for a LightningModule of one's own."""
     task = _import(config.model.class_path)
-    task.check_hparams(dict(config.model.init_args))
-    built = build_task(config)
+    if not issubclass(task, NormTask):  # a LightningModule of one's own: built and checked by its fit alone
+        built = None
+    else:
+        task.check_hparams(dict(config.model.init_args))
+        built = build_task(config)
     check_batch(config)
     check_loggers(config)
     if not config.trainer.get("default_root_dir"):
@@ -291,16 +304,18 @@ def check_fit_config(config: Namespace) -> pl.LightningModule:
     return built
 
 
-def build_task(config: Namespace) -> pl.LightningModule:
+def build_task(config: Namespace) -> NormTask:
     """The fit's task built by its own constructor on the meta device and checked as the fit's setup checks it
     (its ``build_unweighted``), so that a choice of encoder, decoder, norm and norm policy that cannot train stops
     the dry run and the fit alike, before anything is read or written."""
     return _import(config.model.class_path).build_unweighted(_plain_args(config.model))
 
 
-def checkpoint_line(task: pl.LightningModule) -> list[str]:
+def checkpoint_line(task: NormTask | None) -> list[str]:
     """The plan's line on the size of a checkpoint of ``task`` (its ``checkpoint_bytes``: weights and buffers, and
-    the optimizer's state that a resume needs)."""
+    the optimizer's state that a resume needs); none for a LightningModule of one's own."""
+    if task is None:
+        return []
     weights, optimizer = task.checkpoint_bytes()
 
     def mb(size: int) -> str:  # three significant digits, or whole megabytes
@@ -381,7 +396,11 @@ def place_evaluation(config: Namespace, subcommand: str) -> None:
 
 class AtomicSaveConfig(SaveConfigCallback):
     """The resolved config saved as ``config.yaml`` in the run's folder through a temporary file, replacing the
-    one of the run it resumes."""
+    one of the run it resumes. A resume's records the checkpoint it resumed from: ``ckpt_path`` its file, which
+    the same config resumes from again, and a first comment line its epoch and step (``resumed``), which the file
+    no longer holds once the run saves to it again (``last.ckpt``)."""
+
+    resumed: runs.Checkpoint | None = None  # set by MabnCLI.instantiate_trainer
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if self.already_saved:
@@ -389,6 +408,8 @@ class AtomicSaveConfig(SaveConfigCallback):
         log_dir = trainer.log_dir  # a broadcast: every process takes part
         if trainer.is_global_zero and log_dir is not None:
             text = self.parser.dump(self.config, skip_none=False)
+            if self.resumed is not None:
+                text = f"# resumed from {self.resumed}\n{text}"
             write_text_atomic(Path(log_dir) / self.config_filename, text)
         self.already_saved = True
 
@@ -495,7 +516,7 @@ class MabnCLI(lightning_cli()):
         self.problems: list[str] = []  # a dry run's, each a line; a run stops at its first
         self.experiment: dict[str, Any] = {}  # a fit's, as given (``experiment``)
         self.dirs: list[Path] = []  # a fit's checkpoint folders (``checkpoint_dirs``); none: the default
-        self.task: pl.LightningModule | None = None  # a fit's task as built without weights (``build_task``)
+        self.task: NormTask | None = None  # a fit's task as built without weights (``build_task``)
         # The parser of the subcommand asked for alone: LightningCLI builds one per subcommand (fit, validate, test,
         # predict), each from the trainer's, model's and data's signatures, a third of a dry run's time for three
         # parsers that are never used. Without a known subcommand first (the command line's own, --help), all four.
@@ -696,6 +717,11 @@ class MabnCLI(lightning_cli()):
             kwargs.setdefault("plugins", [*plugins, AtomicCheckpointIO()])
         trainer = super().instantiate_trainer(**kwargs)
         hold_resumed_epochs(trainer)  # a resume with max_steps counts its epochs and logged steps rightly
+        plan = getattr(self, "plan", None)  # a fit's
+        for callback in trainer.callbacks:
+            if isinstance(callback, AtomicSaveConfig) and plan is not None:
+                callback.resumed = plan.resume
+        record_trained_batches(trainer)  # a resume inside an epoch trains the rest of its batches
         # Exact resume; CUDA out of memory in a training step as one line (before FailFast, which passes that line
         # to the other processes); a failing DDP process stops all; last.ckpt the latest state at every end, SLURM's
         # requeue signal and SIGTERM (scancel, preemption, kill) included. A trainer without checkpointing

@@ -8,7 +8,8 @@ A dataset of the user's own (``mabn.data.folder``) describes its classes in ``cl
     mask_values: {0: background, 7: road, 26: car}   # optional: mask value -> class (name or index);
                                                      # default: value i is class i
     mask_format: index                 # optional: index (one value per pixel, the default) or color
-    weights: [0.5, 1.0, 4.0]           # optional: a weight > 0 per class, for the loss (mabn.tasks.losses)
+    weights: [0.5, 1.0, 4.0]           # optional: a weight in [1e-6, 1e6] per class, for the loss
+                                       # (mabn.tasks.losses)
 
 The file is UTF-8. A class name is printable text (``str.isprintable``: no line break, tab or terminal escape
 code) without ``|``, of at most 64 characters: the names are printed as they are in the validation table (a
@@ -39,7 +40,17 @@ import yaml
 
 from .errors import DatasetError
 
-__all__ = ["CLASSES_FILE", "COLOR", "IGNORE_INDEX", "INDEX", "ClassTable", "color_codes", "voc_palette"]
+__all__ = [
+    "CLASSES_FILE",
+    "COLOR",
+    "IGNORE_INDEX",
+    "INDEX",
+    "WEIGHT_RANGE",
+    "ClassTable",
+    "color_codes",
+    "voc_palette",
+    "weight_out_of_range",
+]
 
 # The class index of an ignored pixel inside the product, whatever dataset it comes from: the loss, the metrics,
 # the augmentation's padding and the sliding-window evaluation leave it out.
@@ -48,6 +59,24 @@ CLASSES_FILE = "classes.yaml"
 KEYS = ("classes", "colors", "ignore_index", "mask_values", "mask_format", "ignore_color", "weights")
 INDEX, COLOR = "index", "color"  # the mask formats: one value per pixel, or one colour per pixel
 MAX_CLASSES = IGNORE_INDEX  # class indices 0..254: 255 is the ignored pixel inside the product
+# Class weights are relative, and the loss sums them over a batch's pixels in float32 (largest 3.4e38): 1e308 is
+# infinite there and 1e-300 zero (a batch of that class alone divides 0 by 0); within this range a batch of 2^31
+# pixels sums to at most 2e15.
+WEIGHT_RANGE = (1e-6, 1e6)
+
+
+def weight_out_of_range(weights: list[float] | tuple[float, ...]) -> str | None:
+    """The refusal's words for the first of ``weights`` (numbers > 0) outside ``WEIGHT_RANGE``; None where all fit."""
+    low, high = WEIGHT_RANGE
+    outside = [w for w in weights if not low <= w <= high]
+    if not outside:
+        return None
+    return (
+        f"{outside[0]!r} is outside [{low:g}, {high:g}]: class weights are relative, summed over a batch's pixels "
+        f"in float32; divide them all by one number to bring them into it"
+    )
+
+
 MAX_MASK_VALUE = 65535  # a 16-bit PNG's largest value
 MAX_NAME_CHARS = 64  # a class name's length: a row of the validation table, a legend entry of a logged mask
 _UNKNOWN = -1  # in the lookup table: a mask value of no class, not ignored
@@ -223,6 +252,8 @@ class ClassTable:
             and all(isinstance(w, (int, float)) and not isinstance(w, bool) and 0 < w < math.inf for w in weights)
         ):
             raise bad(f"weights must hold one number > 0 per class, {count} in all; got {weights!r}")
+        if weights is not None and (why := weight_out_of_range(weights)):
+            raise bad(f"weights: {why}")
         if mask_format == COLOR:
             table = cls._parse_color(raw, names, colors, bad, source)
             return table if weights is None else replace(table, weights=tuple(map(float, weights)))

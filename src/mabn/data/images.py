@@ -75,18 +75,56 @@ def upright(img: Image.Image) -> Image.Image:
     return ImageOps.exif_transpose(img) if orientation(img) in TURNED else img
 
 
+# The pixels of one strip of rows that the readers copy and scale at a time (``pixels``, ``eight_bits``): numpy
+# reads a whole PIL image through ``tobytes``, which joins its encoded chunks into one more copy, and the scaling's
+# float64 temporaries take 8 bytes a pixel each; a strip at a time, the peak of reading a float32 file is its
+# decoded pixels (4 bytes a pixel), the array (4) and the result (1 for a mask's values, 3 for RGB) plus a strip.
+STRIP_PIXELS = 2**16
+
+
+def _strips(height: int, width: int) -> range:
+    return range(0, height, max(1, STRIP_PIXELS // max(width, 1)))
+
+
+def pixels(img: Image.Image, mode: str | None = None) -> np.ndarray:
+    """``np.asarray(img)``, or of ``img.convert(mode)``, read a strip of rows at a time (``STRIP_PIXELS``)."""
+    width, height = img.size
+    starts = _strips(height, width)
+
+    def strip(top: int) -> np.ndarray:
+        part = img.crop((0, top, width, min(top + starts.step, height)))
+        return np.asarray(part if mode is None else part.convert(mode))
+
+    first = strip(0)
+    values = np.empty((height, *first.shape[1:]), first.dtype)
+    values[: len(first)] = first
+    for top in starts[1:]:
+        values[top : top + starts.step] = strip(top)
+    return values
+
+
 def eight_bits(values: np.ndarray) -> np.ndarray:
     """The single-channel ``values`` (a 16-bit, 32-bit or floating-point picture) scaled linearly from their own
     minimum..maximum to 0..255, as uint8: the whole 8-bit range for whatever range a sensor or format fills (12
     bits of a 16-bit file, floats of 0..1 or of metres). A constant picture is 0; a pixel that is no number (NaN,
-    an infinity) is 0 and left out of the range."""
-    values = values.astype(np.float64)  # exact for 16- and 32-bit integers, and no overflow in the subtraction
-    finite = np.isfinite(values)
-    if not finite.any():
-        return np.zeros(values.shape, np.uint8)
-    low, high = values.min(where=finite, initial=np.inf), values.max(where=finite, initial=-np.inf)
-    spread = (values - low) * (255 / (high - low)) if high > low else np.zeros_like(values)
-    return np.rint(np.where(finite, spread, 0)).astype(np.uint8)
+    an infinity) is 0 and left out of the range. Computed a strip of rows at a time (``STRIP_PIXELS``)."""
+    starts = _strips(*values.shape[:2])
+    # float64: exact for 16- and 32-bit integers, and no overflow in the subtraction
+    low, high = np.inf, -np.inf
+    for top in starts:
+        rows = values[top : top + starts.step].astype(np.float64)
+        finite = np.isfinite(rows)
+        low = min(low, rows.min(where=finite, initial=np.inf))
+        high = max(high, rows.max(where=finite, initial=-np.inf))
+    out = np.zeros(values.shape, np.uint8)
+    if not high > low:  # no finite pixel, or a constant picture
+        return out
+    for top in starts:
+        rows = values[top : top + starts.step].astype(np.float64)
+        finite = np.isfinite(rows)
+        spread = (rows - low) * (255 / (high - low))
+        out[top : top + starts.step] = np.rint(np.where(finite, spread, 0))
+    return out
 
 
 def scaled(mode: str) -> bool:
@@ -114,8 +152,8 @@ def to_rgb(img: Image.Image) -> np.ndarray:
     other mode converted by PIL (grey repeated, a palette's colours, an alpha channel dropped)."""
     img = upright(img)
     if scaled(img.mode):
-        return np.repeat(eight_bits(np.asarray(img))[..., None], 3, axis=2)
-    return np.asarray(img.convert("RGB"))
+        return np.repeat(eight_bits(pixels(img))[..., None], 3, axis=2)
+    return pixels(img, "RGB")
 
 
 def read_image(path: str | Path, kind: str = "image") -> np.ndarray:
@@ -134,8 +172,7 @@ def read_values(path: str | Path, kind: str, mode: str | None = None) -> np.ndar
     rescaled; or a ``DatasetError`` naming the ``kind`` of file and its path."""
     try:
         with _open(path) as img:
-            values = upright(img)
-            return np.asarray(values if mode is None else values.convert(mode))
+            return pixels(upright(img), mode)
     except _UNREADABLE as err:
         raise DatasetError(f"cannot read {kind} file {path}: {err}") from err
 

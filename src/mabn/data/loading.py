@@ -4,6 +4,7 @@ plan a dry run prints of a data set."""
 from __future__ import annotations
 
 import signal
+from collections.abc import Iterator
 from functools import partial
 from typing import Any, NamedTuple
 
@@ -87,6 +88,51 @@ def evaluation_sampler(dataset: Dataset) -> Sampler | None:
     return UnrepeatedDistributedSampler(dataset, shuffle=False)
 
 
+class ResumableSampler(Sampler[int]):
+    """The training order of a single-process fit: each epoch a permutation of the ``size`` samples, drawn as
+    torch's ``RandomSampler`` draws it (a seed from torch's generator at the epoch's start, which the checkpoints'
+    random states restore at an epoch's end), and able to go on inside an epoch (``resume``): the same permutation,
+    from a given sample on."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.seed: int | None = None  # this epoch's, once its order is drawn
+        self._resumed: tuple[int, int] | None = None
+
+    def resume(self, seed: int, start: int) -> None:
+        """The next epoch's order is the one of ``seed``, from its sample ``start`` on."""
+        self._resumed = (seed, start)
+
+    def __iter__(self) -> Iterator[int]:
+        if self._resumed is not None:
+            (self.seed, start), self._resumed = self._resumed, None
+        else:
+            self.seed, start = int(torch.empty((), dtype=torch.int64).random_().item()), 0
+        order = torch.randperm(self.size, generator=torch.Generator().manual_seed(self.seed))
+        yield from order[start:].tolist()
+
+    def __len__(self) -> int:
+        return self.size
+
+
+class ResumableLoader(DataLoader):
+    """A training loader that a resume from inside an epoch continues with the rest of that epoch's batches, as the
+    uninterrupted fit draws them: Lightning stores a loader's ``state_dict`` with the fit loop's state in each
+    checkpoint and hands it to ``load_state_dict`` when it resumes inside an epoch (before the epoch's iterator is
+    made). The state is the epoch's seed and the batches the fit has trained of it (``trained_batches``, which
+    ``mabn.compat.record_trained_batches`` sets from the fit loop's count before each save: the loader itself hands
+    out batches ahead of the training, to Lightning's prefetch and to its workers)."""
+
+    trained_batches = 0
+
+    def state_dict(self) -> dict[str, int | None]:
+        return {"seed": getattr(self.sampler, "seed", None), "trained_batches": self.trained_batches}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("seed") is not None and isinstance(self.sampler, ResumableSampler):
+            self.sampler.resume(state["seed"], state["trained_batches"] * self.batch_size)
+
+
 def make_loader(dataset: Dataset, batch_size: int, train: bool, num_workers: int) -> DataLoader:
     """Training loaders shuffle and drop the last partial batch, so every batch splits into whole ghost
     batches (Lightning shards them over the devices); evaluation loaders read every sample once in total over
@@ -95,12 +141,27 @@ def make_loader(dataset: Dataset, batch_size: int, train: bool, num_workers: int
     if num_workers > 0:
         kwargs = {"persistent_workers": True, "worker_init_fn": partial(start_worker, rank=rank())}
     if not train:
-        kwargs["sampler"] = evaluation_sampler(dataset)
-    return DataLoader(
+        return DataLoader(
+            dataset,
+            batch_size=batch_size,
+            sampler=evaluation_sampler(dataset),
+            num_workers=num_workers,
+            pin_memory=torch.cuda.is_available(),
+            **kwargs,
+        )
+    # Under DDP Lightning gives the loader its DistributedSampler in place of the shuffling one (seeded by the
+    # epoch, with no place in an epoch); on one process the ResumableSampler goes on inside an epoch. Both are a
+    # ResumableLoader, so that a checkpoint of either has the loader state the other's resume expects.
+    one = world_size() == 1
+    return ResumableLoader(
         dataset,
         batch_size=batch_size,
-        shuffle=train,
-        drop_last=train,
+        sampler=ResumableSampler(len(dataset)) if one else None,
+        shuffle=not one,
+        # Each epoch's iterator draws its workers' base seed from this generator, not from torch's: a resume
+        # makes its first iterator where the uninterrupted fit drew none, which would shift every later draw.
+        generator=torch.Generator().manual_seed(torch.initial_seed()),
+        drop_last=True,
         num_workers=num_workers,
         pin_memory=torch.cuda.is_available(),
         **kwargs,

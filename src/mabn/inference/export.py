@@ -17,6 +17,7 @@ value as JSON.
 from __future__ import annotations
 
 import copy
+import io
 import json
 import os
 import tempfile
@@ -30,9 +31,9 @@ import torch
 from torch import Tensor, nn
 
 from ..data.images import IMAGENET_MEAN, IMAGENET_STD, MAX_PIXEL_VALUE
-from ..errors import UserError
+from ..errors import UserError, WriteError
 from ..norm import fold_norms
-from ..run import first_line, write_atomic
+from ..run import first_line, write_atomic, write_faults
 from . import FORMATS
 from .checkpoint import Restored, load_task
 from .stage2 import recorded_classes
@@ -282,6 +283,14 @@ def _fold(model: nn.Module, sample: Tensor, checkpoint: Path) -> _Folded:
     return _Folded(folded, exact, out, limit, folding)
 
 
+def _write_archive(path: Path, archive: bytes | memoryview) -> None:
+    """An archive torch serialised in memory, written to ``path`` (``write_atomic``). Writing into a file itself,
+    torch's zip writer aborts the process where the disk fills under it (its destructor throws while finishing the
+    archive: a C++ dump, exit 134, and the temporary file left); Python's write raises the OSError that
+    ``write_atomic`` turns into one line, and the temporary file goes."""
+    write_atomic(path, lambda tmp: tmp.write_bytes(archive))
+
+
 def _written(paths: list[Path]) -> str:
     """What a refusal says was written before it."""
     return f"only {' and '.join(map(str, paths))} written" if paths else "nothing written"
@@ -293,7 +302,7 @@ def _write_torchscript(folded: _Folded, sample: Tensor, path: Path, outcome: str
     ts_out = traced(sample)
     _check("the TorchScript module", Difference.between(ts_out, folded.exact), folded.limit, path, outcome)
     extra = {METADATA_FILE: json.dumps(meta, indent=2)}
-    write_atomic(path, lambda tmp: traced.save(str(tmp), _extra_files=extra))
+    _write_archive(path, traced.save_to_buffer(_extra_files=extra))
     print(f"TorchScript: wrote {path} ({Difference.between(ts_out, folded.out)} to the folded model)")
     return path
 
@@ -333,13 +342,9 @@ def _write_program(
     diff = Difference.between(out, folded.out)
     extra = {METADATA_FILE: json.dumps(meta, indent=2)}
 
-    def save(tmp: Path) -> None:
-        # Through a Python file: torch.export.save takes a path only if it ends in .pt2, and the temporary
-        # name does not.
-        with open(tmp, "wb") as file:
-            torch.export.save(program, file, extra_files=extra)
-
-    write_atomic(path, save)
+    buffer = io.BytesIO()
+    torch.export.save(program, buffer, extra_files=extra)
+    _write_archive(path, buffer.getbuffer())
     print(f"ExportedProgram vs the folded model: {diff} at {shown}, {other_diff} at {shown_other}")
     print(f"ExportedProgram: wrote {path} (input x: any batch, height and width)")
     return path, diff, other_diff
@@ -356,7 +361,10 @@ def _write_onnx(
     with tempfile.TemporaryDirectory(dir=path.parent) as scratch:
         scratch_path = Path(scratch) / path.name
         try:
-            _export_onnx(folded.model, sample, scratch_path, meta)
+            with write_faults(path):  # a full disk in the scratch folder is one at ``path``
+                _export_onnx(folded.model, sample, scratch_path, meta)
+        except WriteError:
+            raise
         except ImportError as err:  # torch.onnx's dynamo exporter needs the onnx and onnxscript packages
             print(f"ONNX: not written, the exporter needs `pip install onnx onnxscript`: {first_line(err)}")
             return None, None, None

@@ -55,7 +55,7 @@ import torch
 import torch.nn.functional as F
 from segmentation_models_pytorch import losses as smp_losses
 
-from ..data.classes import IGNORE_INDEX
+from ..data.classes import IGNORE_INDEX, weight_out_of_range
 from ..errors import ConfigError
 
 __all__ = [
@@ -262,6 +262,8 @@ def check_loss(loss: Any, class_weights: Any) -> None:
             f"class_weights={class_weights!r}: null (classes.yaml's weights where it gives some, else none), "
             f"{COUNTS} (from the training pixels per class) or a list of numbers > 0, one per class"
         )
+    if isinstance(class_weights, (list, tuple)) and (why := weight_out_of_range(class_weights)):
+        raise ConfigError(f"class_weights={list(class_weights)!r}: {why}")
     if class_weights is not None and not any(term.entry.class_weights for term in terms):
         raise ConfigError(f"class_weights={class_weights!r}: loss {loss} takes no class weights")
 
