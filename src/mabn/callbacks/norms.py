@@ -33,6 +33,7 @@ import torch
 from torch import Tensor, nn
 
 from ..compat import scale_on_device
+from ..errors import ConfigError
 from ..models import logged_norms
 from ..norm import MABN2d
 from ..norm.managed import LateNonfiniteCheck, ManagedNorm, managed_norms
@@ -60,6 +61,12 @@ class MABNCallback(pl.Callback):
 
     # -- setup -------------------------------------------------------------------------------------
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self.bind(pl_module)
+
+    def bind(self, pl_module: nn.Module) -> None:
+        """Take ``pl_module``'s managed norms and the policy's rule of each (the fit's setup; a dry run's check on
+        the model it builds): a ``ConfigError`` naming the policy's setting when a group or a logged layer names
+        nothing of the model."""
         self._layers = managed_norms(pl_module)
         groups = self.policy.groups
         self._rules = {}
@@ -76,13 +83,19 @@ class MABNCallback(pl.Callback):
             if not any(name.startswith(p) for name in modules for p in r.prefixes)
         ]  # fmt: skip
         if self._layers and unmatched:
-            raise ValueError(f"MABNCallback: module groups {unmatched} match no module of the model by name prefix")
+            raise ConfigError(
+                f"norm_policy: groups {unmatched} match no module of the model by name prefix: give each group "
+                f"prefixes of the model's modules (its top-level ones: {', '.join(top_level(modules))})"
+            )
         logged = self.policy.log_layers
         self._logging = logged if logged is not None else logged_norms(list(self._layers))
         self._nonfinite = LateNonfiniteCheck(self._layers)
         missing = [n for n in self._logging if n not in self._layers]
         if missing:
-            raise ValueError(f"MABNCallback: log_layers {missing} are not MABN2d/BatchRenorm2d layers of the model")
+            raise ConfigError(
+                f"norm_policy: log_layers {missing} are not MABN2d/BatchRenorm2d layers of the model: name some of "
+                f"{', '.join(list(self._layers)[:3])}, ... or leave log_layers null"
+            )
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         every = self.policy.log_every_n_steps
@@ -175,6 +188,11 @@ class MABNCallback(pl.Callback):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.resets = list(state_dict["resets"])
+
+
+def top_level(modules: list[str]) -> list[str]:
+    """The names of ``modules`` (``named_modules()``'s) one or two levels down (``model.encoder``), in order."""
+    return list(dict.fromkeys(".".join(n.split(".")[:2]) for n in modules if n))
 
 
 def norm_callbacks(module: nn.Module, policy: NormPolicy | Mapping[str, Any] | None) -> list[pl.Callback]:

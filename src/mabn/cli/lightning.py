@@ -5,7 +5,8 @@ Beyond LightningCLI:
   argument, with the closest known name when there is one, and help texts are plain text;
 
 For ``fit``:
-- the configuration is checked before anything is built or read (``check_fit_config``), and a mistake stops
+- the configuration is checked before anything is read or written (``check_fit_config``: the model built without
+  weights on the meta device and checked as the fit's setup checks it, ``build_task``), and a mistake stops
   with one ``error:`` line naming the value;
 - the run lives in one experiment folder, the Trainer's ``default_root_dir`` (``mabn.run.folder``), which one run at a
   time holds (``mabn.run.lock``: a second run on it stops before anything is built, naming the holder); the loggers'
@@ -15,7 +16,8 @@ For ``fit``:
   there is none, so a killed or requeued job restarts with the very same command;
 - checkpoints and the saved config are written atomically and loaded weights-only (``AtomicCheckpointIO``); a
   full disk, a quota or a read-only folder is one line naming the file (``mabn.errors.WriteError``);
-- a dry run (``check``) stops after the checks, before anything is built, with the run's plan;
+- a dry run (``check``) stops after the checks, before the data and the weights are built, with the run's plan (the
+  checkpoint's size among its lines);
 - every trainer gets ``RandomStateCallback`` (exact resume needs the generators' states), ``FailFast`` (a
   failing DDP process stops every process, naming its error), ``LastCheckpoint`` (``checkpoints/last.ckpt``
   the latest state at every end of a fit and every 30 minutes; SLURM's requeue signal and SIGTERM saved at a
@@ -287,18 +289,46 @@ def accelerator_problem(config: Namespace) -> str | None:
     return None
 
 
-def check_fit_config(config: Namespace) -> None:
-    """Every check that needs no data and no weights: the task's arguments, the batch layout, the loggers, the
-    run's folder and its artefacts."""
+def check_fit_config(config: Namespace) -> NormTask | None:
+    """Every check that needs no data and no weights: the task's arguments, the model the fit builds and the checks
+    its setup runs on it (``build_task``), the batch layout, the loggers, the run's folder and its artefacts.
+    Returns a ``NormTask`` built without weights; None for a LightningModule of one's own."""
     task = _import(config.model.class_path)
-    if issubclass(task, NormTask):
+    if not issubclass(task, NormTask):  # a LightningModule of one's own: built and checked by its fit alone
+        built = None
+    else:
         task.check_hparams(dict(config.model.init_args))
+        built = build_task(config)
     check_batch(config)
     check_loggers(config)
     if not config.trainer.get("default_root_dir"):
         raise ConfigError("trainer.default_root_dir is not set: the run needs a folder of its own")
     if "export_dir" in config.model.init_args:
         check_export(config)
+    return built
+
+
+def build_task(config: Namespace) -> NormTask:
+    """The fit's task built by its own constructor on the meta device and checked as the fit's setup checks it
+    (its ``build_unweighted``), so that a choice of encoder, decoder, norm and norm policy that cannot train stops
+    the dry run and the fit alike, before anything is read or written."""
+    return _import(config.model.class_path).build_unweighted(_plain_args(config.model))
+
+
+def checkpoint_line(task: NormTask | None) -> list[str]:
+    """The plan's line on the size of a checkpoint of ``task`` (its ``checkpoint_bytes``: weights and buffers, and
+    the optimizer's state that a resume needs); none for a LightningModule of one's own."""
+    if task is None:
+        return []
+    weights, optimizer = task.checkpoint_bytes()
+
+    def mb(size: int) -> str:  # three significant digits, or whole megabytes
+        return f"{size / 1e6:.0f}" if size >= 1e8 else f"{size / 1e6:.3g}"
+
+    return [
+        f"checkpoint: {mb(weights + optimizer)} MB a file (weights and buffers {mb(weights)} MB, optimizer state "
+        f"{mb(optimizer)} MB); a best checkpoint that holds last.ckpt's state is the same file"
+    ]
 
 
 def checkpoint_dirs(config: Namespace, folder: Path) -> list[Path]:
@@ -470,7 +500,7 @@ def argument_mistake(message: str, options: list[str], program: str) -> str:
 class MabnCLI(lightning_cli()):
     """LightningCLI with the product's checks, run folder and callbacks (see the module's doc).
 
-    ``dry_run``: stop after the checks and the plan (``plan_lines``), before anything is built; a dry run takes
+    ``dry_run``: stop after the checks and the plan (``plan_lines``), before the data and weights are built; it takes
     no lock, it says whether another run holds the folder, and it names every problem the run would stop at, all
     at once (``UserErrors``). ``prepare``: called after the checks and the lock, before the classes are
     instantiated (a stage launch generates its demo set there). ``gpus_planned``: a dry run of a launch for
@@ -490,6 +520,7 @@ class MabnCLI(lightning_cli()):
         self.problems: list[str] = []  # a dry run's, each a line; a run stops at its first
         self.experiment: dict[str, Any] = {}  # a fit's, as given (``experiment``)
         self.dirs: list[Path] = []  # a fit's checkpoint folders (``checkpoint_dirs``); none: the default
+        self.task: NormTask | None = None  # a fit's task as built without weights (``build_task``)
         # The parser of the subcommand asked for alone: LightningCLI builds one per subcommand (fit, validate, test,
         # predict), each from the trainer's, model's and data's signatures, a third of a dry run's time for three
         # parsers that are never used. Without a known subcommand first (the command line's own, --help), all four.
@@ -537,7 +568,7 @@ class MabnCLI(lightning_cli()):
             folder = Path(config.trainer.get("default_root_dir") or ".")
             # Every check that needs no data comes first: a mistake stops before anything, the lock included, is
             # written.
-            check_fit_config(config)
+            self.task = check_fit_config(config)
             try:
                 self.dirs = checkpoint_dirs(config, folder)
             except ConfigError as err:
@@ -649,7 +680,8 @@ class MabnCLI(lightning_cli()):
         if self.dry_run:
             if self.subcommand == "fit":
                 try:
-                    self.plan_lines = plan_lines(self.config.fit) + self.notes
+                    built = checkpoint_line(self.task)
+                    self.plan_lines = plan_lines(self.config.fit) + built + self.notes
                 except UserError as err:
                     self.problems += err.messages if isinstance(err, UserErrors) else [str(err)]
             if self.problems:

@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from segmentation_models_pytorch.decoders.deeplabv3.decoder import SeparableConv2d
 from torch import Tensor, nn
 
+from ..errors import ConfigError
 from .pspnet import PSPNet, convert_network_norms, init_head, seg_head, undilatable
 from .resnet import DEFAULT_ARCH, check_encoder
 
@@ -152,8 +153,11 @@ class DecoderNet(nn.Module):
         try:
             built = getattr(smp, spec.smp_model)(**kwargs)
         except (ValueError, AssertionError) as error:  # timm asserts its output strides
-            if stride == 32:  # no dilation asked: smp refused something else
-                raise
+            if stride == 32:  # no dilation asked: smp refused the pair (UnetPlusPlus takes no mit_b* encoder)
+                raise ConfigError(
+                    f"decoder {decoder} does not take encoder {arch!r} (smp: {error or type(error).__name__}): pick "
+                    "another decoder or another encoder (docs/models.md, Encoders)"
+                ) from None
             raise undilatable(arch, stride, error) from None
         self.decoder_name, self.output_stride = decoder, stride
         self.size_divisor = stride  # the smp decoders' upsamplings by 2, 4, 8 meet the skips' sizes then

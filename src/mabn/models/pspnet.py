@@ -16,14 +16,16 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..errors import ConfigError
 from ..norm import convert_norm, norm_entry
 from .resnet import DEFAULT_ARCH, check_encoder, norm_kwargs_for
 
 
-def undilatable(arch: str, output_stride: int, error: Exception) -> ValueError:
-    """The one error for an encoder that smp cannot run at ``output_stride`` (``error``: smp's or timm's reason)."""
+def undilatable(arch: str, output_stride: int, error: Exception) -> ConfigError:
+    """The one error for an encoder that smp cannot run at ``output_stride`` (``error``: smp's or timm's reason): a
+    choice of the user's, one line naming the way out."""
     reason = str(error) or type(error).__name__
-    return ValueError(
+    return ConfigError(
         f"encoder {arch!r} does not run at output stride {output_stride} ({reason}): pick a decoder at output "
         "stride 32 or another encoder (docs/models.md, Encoders)"
     )

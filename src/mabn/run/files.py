@@ -149,17 +149,56 @@ def intact(checkpoint: dict[str, Any]) -> bool | None:
     return content_digest({key: value for key, value in checkpoint.items() if key != DIGEST_KEY}) == recorded
 
 
+def _identity(path: Path) -> tuple[int, ...]:
+    stat = path.stat()
+    return stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns
+
+
 class AtomicCheckpointIO(TorchCheckpointIO):
     """Lightning's checkpoint IO, writing through ``atomic_path`` in the checkpoint's own folder and loading
     with ``weights_only=True`` whatever the caller or ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD`` asks: a checkpoint
     holds tensors and plain containers only, and loading one never runs code from the file. Each checkpoint
-    records the digest of its content (``DIGEST_KEY``, ``content_digest``), which a resume checks (``intact``)."""
+    records the digest of its content (``DIGEST_KEY``, ``content_digest``), which a resume checks (``intact``).
+
+    A checkpoint whose content is that of the file this IO wrote last (``last.ckpt`` saved right after
+    ModelCheckpoint's best of the same step), that file unchanged since, is a hard link to it, not a second copy:
+    a checkpoint of PSPNet-101 is 551 MB. A later save of either name replaces that name alone (a rename), so the
+    other keeps its content; a filesystem without hard links gets the copy."""
+
+    _written: tuple[str, Path, tuple[int, ...]] | None = None  # (digest, path, ``_identity``) of the last file
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__} takes no storage_options")
-        checkpoint = {**checkpoint, DIGEST_KEY: content_digest(checkpoint)}  # Lightning's dict stays as it was
-        write_atomic(path, lambda tmp: self._write(checkpoint, tmp))
+        digest = content_digest(checkpoint)
+        checkpoint = {**checkpoint, DIGEST_KEY: digest}  # Lightning's dict stays as it was
+        path = Path(path)
+        same = self._same_file(digest, path)
+        write_atomic(
+            path, lambda tmp: self._write(checkpoint, tmp) if same is None else self._link(same, checkpoint, tmp)
+        )
+        self._written = (digest, path, _identity(path))
+
+    def _same_file(self, digest: str, path: Path) -> Path | None:
+        """The file last written, where it holds ``digest``'s content, is unchanged and is not ``path`` itself (a
+        rename onto another name of the same file would leave the temporary name)."""
+        if self._written is None:
+            return None
+        written_digest, written, identity = self._written
+        if written_digest != digest or written == path:
+            return None
+        try:
+            return written if _identity(written) == identity else None
+        except OSError:  # removed since
+            return None
+
+    @classmethod
+    def _link(cls, existing: Path, checkpoint: dict[str, Any], tmp: Path) -> None:
+        tmp.unlink()
+        try:
+            os.link(existing, tmp)
+        except OSError:  # no hard links here (some network filesystems), or the file went: a copy of its own
+            cls._write(checkpoint, tmp)
 
     @staticmethod
     def _write(checkpoint: dict[str, Any], tmp: Path) -> None:

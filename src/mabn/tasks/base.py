@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import logging
 import math
 import time
-from collections.abc import Callable, Mapping
+import warnings
+from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any, Literal
 
 import pytorch_lightning as pl
@@ -13,7 +16,7 @@ import torch
 from pytorch_lightning.utilities import rank_zero_info
 
 from ..callbacks import NormPolicy, norm_callbacks
-from ..errors import ConfigError
+from ..errors import ConfigError, UserError
 from ..models import DEFAULT_ARCH
 from ..norm import check_norm
 from ..norm.cenconv import SGDCentring, keep_centred
@@ -37,6 +40,19 @@ def require(ok: bool, name: str, value: Any, wanted: str) -> None:
     """A ``ConfigError`` naming the argument, its value and what would work, unless ``ok``."""
     if not ok:
         raise ConfigError(f"{name}={value!r}: {wanted}")
+
+
+@contextlib.contextmanager
+def _silent() -> Iterator[None]:
+    """No warning and no log line below WARNING within (torch's for each weight a meta tensor takes no value from,
+    the task's on what it loads)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        logging.disable(logging.INFO)
+        try:
+            yield
+        finally:
+            logging.disable(logging.NOTSET)
 
 
 class NormTask(pl.LightningModule):
@@ -260,6 +276,55 @@ class NormTask(pl.LightningModule):
     def configure_callbacks(self) -> list[pl.Callback]:
         # Models without managed norms get no MABNCallback.
         return norm_callbacks(self.model, self.hparams.get("norm_policy"))
+
+    def make_optimizer(self, lr: float) -> torch.optim.Optimizer:
+        """The fit's optimizer at the encoder's ``lr``: SGD with the task's momentum and weight decay (each stage
+        says over which parameter groups)."""
+        raise NotImplementedError(f"{type(self).__name__} makes no optimizer")
+
+    @classmethod
+    def build_unweighted(cls, hp: Mapping[str, Any]) -> NormTask:
+        """The task of the init arguments ``hp`` as a fit builds it (its constructor: encoder, decoder, norms, the
+        backbone's fit), its tensors on torch's meta device, with shapes and no values, then the checks the fit's
+        setup runs on it (``check_setup``): what a dry run checks and sizes. A model whose construction reads
+        tensor values (the drop-path rates of smp's mix transformers, ``mit_b*``) cannot be built there and is
+        built on the CPU, the same construction."""
+        with _silent():  # the fit's own build says what it builds and loads, once
+            try:
+                with torch.device("meta"):
+                    task = cls(**hp)
+            except UserError:
+                raise
+            except Exception:  # values read on the meta device: whatever fails on the CPU too is the fit's error
+                task = cls(**hp)
+        task.check_setup()
+        return task
+
+    def check_setup(self) -> None:
+        """The checks a fit's setup runs on the model before any data: the norm callbacks' hold on its layers
+        (MABNCallback's groups and logged layers, ``bind``) and the graph segments; a ``ConfigError`` naming the
+        setting."""
+        for callback in self.configure_callbacks():
+            bind = getattr(callback, "bind", None)
+            if bind is not None:
+                bind(self)
+        check_segments(self.model, self.graph_segments)
+
+    def checkpoint_bytes(self) -> tuple[int, int]:
+        """(the bytes of the model's state dict, those of the optimizer's state after a step), as the fit's
+        checkpoint holds them: computed from the tensors (meta ones included) and from the fit's own optimizer
+        (``make_optimizer``) stepped once with gradients of every trainable parameter."""
+        weights = sum(t.numel() * t.element_size() for t in self.state_dict().values() if isinstance(t, torch.Tensor))
+        optimizer = self.make_optimizer(0.0)  # lr 0: a CPU-built model keeps its values
+        trainable = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
+        for param in trainable:
+            param.grad = torch.zeros_like(param)
+        optimizer.step()
+        state = optimizer.state_dict()["state"].values()
+        extra = sum(t.numel() * t.element_size() for s in state for t in s.values() if isinstance(t, torch.Tensor))
+        for param in trainable:
+            param.grad = None
+        return weights, extra
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.model(x)

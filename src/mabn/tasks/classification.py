@@ -203,9 +203,13 @@ class ClassificationTask(NormTask):
         self.log("val/top1", self.val_top1, prog_bar=True)
         self.log("val/top5", self.val_top5)
 
+    def make_optimizer(self, lr: float) -> torch.optim.Optimizer:
+        hp = self.hparams
+        return torch.optim.SGD(self.parameters(), lr=lr, momentum=hp.momentum, weight_decay=hp.weight_decay)
+
     def configure_optimizers(self) -> dict[str, Any]:
-        hp, plan = self.hparams, self.fit_plan()
-        optimizer = torch.optim.SGD(self.parameters(), lr=plan.lr, momentum=hp.momentum, weight_decay=hp.weight_decay)
+        plan = self.fit_plan()
+        optimizer = self.make_optimizer(plan.lr)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, plan.lr_factor)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 

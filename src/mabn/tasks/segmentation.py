@@ -514,18 +514,18 @@ class SegmentationTask(NormTask):
         (``mabn.tasks.memory.plan``)."""
         return memory.plan(*args)
 
-    def configure_optimizers(self) -> dict[str, Any]:
-        hp, plan = self.hparams, self.fit_plan()
-        lr = plan.lr
+    def make_optimizer(self, lr: float) -> torch.optim.Optimizer:
+        """SGD over the encoder at ``lr`` and the new heads at ``head_lr_mult`` x ``lr``."""
+        hp = self.hparams
         heads = list(self.model.heads().parameters())
         head_ids = {id(p) for p in heads}
         encoder = [p for p in self.model.parameters() if id(p) not in head_ids]
-        optimizer = torch.optim.SGD(
-            [{"params": encoder, "lr": lr}, {"params": heads, "lr": lr * hp.head_lr_mult}],
-            lr=lr,
-            momentum=hp.momentum,
-            weight_decay=hp.weight_decay,
-        )
+        groups = [{"params": encoder, "lr": lr}, {"params": heads, "lr": lr * hp.head_lr_mult}]
+        return torch.optim.SGD(groups, lr=lr, momentum=hp.momentum, weight_decay=hp.weight_decay)
+
+    def configure_optimizers(self) -> dict[str, Any]:
+        plan = self.fit_plan()
+        optimizer = self.make_optimizer(plan.lr)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, plan.lr_factor)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 

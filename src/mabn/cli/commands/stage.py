@@ -3,14 +3,14 @@ without it (``mabn.cli.launch``).
 
 The launch decides its plan once (``mabn.cli.launch.plan``: profile, trainer preset, run folder, backbone), then runs
 one LightningCLI (``mabn.cli.lightning``) that checks the whole configuration, takes the run folder's lock, and,
-before it
-builds the data module, generates the demo set. ``--resume auto`` continues from the latest checkpoint of the
-experiment folder, so a killed or requeued job restarts with the same command; ``--dry-run`` checks everything
-(and the SLURM or torchrun environment), prints the run's plan and its LightningCLI command, and builds, generates
-and writes nothing. A launch that cannot work stops with exit status 2 and an ``error:`` line: a dry run (the check
-``make slurm`` runs before it submits) one for each independent problem (launcher layout, norm, devices, data,
-backbone, then the LightningCLI's check of the rest), a run its first. Lightning's DDP launcher runs this command
-again in each further process: those take no lock, and wait for process 0's demo set.
+before it builds the data module, generates the demo set. ``--resume auto`` continues from the latest checkpoint of
+the experiment folder, so a killed or requeued job restarts with the same command; ``--dry-run`` checks everything
+(and the SLURM or torchrun environment, and the model, built without weights), prints the run's plan and its
+LightningCLI command, and generates and writes nothing. A launch that cannot work stops with exit status 2 and an
+``error:`` line: a dry run (the check ``make slurm`` runs before it submits) one for each independent problem
+(launcher layout, norm, devices, data, backbone, then the LightningCLI's check of the rest), a run its first.
+Lightning's DDP launcher runs this command again in each further process: those take no lock, and wait for
+process 0's demo set.
 """
 
 from __future__ import annotations
