@@ -293,7 +293,7 @@ def test_global_batch_splits_over_devices(tiny_cityscapes, tmp_path, monkeypatch
     dm = parsed.datamodule
 
     def on(world: int) -> int:
-        dm.trainer = types.SimpleNamespace(world_size=world, lightning_module=parsed.model)
+        dm.trainer = types.SimpleNamespace(world_size=world, num_devices=world, lightning_module=parsed.model)
         dm.setup("fit")
         return dm.batch_size
 

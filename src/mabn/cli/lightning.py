@@ -312,7 +312,14 @@ def build_task(config: Namespace) -> NormTask:
     """The fit's task built by its own constructor on the meta device and checked as the fit's setup checks it
     (its ``build_unweighted``), so that a choice of encoder, decoder, norm and norm policy that cannot train stops
     the dry run and the fit alike, before anything is read or written."""
-    return _import(config.model.class_path).build_unweighted(_plain_args(config.model))
+    hp = _plain_args(config.model)
+    # The data module decides the model's classes (the link that instantiation applies): the build takes them as
+    # the fit's does. A data folder that cannot say them is the data check's to name; the build keeps the config's.
+    try:
+        hp["num_classes"] = _import(config.data.class_path)(**_plain_args(config.data)).num_classes
+    except (DatasetError, ConfigError, OSError):
+        pass
+    return _import(config.model.class_path).build_unweighted(hp)
 
 
 def checkpoint_line(task: NormTask | None) -> list[str]:
