@@ -20,6 +20,7 @@ from mabn.errors import ConfigError
 from mabn.inference import export
 from mabn.inference.checkpoint import load_task
 from mabn.models import build_segmentation_model
+from mabn.models.backbone import adapt_statistics
 from mabn.norm import FrozenBatchNorm2d, GhostBatchNorm2d, convert_norm, create_norm, fold_norms
 from mabn.run import RunShape
 from mabn.tasks.classification import ClassificationTask
@@ -61,6 +62,18 @@ def test_convert_norm_carries_bn_into_it_and_fold_norms_folds_it():
         torch.testing.assert_close(folded(x), reference, rtol=1e-5, atol=1e-5)
     with pytest.raises(TypeError, match="frozenbn keeps BN's statistics fixed; momentum does not apply"):
         create_norm("frozenbn", 4, momentum=0.9)
+
+
+def test_a_bn_backbones_state_loads_into_it_as_bns_function():
+    """A BN network's state dict for a frozenbn encoder (``adapt_statistics``, the backbone hand-off): its affine,
+    which frozenbn keeps as buffers, and its statistics both carry, so the frozen encoder is BN's eval function."""
+    torch.manual_seed(0)
+    model = trained_like(nn.Sequential(nn.Conv2d(3, 8, 3, bias=False), nn.BatchNorm2d(8), nn.ReLU())).eval()
+    encoder = convert_norm(nn.Sequential(nn.Conv2d(3, 8, 3, bias=False), nn.BatchNorm2d(8), nn.ReLU()), "frozenbn")
+    encoder.load_state_dict(adapt_statistics(model.state_dict(), encoder, eps=1e-5), strict=True)
+    x = torch.randn(2, 3, 9, 9)
+    with torch.no_grad():
+        torch.testing.assert_close(encoder(x), model(x), rtol=1e-6, atol=1e-6)
 
 
 def test_the_encoder_is_frozen_and_the_heads_train_with_bn_or_head_norm():

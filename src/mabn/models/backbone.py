@@ -312,10 +312,12 @@ def adapt_statistics(state: dict[str, torch.Tensor], encoder: nn.Module, eps: fl
             entry.from_bn(bn, target)
         for key in ("running_mean", "running_var", "running_std", "num_batches_tracked"):
             out.pop(f"{prefix}{key}", None)
+        # The layer's statistics as it keeps them; its other buffers (FrozenBatchNorm2d's affine) stay the source's.
         for key, buffer in target.named_buffers(recurse=False):
-            out[f"{prefix}{key}"] = (
-                torch.zeros_like(buffer) if key == "num_batches_tracked" else buffer.detach().clone()
-            )
+            if f"{prefix}{key}" not in out:
+                out[f"{prefix}{key}"] = (
+                    torch.zeros_like(buffer) if key == "num_batches_tracked" else buffer.detach().clone()
+                )
     return out
 
 
