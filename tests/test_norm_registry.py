@@ -162,6 +162,10 @@ def test_convert_norm_carries_bn_statistics_as_the_entry_says(toy):
     assert "4.running_var" not in state and "4.running_mean" not in state
     torch.testing.assert_close(state["4.running_sq"], var + mean * mean, rtol=0, atol=1e-6)
     converted.load_state_dict(state, strict=True)
+    # A source already in the layer's form (BN for BN) loads as it is, its count of batches included.
+    same = adapt_statistics(model.state_dict(), model, eps=1e-5)
+    assert same.keys() == model.state_dict().keys()
+    assert all(torch.equal(same[key], value) for key, value in model.state_dict().items())
 
 
 def test_fold_norms_folds_the_registered_norm_by_its_entrys_affine(toy):

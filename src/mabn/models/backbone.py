@@ -288,29 +288,35 @@ def load_backbone(path: str | Path, norm: str) -> dict[str, Any]:
     return {**backbone.info, "state_dict": dict(backbone.state_dict)}  # a dict of its own: the read is shared
 
 
+_STATISTICS = ("running_mean", "running_var", "running_std", "num_batches_tracked")  # a norm layer's buffers of them
+
+
 def adapt_statistics(state: dict[str, torch.Tensor], encoder: nn.Module, eps: float) -> dict[str, torch.Tensor]:
     """``state`` with each norm's running statistics in the form ``encoder``'s layer keeps them, as the layer's norm
     takes BN's (``NormEntry.from_bn``): the source layer's mean and variance (``bn_variance``: a source that keeps the
     std with its ``eps`` inside gives std^2 - eps) go through a BatchNorm2d of the source's ``eps`` into the layer,
     whose buffers replace the source's, so the eval output is the source's. BatchNorm keeps ``running_var``;
     BatchRenorm2d and ghost-batch BN keep sqrt(running_var + eps); FrozenBatchNorm2d keeps BatchNorm's buffers
-    without ``num_batches_tracked``; a registered norm keeps what its ``from_bn`` writes. Every carried layer's
-    ``num_batches_tracked`` starts at 0 (BRN's clipping ramps have not begun; BN with a momentum does not read it).
+    without ``num_batches_tracked``; a registered norm keeps what its ``from_bn`` writes. A source already in the
+    layer's form loads as it is; every converted layer's ``num_batches_tracked`` starts at 0 (BRN's clipping ramps
+    have not begun; BN with a momentum does not read it).
     """
     out = dict(state)
     for name, layer in encoder.named_modules():
         entry = entry_of(layer)
         prefix = f"{name}." if name else ""
-        has = {key for key in ("running_mean", "running_var", "running_std") if f"{prefix}{key}" in out}
-        if entry is None or entry.from_bn is None or "running_mean" not in has or len(has) < 2:
-            continue  # a norm that takes no BN statistics, or a source without them: the key check names it
+        has = {key for key in _STATISTICS if f"{prefix}{key}" in out}
+        keeps = {key for key, _ in layer.named_buffers(recurse=False)} & set(_STATISTICS)
+        spread = has & {"running_var", "running_std"}
+        if entry is None or entry.from_bn is None or "running_mean" not in has or not spread or has == keeps:
+            continue  # a norm that takes no BN statistics, a source in its form or without them (the key check)
         bn = nn.BatchNorm2d(layer.num_features, eps=eps)
         target = copy.deepcopy(layer)  # the encoder itself is loaded only once every key fits
         with torch.no_grad():
             bn.running_mean.copy_(_take(out, f"{prefix}running_mean", bn.running_mean))
             bn.running_var.copy_(bn_variance(out, prefix, eps, bn.running_var.double()))
             entry.from_bn(bn, target)
-        for key in ("running_mean", "running_var", "running_std", "num_batches_tracked"):
+        for key in _STATISTICS:
             out.pop(f"{prefix}{key}", None)
         # The layer's statistics as it keeps them; its other buffers (FrozenBatchNorm2d's affine) stay the source's.
         for key, buffer in target.named_buffers(recurse=False):
