@@ -82,6 +82,9 @@ def test_steady_state_steps_read_only_the_late_flag_copy(stage, datasets, tmp_pa
         *flags("trainer", enable_model_summary=False),
         *SHRUNK[stage],
         *flags("model.init_args.norm_policy", log_every_n_steps=0),
+        # The progress lines read the mean loss at their own cadence, about 20 a run by default, which this short
+        # run would put at every step: here every 50 steps, past the counted ones, as a run of the recipe's length.
+        *("--trainer.callbacks+", '{"class_path": "mabn.run.LineProgress", "init_args": {"every_n_steps": 50}}'),
     ]
     backbone = {"backbone": "none"} if stage == "cityscapes" else {}  # stage 2 from random weights
     args = launch.build_args(stage, datasets[stage], "mabn", gpus=0, nodes=1, extra=extra, **backbone)

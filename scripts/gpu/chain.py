@@ -251,20 +251,20 @@ def compare(link: Link, graphed: Path, eager: Path, device: torch.device) -> Non
     logs = [_metrics(run / "metrics.csv") for run in (graphed, eager)]
     losses = [log.get("train/loss", {}) for log in logs]
     steps = sorted(losses[0])
-    logged = steps == list(range(FIT_STEPS)) == sorted(losses[1])
+    logged = steps == list(range(1, FIT_STEPS + 1)) == sorted(losses[1])  # a row per optimizer step done
     # Held to the tolerance: the steps before the kill, and the weights at the kill. After the resume both runs are
     # reported, not held: a resumed stage-2 fit does not draw its augmentations as the uninterrupted one would, so
     # two resumed runs see different crops (docs/reliability.md, "Resume").
     if _check(link, logged, f"both logged the losses of {FIT_STEPS} steps"):
         errors = {s: abs(losses[0][s] - losses[1][s]) / max(abs(losses[1][s]), 1e-12) for s in steps}
-        before = [s for s in steps if s < KILL_STEP]
+        before = [s for s in steps if s <= KILL_STEP]
         step = max(before, key=lambda s: (math.isnan(errors[s]), errors[s]))
-        after = max(errors[s] for s in steps if s >= KILL_STEP)
+        after = max(errors[s] for s in steps if s > KILL_STEP)
         _check(
             link,
             all(errors[s] <= LOSS_RTOL for s in before),
             f"losses {both} within rtol {LOSS_RTOL:g} up to the kill at step {KILL_STEP} (max {errors[step]:.1e} at "
-            f"step {step + 1}; after the resume, reported only: max {after:.1e})",
+            f"step {step}; after the resume, reported only: max {after:.1e})",
         )
     for name, at_step, held in ((KILLED, KILL_STEP, True), ("last.ckpt", FIT_STEPS, False)):
         states = [load_weights_file(run / "checkpoints" / name, "checkpoint", RuntimeError, mmap=True)
@@ -283,10 +283,11 @@ def compare(link: Link, graphed: Path, eager: Path, device: torch.device) -> Non
             link.checked.append(f"reported: weights and buffers at step {at_step} {together:.1e} relative{largest}")
     # The renormalization switch in the graphed run: r is 1 in every logged layer before the policy's first step,
     # and moves from it on. (Moving statistics show only once a layer's buffer holds buffer_size statistics.)
-    first = PHASE_STEPS[1] - 1  # 0-based
+    # A row's step is the optimizer steps done after its batch: the batch logged at PHASE_STEPS[1] is the first one
+    # renormalized.
     rs = [by_step for key, by_step in logs[0].items() if key.endswith("/r_mean")]
     switched = bool(rs) and all(
-        sorted(r) == list(range(FIT_STEPS)) and all((r[s] == 1) == (s < first) for s in r) for r in rs
+        sorted(r) == list(range(1, FIT_STEPS + 1)) and all((r[s] == 1) == (s < PHASE_STEPS[1]) for s in r) for r in rs
     )
     _check(link, switched, f"the graphed run's logged layers renormalize from step {PHASE_STEPS[1]} on (r_mean)")
     link.status = "compared"

@@ -707,8 +707,13 @@ class MabnCLI(lightning_cli()):
             runs.remove_stale_temporaries(self.plan.folder, self.dirs)
             runs.record_experiment(self.plan.folder, self.experiment)
             # A resume logs again from its checkpoint's step on; a new run (--ckpt_path auto where the run died
-            # before its first checkpoint) from step 0: the rows the run logged from there on go.
-            step = 0 if self.plan.resume is None else self.plan.resume.logged_step
+            # before its first checkpoint) from step 0: the rows the run logged from there on go. A NormTask's rows
+            # carry the optimizer steps done (``NormTask._log_step``): its resume logs first at the checkpoint's
+            # global step + 1; Lightning's own rows carry the batches stepped before theirs (``logged_step``).
+            resume, step = self.plan.resume, 0
+            if resume is not None:
+                own_steps = issubclass(_import(self.config.fit.model.class_path), NormTask)
+                step = (None if resume.step is None else resume.step + 1) if own_steps else resume.logged_step
             if step is not None:
                 runs.cut_metrics(self.plan.folder / runs.METRICS, step)
 
