@@ -35,7 +35,7 @@ from ..distributed import launch_rank, say
 from ..errors import ConfigError, UserErrors
 from ..models.backbone import warm_norm
 from ..norm import check_norm, norm_entry
-from ..recipes import CONFIGS
+from ..recipes import CONFIGS, class_at
 from ..tasks.classification import backbone_path
 
 DEMO_DATA = Path("data")
@@ -89,8 +89,7 @@ class Profile:
         for name in (*self.base, self.config):
             data = (yaml.safe_load((CONFIGS / name).read_text()) or {}).get("data") or {}
             class_path = data.get("class_path", class_path)
-        module, _, name = str(class_path).rpartition(".")
-        return getattr(importlib.import_module(module), name).layout
+        return class_at(class_path).layout
 
     @property
     def demo(self) -> str:

@@ -35,7 +35,6 @@ For ``fit``:
 from __future__ import annotations
 
 import difflib
-import importlib
 import itertools
 import json
 import re
@@ -67,6 +66,7 @@ from ..distributed import first_process
 from ..errors import ConfigError, UserError, UserErrors
 from ..inference.checkpoint import task_hparams
 from ..models import DEFAULT_ARCH
+from ..recipes import class_at
 from ..run import (
     AtomicCheckpointIO,
     FailFast,
@@ -95,11 +95,6 @@ LOGGERS_HINT = (
     "the product's loggers: mabn.run.loggers.CSVLogger, mabn.run.loggers.WandbLogger, "
     "mabn.run.loggers.TensorBoardLogger; false for none"
 )
-
-
-def _import(class_path: str) -> type:
-    module, _, name = class_path.rpartition(".")
-    return getattr(importlib.import_module(module), name)
 
 
 def _entries(value: Any) -> list[Namespace]:
@@ -142,7 +137,7 @@ def check_batch(config: Namespace) -> None:
 def data_plan(config: Namespace) -> DataPlan | None:
     """The data module's ``plan`` of its data set (its training samples, its lines), when it has one and the data
     set exists."""
-    data, module = config.data.get("init_args") or Namespace(), _import(config.data.class_path)
+    data, module = config.data.get("init_args") or Namespace(), class_at(config.data.class_path)
     planner = getattr(module, "plan", None)
     return planner(data) if planner is not None and Path(data.get("data_dir") or "").is_dir() else None
 
@@ -178,7 +173,7 @@ def plan_lines(config: Namespace) -> list[str]:
     the data module's ``plan`` says of the data set (checked once for both), then what the task's loss takes from it
     (``loss_lines``: the class weights, the crop). The three are the planning contract of ``NormTask``."""
     planned = data_plan(config)
-    task, per_device, trainer = _import(config.model.class_path), _device_batch(config), config.trainer
+    task, per_device, trainer = class_at(config.model.class_path), _device_batch(config), config.trainer
     if not issubclass(task, NormTask):  # a LightningModule of one's own plans nothing
         return planned.lines if planned else []
     memory = None
@@ -209,7 +204,7 @@ def _plain_args(entry: Namespace) -> dict[str, Any]:
 def run_settings(class_path: str) -> frozenset[str]:
     """The init arguments of the class at ``class_path`` that change how its run runs, not what it trains (its
     ``run_settings``; none where it names none): a resume takes them as given."""
-    return frozenset(getattr(_import(class_path), "run_settings", ()))
+    return frozenset(getattr(class_at(class_path), "run_settings", ()))
 
 
 def experiment(config: Namespace) -> dict[str, Any]:
@@ -273,7 +268,7 @@ def check_export(config: Namespace) -> None:
 def check_loggers(config: Namespace) -> None:
     """Each logger class that says whether it can run here (``check_installed``: a package it needs) is asked."""
     for logger in _entries(config.trainer.get("logger")):
-        check = getattr(_import(logger.class_path), "check_installed", None)
+        check = getattr(class_at(logger.class_path), "check_installed", None)
         if check is not None:
             check()
 
@@ -293,7 +288,7 @@ def check_fit_config(config: Namespace) -> NormTask | None:
     """Every check that needs no data and no weights: the task's arguments, the model the fit builds and the checks
     its setup runs on it (``build_task``), the batch layout, the loggers, the run's folder and its artefacts.
     Returns a ``NormTask`` built without weights; None for a LightningModule of one's own."""
-    task = _import(config.model.class_path)
+    task = class_at(config.model.class_path)
     if not issubclass(task, NormTask):  # a LightningModule of one's own: built and checked by its fit alone
         built = None
     else:
@@ -316,10 +311,10 @@ def build_task(config: Namespace) -> NormTask:
     # The data module decides the model's classes (the link that instantiation applies): the build takes them as
     # the fit's does. A data folder that cannot say them is the data check's to name; the build keeps the config's.
     try:
-        hp["num_classes"] = _import(config.data.class_path)(**_plain_args(config.data)).num_classes
+        hp["num_classes"] = class_at(config.data.class_path)(**_plain_args(config.data)).num_classes
     except (DatasetError, ConfigError, OSError):
         pass
-    return _import(config.model.class_path).build_unweighted(hp)
+    return class_at(config.model.class_path).build_unweighted(hp)
 
 
 def checkpoint_line(task: NormTask | None) -> list[str]:
@@ -382,7 +377,7 @@ def name_wandb_runs(config: Namespace) -> None:
     facts = {"norm": model.get("norm"), "decoder": model.get("decoder")}
     facts["dataset"] = Path(str(data_dir)).name if data_dir else None
     for logger in _entries(config.trainer.get("logger")):
-        if issubclass(_import(logger.class_path), WandbLogger):
+        if issubclass(class_at(logger.class_path), WandbLogger):
             for key, value in facts.items():
                 if logger.init_args.get(key) is None and isinstance(value, str):
                     logger.init_args[key] = value
@@ -458,7 +453,7 @@ def _init_options(class_path: str) -> list[str]:
     to a base class included): a misspelt name's candidates; none when the class cannot be read."""
     parser = ArgumentParser(exit_on_error=False)
     try:
-        parser.add_class_arguments(_import(class_path), fail_untyped=False)
+        parser.add_class_arguments(class_at(class_path), fail_untyped=False)
     except (ImportError, AttributeError, ValueError):
         return []
     return list(parser.get_defaults().keys())
@@ -712,7 +707,7 @@ class MabnCLI(lightning_cli()):
             # global step + 1; Lightning's own rows carry the batches stepped before theirs (``logged_step``).
             resume, step = self.plan.resume, 0
             if resume is not None:
-                own_steps = issubclass(_import(self.config.fit.model.class_path), NormTask)
+                own_steps = issubclass(class_at(self.config.fit.model.class_path), NormTask)
                 step = (None if resume.step is None else resume.step + 1) if own_steps else resume.logged_step
             if step is not None:
                 runs.cut_metrics(self.plan.folder / runs.METRICS, step)

@@ -7,7 +7,6 @@ validation.
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -17,6 +16,7 @@ import pytorch_lightning as pl
 from ..data.classes import CLASSES_FILE, ClassTable
 from ..data.folder import FolderDataModule, FolderDataset
 from ..errors import ConfigError
+from ..recipes import class_at
 from ..run import first_line
 from ..run import folder as runs
 from ..tasks import SegmentationTask
@@ -82,9 +82,8 @@ def data_module_class(data: dict[str, Any], path: Path | None = None) -> type[Fo
     class_path = data.get("_class_path")
     if class_path is None:
         return FolderDataModule
-    module_name, _, name = str(class_path).rpartition(".")
     try:
-        found = getattr(importlib.import_module(module_name), name)
+        found = class_at(class_path)
     except (ImportError, AttributeError, ValueError) as err:
         raise ConfigError(
             f"{path or 'the checkpoint'} was trained with the data module {class_path}, which cannot be imported "
