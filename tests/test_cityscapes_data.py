@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from functools import partial
 from pathlib import Path
 
 import cv2
@@ -10,16 +9,15 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
-from torch.utils.data import DataLoader
 from torchvision.datasets import Cityscapes
 
-from mabn.data import once
+from mabn.data import loading, once
 from mabn.data.cityscapes import CLASS_NAMES, CityscapesDataModule, CityscapesDataset, label_ids_to_train_ids
 from mabn.data.classes import IGNORE_INDEX
 from mabn.data.errors import DatasetError
 from mabn.data.folder import train_transform
 from mabn.data.images import IMAGENET_MEAN, IMAGENET_STD
-from mabn.data.loading import start_worker
+from mabn.data.loading import TrainingSampler, make_loader
 from mabn.data.synthetic import cityscapes as demo_cityscapes
 
 # The official labelId -> trainId table over ids 0..33 (cityscapesscripts 2.3.0 `labels`); everything else is 255.
@@ -286,19 +284,42 @@ def test_datamodule_setup_reports_a_missing_layout(tmp_path: Path) -> None:
         dm.setup("fit")
 
 
-def _first_two_items(dataset: CityscapesDataset, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _epoch(dataset: CityscapesDataset, workers: int, epoch: int = 0, skip: int = 0) -> list[torch.Tensor]:
+    """The crops of one epoch of the training loader (batches of 1, seed 0) on this process's rank."""
     torch.manual_seed(0)  # what seed_everything does on every rank
-    loader = DataLoader(dataset, batch_size=1, num_workers=2, worker_init_fn=partial(start_worker, rank=rank))
-    (first, _), (second, _) = list(loader)
-    return first, second
+    loader = make_loader(dataset, 1, train=True, num_workers=workers)
+    loader.sampler.set_epoch(epoch)  # Lightning's call at each epoch's start
+    loader.sampler.skip(skip)
+    return [images[0] for images, _ in loader]
 
 
-def test_workers_and_ranks_draw_different_but_reproducible_augmentations(demo_root: Path) -> None:
+def test_an_epochs_crops_follow_the_seed_and_the_epoch_whatever_the_workers(demo_root: Path) -> None:
+    """Each training sample's augmentation is drawn from the fit's seed, the epoch and the sample: the same crops
+    with 0 or 2 loader workers, a resume inside the epoch (``skip``) reads the rest of them, the same frame
+    twice in an epoch is cropped twice differently, and the next epoch crops anew."""
     ds = CityscapesDataset(demo_root, "train", train_transform(64))
-    ds.samples = [ds.samples[0]] * 2  # the same frame twice, loaded by the two workers
-    first, second = _first_two_items(ds, rank=0)
-    assert not torch.equal(first, second)
-    again, _ = _first_two_items(ds, rank=0)
-    assert torch.equal(first, again)
-    other_rank, _ = _first_two_items(ds, rank=1)
-    assert not torch.equal(first, other_rank)
+    ds.samples = [ds.samples[0]] * 4  # one frame four times: only the augmentation tells them apart
+    crops = _epoch(ds, workers=0)
+    assert len({c.sum().item() for c in crops}) == 4
+    for again, crop in zip(_epoch(ds, workers=2), crops, strict=True):
+        assert torch.equal(again, crop)
+    for rest, crop in zip(_epoch(ds, workers=0, skip=2), crops[2:], strict=True):
+        assert torch.equal(rest, crop)
+    assert not any(torch.equal(a, b) for a, b in zip(_epoch(ds, workers=0, epoch=1), crops))
+
+
+def test_the_ranks_split_each_epoch_between_them(demo_root: Path, monkeypatch) -> None:
+    """Under DDP rank r of 2 trains samples r, r + 2, ... of the epoch's order (a whole multiple of the ranks),
+    each with the augmentation seed the same sample has on one process."""
+    ds = CityscapesDataset(demo_root, "train", train_transform(64))
+    ds.samples = ds.samples[:5]
+    whole = list(TrainingSampler(ds, seed=0))
+    assert len(whole) == 5
+    shares = []
+    for r in range(2):
+        monkeypatch.setattr(loading, "world_size", lambda: 2)
+        monkeypatch.setattr(loading, "rank", lambda r=r: r)
+        sampler = TrainingSampler(ds, seed=0)
+        assert len(sampler) == 2
+        shares.append(list(sampler))
+    assert [key for pair in zip(*shares, strict=True) for key in pair] == whole[:4]  # r, r + 2, ...

@@ -99,7 +99,7 @@ def test_callback_keeps_logged_layers_tracking_under_graphs():
     and keep the statistics tensors they captured, and still log only every k steps."""
     task = SimpleNamespace(cuda_graph=True)
     net = nn.Sequential(small_net())
-    callback = MABNCallback(NormPolicy(log_every_n_steps=2, log_layers=["0.1"]))
+    callback = MABNCallback(NormPolicy(log_every_n_steps=2, log_layers=["0.1"]), steps_done=True)  # a NormTask's
     logged = []
     logger = SimpleNamespace(log_metrics=lambda metrics, step: logged.append(step))
     trainer = SimpleNamespace(global_step=0, loggers=[logger])

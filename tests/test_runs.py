@@ -172,6 +172,25 @@ def test_a_fit_stopped_inside_an_epoch_resumes_with_the_rest_of_its_batches(tmp_
     _same_weights(straight, stopped)
 
 
+@pytest.mark.slow  # three fits of two DDP processes each (gloo): ~1 min
+def test_a_ddp_fit_stopped_inside_an_epoch_resumes_with_the_rest_of_each_ranks_batches(tmp_path):
+    """Two processes of 2 batches an epoch each, stopped by max_steps at step 3 (inside the second epoch), then
+    resumed to step 6, train the batches the uninterrupted fit of 6 steps trains on each rank, with the same flips:
+    the same rows and the same weights. A resume that drew the epoch anew would train other samples at step 3."""
+    straight, stopped = tmp_path / "straight", tmp_path / "stopped"
+    ddp = ("--trainer.accelerator", "cpu", "--trainer.devices", "2", "--trainer.strategy", "ddp")
+    for folder, runs_of in ((straight, [("6",)]), (stopped, [("3",), ("6", "--ckpt_path", "auto")])):
+        cfg = _config(tmp_path, folder)
+        for steps, *extra in runs_of:
+            cmd = _command(cfg, *ddp, "--trainer.max_epochs", "100", "--trainer.max_steps", steps, *extra)
+            done = _run(cmd, tmp_path)
+            assert done.returncode == 0, done.stderr[-3000:]
+    rows = _rows(straight / "metrics.csv")
+    assert {int(r["step"]) for r in rows if r["train/loss"]} == set(range(6))
+    assert _rows(stopped / "metrics.csv") == rows
+    _same_weights(straight, stopped)
+
+
 def test_a_run_that_died_before_its_first_checkpoint_starts_again_with_its_log(tmp_path, request, monkeypatch, capsys):
     """A folder whose run logged rows and died before any checkpoint (here: its checkpoints removed): --ckpt_path
     auto starts a new run, whose metrics.csv holds its own rows, not the dead run's before them."""

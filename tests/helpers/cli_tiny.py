@@ -13,8 +13,8 @@ in the temporary file and before the rename, and touches
 space in the middle of writing the checkpoint of ``$TINY_FULL_AT_STEP`` into its temporary file.
 ``SettingTask`` takes its lr as a run setting. ``WorseningTask`` scores worse at every validation, so
 ModelCheckpoint saves only at the first one; ``StopAt`` raises or sends this process SIGTERM at the start of a
-training batch; ``TinyData`` trains through the product's loader (``mabn.data.loading.make_loader``), with
-worker processes where ``num_workers`` says.
+training batch; ``TinyData`` trains through the product's loader (``mabn.data.loading.make_loader``) on images
+flipped at random, with worker processes where ``num_workers`` says.
 """
 
 from __future__ import annotations
@@ -26,11 +26,12 @@ import signal
 import time
 from pathlib import Path
 
+import albumentations as A
 import pytorch_lightning as pl
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from mabn import BatchRenorm2d, MABN2d
 from mabn.callbacks import norm_callbacks
@@ -42,6 +43,23 @@ def _data() -> TensorDataset:
     g = torch.Generator().manual_seed(0)
     x = 2.0 * torch.randn(32, 3, 6, 6, generator=g) + 0.5
     return TensorDataset(x, (x[:, 0].mean((1, 2)) > 0.5).long())
+
+
+class _Flipped(Dataset):
+    """The 32 images, each flipped at random by an albumentations ``transform`` (the labels do not change): the
+    random augmentation a resume must continue as the uninterrupted fit draws it. Seeded as the data modules seed
+    their own where nothing else does."""
+
+    def __init__(self) -> None:
+        self.images, self.labels = _data().tensors
+        self.transform = A.Compose([A.HorizontalFlip(), A.VerticalFlip()], seed=0)
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        image = self.transform(image=self.images[index].permute(1, 2, 0).numpy())["image"]
+        return torch.from_numpy(image).permute(2, 0, 1).contiguous(), self.labels[index]
 
 
 class TinyTask(pl.LightningModule):
@@ -124,7 +142,7 @@ class TinyData(pl.LightningDataModule):
         self.num_workers = num_workers
 
     def train_dataloader(self):
-        return make_loader(_data(), 8, train=True, num_workers=self.num_workers)
+        return make_loader(_Flipped(), 8, train=True, num_workers=self.num_workers)
 
     def val_dataloader(self):
         if self.num_workers:

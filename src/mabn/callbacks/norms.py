@@ -47,8 +47,12 @@ class MABNCallback(pl.Callback):
     """Warm-up policy per module group, stream resets, batch-statistics logging, the loss scale and the
     non-finite check of the callback-managed norms, as ``policy`` (a ``NormPolicy``) sets them."""
 
-    def __init__(self, policy: NormPolicy | None = None) -> None:
+    def __init__(self, policy: NormPolicy | None = None, steps_done: bool = False) -> None:
         self.policy = policy or NormPolicy()
+        # The step a batch's statistics are logged at: that of the module's training row of the batch, the
+        # optimizer steps done after it (a NormTask's rows) or, as Lightning counts its rows, those before it. A
+        # resume cuts metrics.csv by that count: a row of another count would be cut with the wrong batches.
+        self._row_offset = int(steps_done)
         self.resets: list[int] = []  # optimizer steps at which the streams were restarted (checkpointed)
         self._layers: dict[str, ManagedNorm] = {}
         self._rules: dict[str, PhaseRule] = {}
@@ -168,8 +172,7 @@ class MABNCallback(pl.Callback):
             layer.track_stats = self._graphed
         if metrics:  # straight to the loggers: the trainer's log_every_n_steps must not thin these out
             for logger in trainer.loggers:
-                # At the optimizer steps done after this batch, as its training row, the console and checkpoints
-                logger.log_metrics(metrics, step=self._step + 1)
+                logger.log_metrics(metrics, step=self._step + self._row_offset)  # the batch's training row
 
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._nonfinite.check()
@@ -195,11 +198,14 @@ def top_level(modules: list[str]) -> list[str]:
     return list(dict.fromkeys(".".join(n.split(".")[:2]) for n in modules if n))
 
 
-def norm_callbacks(module: nn.Module, policy: NormPolicy | Mapping[str, Any] | None) -> list[pl.Callback]:
-    """MABNCallback following ``policy`` (``NormPolicy.parse`` checks a mapping) and PerDeviceStreams when
-    ``module`` holds callback-managed norms, the SyncBatchNorm check when it holds SyncBatchNorm, else nothing."""
+def norm_callbacks(
+    module: nn.Module, policy: NormPolicy | Mapping[str, Any] | None, steps_done: bool = False
+) -> list[pl.Callback]:
+    """MABNCallback following ``policy`` (``NormPolicy.parse`` checks a mapping; ``steps_done`` where the module's
+    training rows carry the optimizer steps done after their batch) and PerDeviceStreams when ``module`` holds
+    callback-managed norms, the SyncBatchNorm check when it holds SyncBatchNorm, else nothing."""
     if managed_norms(module):
-        return [MABNCallback(NormPolicy.parse(policy)), PerDeviceStreams()]
+        return [MABNCallback(NormPolicy.parse(policy), steps_done), PerDeviceStreams()]
     if has_sync_batchnorm(module):
         return [SyncBatchNormCheck()]
     return []

@@ -72,9 +72,12 @@ class PerDeviceStreams(PerDeviceState):
             self._own_ema = None
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        # The model left after fit (tested, exported) is the one the checkpoints hold: the mean EMA everywhere.
+        # The model left after fit (tested, exported) is the one the checkpoints hold: the mean EMA everywhere. The
+        # fit's last save (mabn.run.LastCheckpoint, at the fit's end) may come after this: it keeps each device's
+        # own EMA in the streams, which a resume continues.
         if self._several():
             live = self._ema_tensors()
+            self._own_ema = {key: t.clone() for key, t in live.items()}
             _copy_into(live, device_mean(live))
 
     def on_save_checkpoint(
@@ -90,7 +93,8 @@ class PerDeviceStreams(PerDeviceState):
         super().on_save_checkpoint(trainer, pl_module, checkpoint)
 
     def gather_states(self) -> list[dict[str, Tensor]]:
-        return gather_to_cpu(self._stream_tensors())
+        # Where the mean EMA stands in the live buffers (a validation, the fit's end), this device's own.
+        return gather_to_cpu({**self._stream_tensors(), **(self._own_ema or {})})
 
     def restore_state(self, state: dict[str, Tensor]) -> None:
         live = self._stream_tensors()

@@ -56,7 +56,7 @@ import torch
 import yaml
 from torch.utils.data import DataLoader, Dataset
 
-from ..distributed import first_process, rank, say
+from ..distributed import first_process, say
 from ..errors import WriteError
 from ..run import TMP_SUFFIX, first_line, per_device_batch, write_text_atomic
 from .classes import CLASSES_FILE, COLOR, IGNORE_INDEX, ClassTable
@@ -71,7 +71,7 @@ from .images import (
     read_image,
     read_values,
 )
-from .loading import DataLayout, DataPlan, augmentation_seed, make_loader, node_devices
+from .loading import DataLayout, DataPlan, make_loader, node_devices
 
 __all__ = [
     "ClassPixels",
@@ -964,11 +964,9 @@ class FolderDataModule(pl.LightningDataModule):
         return dataset
 
     def augmentation(self) -> A.Compose:
-        """``train_transform`` with this module's settings, seeded from torch so that seed_everything also fixes
-        the augmentations with num_workers=0."""
-        return train_transform(
-            self.crop_size, self.scale_range, self.rotate_limit, self.blur_p, seed=augmentation_seed(rank())
-        )
+        """``train_transform`` with this module's settings; the training loader seeds it for each sample
+        (``mabn.data.loading.TrainingSampler``)."""
+        return train_transform(self.crop_size, self.scale_range, self.rotate_limit, self.blur_p)
 
     @staticmethod
     def plan(args: Mapping[str, Any]) -> DataPlan:

@@ -13,10 +13,9 @@ import torch
 from albumentations.pytorch import ToTensorV2
 from torch.utils.data import DataLoader, Dataset
 
-from ..distributed import rank
 from .errors import DatasetError
 from .images import imagenet_normalize, read_image
-from .loading import DataLayout, DataPlan, augmentation_seed, make_loader, node_devices
+from .loading import DataLayout, DataPlan, make_loader, node_devices
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".webp")
 LAYOUT = "<data_dir>/train/<class>/<image> and <data_dir>/val/<class>/<image>"
@@ -126,8 +125,6 @@ class ImageFolderDataModule(pl.LightningDataModule):
         return DataPlan(sum(len(image_files(split / name)) for name in class_names(split)), [])
 
     def setup(self, stage: str | None = None) -> None:
-        # Seeded from torch so that seed_everything also fixes the augmentations with num_workers=0.
-        self.train_transform.set_random_seed(augmentation_seed(rank()))
         self.train_set = ImageFolder(self.root / "train", self.classes, self.train_transform)
         self.val_set = ImageFolder(self.root / "val", self.classes, self.val_transform)
 

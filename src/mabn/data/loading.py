@@ -1,5 +1,5 @@
-"""What the data modules share: their DataLoaders, with per-worker and per-rank augmentation streams, and the
-plan a dry run prints of a data set."""
+"""What the data modules share: their DataLoaders (a training order and augmentations drawn from the run's seed),
+and the plan a dry run prints of a data set."""
 
 from __future__ import annotations
 
@@ -7,13 +7,14 @@ import os
 import signal
 from collections.abc import Iterator
 from functools import partial
+from itertools import islice
 from typing import Any, NamedTuple
 
 import albumentations as A
 import numpy as np
 import torch
 from pytorch_lightning.overrides.distributed import UnrepeatedDistributedSampler
-from torch.utils.data import DataLoader, Dataset, Sampler, get_worker_info
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, get_worker_info
 
 from ..distributed import rank, world_size
 
@@ -72,11 +73,8 @@ class DataLayout(NamedTuple):
 
 
 def augmentation_seed(rank: int) -> int:
-    """A seed for an albumentations stream that follows torch's seed and differs per DDP ``rank``.
-
-    Under ``seed_everything`` every rank has the same torch seed; without the rank all ranks would draw
-    the same scale/crop/flip sequence, making the crops of one global batch alike.
-    """
+    """A seed for an albumentations stream that follows torch's seed and differs per DDP ``rank``: the stream of a
+    loader worker (``start_worker``) whose dataset keeps one, for loaders outside the fits (the ablation's)."""
     return int(np.random.SeedSequence([torch.initial_seed(), rank]).generate_state(1)[0])
 
 
@@ -93,10 +91,10 @@ def start_worker(worker_id: int, rank: int = 0) -> None:
     that took it would end, and the main process, saving its state and shutting the loaders down, would meet
     "DataLoader worker ... exited unexpectedly"; the main process alone acts on it.
 
-    An albumentations ``Compose`` keeps its own generator, which every worker would otherwise copy, so all
-    workers would draw the same augmentations. ``torch.initial_seed()`` differs per worker and follows the
-    main process seed, so runs stay reproducible under ``seed_everything``. Bind ``rank`` with
-    ``functools.partial`` in the main process: a worker need not see the process group.
+    A fit's training samples carry their augmentation's seed (``TrainingSampler``). A dataset read by plain indices
+    whose albumentations ``Compose`` keeps its own generator, which every worker would otherwise copy, gets a
+    stream per worker: ``torch.initial_seed()`` differs per worker and follows the main process seed. Bind
+    ``rank`` with ``functools.partial`` in the main process: a worker need not see the process group.
     """
     for stop in (signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGINT):  # the stops the main process acts on
         signal.signal(stop, signal.SIG_IGN)
@@ -120,58 +118,93 @@ def evaluation_sampler(dataset: Dataset) -> Sampler | None:
     return UnrepeatedDistributedSampler(dataset, shuffle=False)
 
 
-class ResumableSampler(Sampler[int]):
-    """The training order of a single-process fit: each epoch a permutation of the ``size`` samples, drawn as
-    torch's ``RandomSampler`` draws it (a seed from torch's generator at the epoch's start, which the checkpoints'
-    random states restore at an epoch's end), and able to go on inside an epoch (``resume``): the same permutation,
-    from a given sample on."""
+def sample_seed(seed: int, epoch: int, index: int) -> int:
+    """The seed of the augmentation of sample ``index`` in ``epoch`` of a fit seeded ``seed``."""
+    return int(np.random.SeedSequence([seed, epoch, index]).generate_state(1)[0])
 
-    def __init__(self, size: int) -> None:
-        self.size = size
-        self.seed: int | None = None  # this epoch's, once its order is drawn
-        self._resumed: tuple[int, int] | None = None
 
-    def resume(self, seed: int, start: int) -> None:
-        """The next epoch's order is the one of ``seed``, from its sample ``start`` on."""
-        self._resumed = (seed, start)
+class TrainingSampler(DistributedSampler):
+    """The training order of a fit on one device or many: each epoch a permutation of the dataset drawn from the
+    run's seed and the epoch (``set_epoch``, which Lightning calls at each epoch's start), its first whole multiple
+    of the ranks split over them as ``DistributedSampler`` splits it (rank r of W takes r, r + W, ...), and each
+    sample as the key ``(index, seed)`` of ``SeededSamples``: its augmentation drawn from the fit's seed, the epoch
+    and the index alone. So an epoch's samples and crops are the same whatever the loader workers and their
+    prefetch, and a resume inside an epoch (``skip``) trains the rest of the epoch as the uninterrupted fit does:
+    the same samples, the same crops, on every rank.
 
-    def __iter__(self) -> Iterator[int]:
-        if self._resumed is not None:
-            (self.seed, start), self._resumed = self._resumed, None
-        else:
-            self.seed, start = int(torch.empty((), dtype=torch.int64).random_().item()), 0
-        order = torch.randperm(self.size, generator=torch.Generator().manual_seed(self.seed))
-        yield from order[start:].tolist()
+    The ranks are the process group's when the order is drawn, not when the loader is made. ``seed`` must be the
+    same on every rank (``seed_everything`` gives each the same ``torch.initial_seed()``). Being a
+    ``DistributedSampler``, Lightning keeps it under DDP rather than putting its own in its place."""
+
+    def __init__(self, dataset: Dataset, seed: int) -> None:
+        super().__init__(dataset, num_replicas=1, rank=0, shuffle=True, seed=seed, drop_last=True)
+        self.start = 0  # the samples of this rank's share the next epoch skips
+
+    def skip(self, samples: int) -> None:
+        """The next epoch starts at sample ``samples`` of this rank's share (a resume inside an epoch)."""
+        self.start = samples
+
+    def _place(self) -> None:
+        self.num_replicas, self.rank = world_size(), rank()
+        self.num_samples = len(self.dataset) // self.num_replicas
+        self.total_size = self.num_samples * self.num_replicas
 
     def __len__(self) -> int:
-        return self.size
+        self._place()
+        return self.num_samples
+
+    def __iter__(self) -> Iterator[tuple[int, int]]:  # type: ignore[override]
+        self._place()
+        start, self.start = self.start, 0
+        for index in islice(super().__iter__(), start, None):
+            yield index, sample_seed(self.seed, self.epoch, index)
+
+
+class SeededSamples(Dataset):
+    """A training dataset read by ``TrainingSampler``'s keys: ``(index, seed)`` seeds the dataset's albumentations
+    transform (``transform``, where it is a ``Compose``) with ``seed``, then reads sample ``index``."""
+
+    def __init__(self, dataset: Dataset) -> None:
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)  # type: ignore[arg-type]
+
+    def __getitem__(self, key: tuple[int, int]) -> Any:
+        index, seed = key
+        transform = getattr(self.dataset, "transform", None)
+        if isinstance(transform, A.Compose):
+            transform.set_random_seed(seed)
+        return self.dataset[index]
 
 
 class ResumableLoader(DataLoader):
     """A training loader that a resume from inside an epoch continues with the rest of that epoch's batches, as the
-    uninterrupted fit draws them: Lightning stores a loader's ``state_dict`` with the fit loop's state in each
+    uninterrupted fit trains them: Lightning stores a loader's ``state_dict`` with the fit loop's state in each
     checkpoint and hands it to ``load_state_dict`` when it resumes inside an epoch (before the epoch's iterator is
-    made). The state is the epoch's seed and the batches the fit has trained of it (``trained_batches``, which
-    ``mabn.compat.record_trained_batches`` sets from the fit loop's count before each save: the loader itself hands
-    out batches ahead of the training, to Lightning's prefetch and to its workers)."""
+    made; the epoch comes from Lightning's ``set_epoch``). The state is the batches the fit has trained of the epoch
+    (``trained_batches``, which ``mabn.compat.record_trained_batches`` sets from the fit loop's count before each
+    save: the loader itself hands out batches ahead of the training, to Lightning's prefetch and to its workers);
+    every rank trains as many, each of its own share."""
 
     trained_batches = 0
 
-    def state_dict(self) -> dict[str, int | None]:
-        return {"seed": getattr(self.sampler, "seed", None), "trained_batches": self.trained_batches}
+    def state_dict(self) -> dict[str, int]:
+        return {"trained_batches": self.trained_batches}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if state.get("seed") is not None and isinstance(self.sampler, ResumableSampler):
-            self.sampler.resume(state["seed"], state["trained_batches"] * self.batch_size)
+        if isinstance(self.sampler, TrainingSampler):
+            self.sampler.skip(state["trained_batches"] * self.batch_size)
 
 
 def make_loader(
     dataset: Dataset, batch_size: int, train: bool, num_workers: int | None, devices: int = 1
 ) -> DataLoader:
-    """Training loaders shuffle and drop the last partial batch, so every batch splits into whole ghost
-    batches (Lightning shards them over the devices); evaluation loaders read every sample once in total over
-    the devices (``evaluation_sampler``); every worker ignores the stop signals and gets its own augmentation stream.
-    ``num_workers`` None: ``default_workers`` of the node's ``devices``."""
+    """Training loaders (``ResumableLoader``) draw each epoch's order and every sample's augmentation from the
+    fit's seed (``TrainingSampler``, ``SeededSamples``) and drop the last partial batch, so every batch splits
+    into whole ghost batches; evaluation loaders read every sample once in total over the devices
+    (``evaluation_sampler``); every worker ignores the stop signals (``start_worker``). ``num_workers`` None:
+    ``default_workers`` of the node's ``devices``."""
     num_workers = default_workers(devices) if num_workers is None else num_workers
     kwargs: dict[str, Any] = {}
     if num_workers > 0:
@@ -185,15 +218,10 @@ def make_loader(
             pin_memory=torch.cuda.is_available(),
             **kwargs,
         )
-    # Under DDP Lightning gives the loader its DistributedSampler in place of the shuffling one (seeded by the
-    # epoch, with no place in an epoch); on one process the ResumableSampler goes on inside an epoch. Both are a
-    # ResumableLoader, so that a checkpoint of either has the loader state the other's resume expects.
-    one = world_size() == 1
     return ResumableLoader(
-        dataset,
+        SeededSamples(dataset),
         batch_size=batch_size,
-        sampler=ResumableSampler(len(dataset)) if one else None,
-        shuffle=not one,
+        sampler=TrainingSampler(dataset, seed=torch.initial_seed()),
         # Each epoch's iterator draws its workers' base seed from this generator, not from torch's: a resume
         # makes its first iterator where the uninterrupted fit drew none, which would shift every later draw.
         generator=torch.Generator().manual_seed(torch.initial_seed()),

@@ -275,7 +275,7 @@ class NormTask(pl.LightningModule):
 
     def configure_callbacks(self) -> list[pl.Callback]:
         # Models without managed norms get no MABNCallback.
-        return norm_callbacks(self.model, self.hparams.get("norm_policy"))
+        return norm_callbacks(self.model, self.hparams.get("norm_policy"), steps_done=True)  # ``_log_step``
 
     def make_optimizer(self, lr: float) -> torch.optim.Optimizer:
         """The fit's optimizer at the encoder's ``lr``: SGD with the task's momentum and weight decay (each stage
