@@ -29,7 +29,7 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
 
 @pytest.fixture(autouse=True, scope="session")
 def _mask_cache_dir(tmp_path_factory):
-    """The mask check's cache (``mabn.data.folder.cache_dir``) of every run the tests start, in this process or
+    """The mask check's cache (``mabn.data.masks.cache_dir``) of every run the tests start, in this process or
     another, in a folder of the session's: never in the user's cache folder."""
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("MABN_CACHE_DIR", str(tmp_path_factory.mktemp("mabn-cache")))
@@ -86,17 +86,18 @@ def graph_stand_in(monkeypatch, request):
 
 @pytest.fixture
 def decoded(monkeypatch) -> list[Path]:
-    """The masks whose values a dataset check decodes, in order (``mabn.data.folder.unknown_in`` counted)."""
-    from mabn.data import folder
+    """The masks whose values a dataset check decodes, in order (``mabn.data.masks.unknown_in`` counted)."""
+
+    from mabn.data import masks
 
     paths: list[Path] = []
-    unknown_in = folder.unknown_in
+    unknown_in = masks.unknown_in
 
     def counting(path, classes):
         paths.append(path)
         return unknown_in(path, classes)
 
-    monkeypatch.setattr(folder, "unknown_in", counting)
+    monkeypatch.setattr(masks, "unknown_in", counting)
     return paths
 
 

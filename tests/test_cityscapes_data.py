@@ -12,10 +12,10 @@ from PIL import Image
 from torchvision.datasets import Cityscapes
 
 from mabn.data import loading, once
+from mabn.data.augment import train_transform
 from mabn.data.cityscapes import CLASS_NAMES, CityscapesDataModule, CityscapesDataset, label_ids_to_train_ids
 from mabn.data.classes import IGNORE_INDEX
 from mabn.data.errors import DatasetError
-from mabn.data.folder import train_transform
 from mabn.data.images import IMAGENET_MEAN, IMAGENET_STD
 from mabn.data.loading import TrainingSampler, make_loader
 from mabn.data.synthetic import cityscapes as demo_cityscapes

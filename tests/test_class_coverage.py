@@ -1,4 +1,4 @@
-"""The dry run's class coverage (``python -m mabn segment --data DIR --dry-run``, ``mabn.data.folder.ClassPixels``):
+"""The dry run's class coverage (``python -m mabn segment --data DIR --dry-run``, ``mabn.data.masks.ClassPixels``):
 the share of each class in the training pixels, counted in the pass that checks the mask values; a warning line
 for a class of no pixel, and one for ignored pixels of more than half with the fix in ``classes.yaml``'s terms
 (binary masks of 0/255 read with the default ``ignore_index: 255``); the counts those of the masks, and the same
@@ -15,7 +15,7 @@ import yaml
 from PIL import Image
 
 from helpers.commands import run_mabn
-from mabn.data import folder
+from mabn.data import check, folder, masks
 
 BATCH = ["--data.init_args.global_batch_size", "2"]  # the sets below have 3 training images
 SIZE = (33, 45)  # an odd number of pixels: the count's pairs of pixels leave one over
@@ -26,9 +26,9 @@ def root(tmp_path, monkeypatch) -> Path:
     """The dataset's folder, the working folder beside it, the mask check's cache in a folder of its own, no scan
     in memory."""
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setenv(folder.CACHE_DIR_ENV, str(tmp_path / "cache"))
-    monkeypatch.setattr(folder.MaskCache, "_memory", {})  # each check reads what the disk holds, as a new process
-    monkeypatch.setattr(folder, "RECENT_NS", 0)  # masks written just before a scan are cached all the same
+    monkeypatch.setenv(masks.CACHE_DIR_ENV, str(tmp_path / "cache"))
+    monkeypatch.setattr(masks.MaskCache, "_memory", {})  # each check reads what the disk holds, as a new process
+    monkeypatch.setattr(masks, "RECENT_NS", 0)  # masks written just before a scan are cached all the same
     return tmp_path / "d"
 
 
@@ -107,7 +107,7 @@ def test_a_class_never_present_in_the_training_masks_is_a_line_of_its_own(root, 
 def _fit_scan(root: Path) -> None:
     """What a fit checks of the data before its first step (``FolderDataModule.setup``), in a fresh process: it
     records the masks found clean, with their pixels, in the cache file."""
-    folder.MaskCache._memory.clear()
+    masks.MaskCache._memory.clear()
     module = folder.FolderDataModule(str(root), crop_size=32, num_workers=0)
     for split, train in (("train", True), ("val", False)):
         module.make_dataset(split, train)
@@ -116,22 +116,22 @@ def _fit_scan(root: Path) -> None:
 def test_the_counts_are_the_masks_and_a_check_served_from_the_cache_gives_the_same(root, decoded, capsys):
     rng = np.random.default_rng(1)
     values = np.array([0, 1, 2, 255], dtype=np.uint8)
-    masks = {split: [values[rng.integers(0, 4, SIZE)] for _ in range(n)] for split, n in (("train", 3), ("val", 2))}
-    d = _write(root, "classes: [a, b, c]\n", masks)
-    found, counts = np.unique(np.stack(masks["train"]), return_counts=True)
+    maps = {split: [values[rng.integers(0, 4, SIZE)] for _ in range(n)] for split, n in (("train", 3), ("val", 2))}
+    d = _write(root, "classes: [a, b, c]\n", maps)
+    found, counts = np.unique(np.stack(maps["train"]), return_counts=True)
     expected = dict(zip(found.tolist(), counts.tolist()))
     args = {"data_dir": str(d), "global_batch_size": 2}
 
-    pixels = folder.check_dataset(args).pixels
+    pixels = check.check_dataset(args).pixels
     assert (pixels.pixels, pixels.ignored, pixels.masks) == ((expected[0], expected[1], expected[2]), expected[255], 3)
     assert pixels.total == 3 * SIZE[0] * SIZE[1]
     assert len(decoded) == 5  # every mask of both splits, once
 
     _fit_scan(d)  # the fit's scan writes the cache: a later process decodes none of these masks
     decoded.clear()
-    folder.MaskCache._memory.clear()
-    assert folder.check_dataset(args).pixels == pixels
-    folder.MaskCache._memory.clear()
+    masks.MaskCache._memory.clear()
+    assert check.check_dataset(args).pixels == pixels
+    masks.MaskCache._memory.clear()
     code, lines = _dry_run(d, capsys)
     assert code == 0 and pixels.lines()[0] in lines, lines
     assert decoded == []
@@ -141,16 +141,16 @@ def test_a_cache_entry_without_pixel_counts_is_ignored_with_one_line(root, decod
     """An entry of the file's stamp alone vouches for the values but says nothing of the classes' pixels: the
     cache is not read, and every mask is decoded."""
     d = _write(root, "classes: [a, b]\nignore_index: 7\n", {"train": [_binary(0)] * 3, "val": [_binary(0)] * 2})
-    cache = folder.MaskCache(d, folder.ClassTable.read(d / "classes.yaml"))
+    cache = masks.MaskCache(d, folder.ClassTable.read(d / "classes.yaml"))
     stamps = {}
     for mask in sorted((d / "masks").rglob("*.png")):
         stat = mask.stat()
         stamps[mask.relative_to(d).as_posix()] = [stat.st_size, stat.st_mtime_ns, stat.st_ino, stat.st_ctime_ns]
     cache.path.parent.mkdir(parents=True)
     cache.path.write_text(json.dumps({"root": cache.resolved, "classes": cache.table, "clean": stamps}))
-    folder.MaskCache._memory.clear()
+    masks.MaskCache._memory.clear()
     capsys.readouterr()
-    pixels = folder.check_dataset({"data_dir": str(d), "global_batch_size": 2}).pixels
+    pixels = check.check_dataset({"data_dir": str(d), "global_batch_size": 2}).pixels
     assert _warnings(capsys.readouterr().err.splitlines()) == [
         f"warning: ignoring {cache.path}: not the mask check's cache of {d}; decoding every mask"
     ]
@@ -163,7 +163,7 @@ def _table(text: str) -> folder.ClassTable:
 
 def test_the_lines_of_colour_masks_many_values_and_small_shares():
     colour = _table("classes: [a, b]\ncolors: [[1, 2, 3], [4, 5, 6]]\nmask_format: color\nignore_color: [0, 0, 0]\n")
-    assert folder.ClassPixels(colour, (0, 30), 70, 2).lines() == [
+    assert masks.ClassPixels(colour, (0, 30), 70, 2).lines() == [
         "training pixels per class (2 masks): a 0%, b 30%, ignored 70%",
         "warning: class 'a' (colour [1, 2, 3]) has no pixel in the 2 training masks: the run never learns it; add "
         "training images that show it, or correct its colours in classes.yaml",
@@ -173,7 +173,7 @@ def test_the_lines_of_colour_masks_many_values_and_small_shares():
 
     # Classes of more values than binary masks hold: the question is not "masks of 0/255?".
     five = _table("classes: [a, b, c, d, e]\n")
-    lines = folder.ClassPixels(five, (10, 10, 10, 10, 0), 60, 4).lines()
+    lines = masks.ClassPixels(five, (10, 10, 10, 10, 0), 60, 4).lines()
     assert lines[2] == (
         "warning: 255 is ignore_index and covers 60% of the training pixels: is 255 the value of 'e'? map 255 to "
         "'e' in classes.yaml's mask_values and set ignore_index: null (or another value)"
@@ -181,7 +181,7 @@ def test_the_lines_of_colour_masks_many_values_and_small_shares():
     assert len(lines) == 3 and lines[1].startswith("warning: class 'e' (mask value 4) has no pixel")
 
     # Every class present and most pixels ignored: sparse labels, or a class's value taken for the ignored one.
-    lines = folder.ClassPixels(five, (1, 1, 1, 1, 1), 995, 1).lines()
+    lines = masks.ClassPixels(five, (1, 1, 1, 1, 1), 995, 1).lines()
     assert lines == [
         "training pixels per class (1 mask): a <1%, b <1%, c <1%, d <1%, e <1%, ignored >99%",
         "warning: 255 is ignore_index and covers >99% of the training pixels: does 255 mark a class? map 255 to "
@@ -190,6 +190,6 @@ def test_the_lines_of_colour_masks_many_values_and_small_shares():
 
     # Six classes of no pixel: the first five named, and how many in all.
     eight = _table("classes: [a, b, c, d, e, f, g, h]\n")
-    (_, absent) = folder.ClassPixels(eight, (5, 5, 0, 0, 0, 0, 0, 0), 0, 1).lines()
+    (_, absent) = masks.ClassPixels(eight, (5, 5, 0, 0, 0, 0, 0, 0), 0, 1).lines()
     assert absent.startswith("warning: 6 classes 'c' (mask value 2), 'd' (mask value 3), 'e' (mask value 4), ")
     assert "'g' (mask value 6), ... have no pixel in the 1 training mask: the run never learns them;" in absent

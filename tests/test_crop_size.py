@@ -11,9 +11,10 @@ import torch
 import yaml
 
 from helpers.marks import default_suite_runs
+from mabn.data.augment import train_transform
 from mabn.data.cityscapes import CityscapesDataModule
 from mabn.data.classes import IGNORE_INDEX, ClassTable
-from mabn.data.folder import FolderDataModule, FolderDataset, train_transform
+from mabn.data.folder import FolderDataModule, FolderDataset
 from mabn.data.synthetic import segment as demo_segment
 from mabn.models import PSPNet
 

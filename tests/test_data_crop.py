@@ -12,7 +12,8 @@ from PIL import Image
 
 from helpers import own_dataset
 from helpers.own_dataset import line, segment
-from mabn.data.folder import FolderDataModule, data_crop
+from mabn.data.check import data_crop
+from mabn.data.folder import FolderDataModule
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,5 @@
 """The dry run's check of a dataset of the user's own (``python -m mabn segment --data DIR --dry-run``,
-``mabn.data.folder.check_dataset``): each broken dataset exits 2 with a line naming the file or value and the fix,
+``mabn.data.check.check_dataset``): each broken dataset exits 2 with a line naming the file or value and the fix,
 several problems give several lines, and a healthy one exits 0; the fit's scan of the mask values caches the
 masks found clean (a dry run writes nothing), so that the next fit or dry run decodes none of them again. The
 fit's own checks of broken data run in tests/test_bad_input.py, the cache's own cases in tests/test_mask_cache.py."""
@@ -19,7 +19,7 @@ from PIL import Image
 
 from helpers.commands import run_mabn
 from helpers.marks import default_suite_runs
-from mabn.data import folder
+from mabn.data import check, folder, masks
 from mabn.data.synthetic import segment as demo_segment
 
 BATCH = ["--data.init_args.global_batch_size", "2"]  # the sets below have 3 training images
@@ -30,17 +30,17 @@ def data(tmp_path, monkeypatch) -> Path:
     """A small healthy set (3 train, 2 val images of 64x32), the working folder beside it, the mask check's cache
     in a folder of its own, no scan in memory."""
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setenv(folder.CACHE_DIR_ENV, str(tmp_path / "cache"))
-    monkeypatch.setattr(folder.MaskCache, "_memory", {})  # each check reads what the disk holds, as a new process
+    monkeypatch.setenv(masks.CACHE_DIR_ENV, str(tmp_path / "cache"))
+    monkeypatch.setattr(masks.MaskCache, "_memory", {})  # each check reads what the disk holds, as a new process
     # Masks changed within RECENT_NS of a scan are not cached, and a file's change time cannot be set back: the
     # cases that need it say so.
-    monkeypatch.setattr(folder, "RECENT_NS", 0)
+    monkeypatch.setattr(masks, "RECENT_NS", 0)
     return demo_segment.generate(tmp_path / "d", n_train=3, n_val=2, size=(32, 64))
 
 
 def _saved(data: Path) -> dict[str, list[int]]:
     """The masks the cache file of the set ``data`` holds clean."""
-    cache = folder.MaskCache(data, folder.ClassTable.read(data / "classes.yaml"))
+    cache = masks.MaskCache(data, folder.ClassTable.read(data / "classes.yaml"))
     return json.loads(cache.path.read_text())["clean"]
 
 
@@ -133,7 +133,7 @@ def test_every_problem_is_a_line_of_its_own(data, capsys):
 
 def _fit_scan(data: Path) -> None:
     """What a fit checks of the data before its first step (``FolderDataModule.setup``), in a fresh process."""
-    folder.MaskCache._memory.clear()
+    masks.MaskCache._memory.clear()
     module = folder.FolderDataModule(str(data), crop_size=32, num_workers=0)
     for split, train in (("train", True), ("val", False)):
         module.make_dataset(split, train)
@@ -146,31 +146,31 @@ def test_a_dry_run_checks_the_dataset_once(data, capsys, monkeypatch):
 
     def counted(args: dict) -> list[tuple[int, int]]:
         calls.append(args["data_dir"])
-        return check(args)
+        return original(args)
 
-    check = folder.check_dataset
+    original = check.check_dataset
     monkeypatch.setattr(folder, "check_dataset", counted)
     assert _check(data, capsys, *BATCH) == (0, [])
     assert calls == [str(data)]
 
 
 def test_a_healthy_dataset_passes_and_its_scan_is_cached(data, decoded, capsys):
-    masks = sorted((data / "masks").rglob("*.png"))
+    files = sorted((data / "masks").rglob("*.png"))
     assert _check(data, capsys, *BATCH) == (0, [])
-    assert sorted(decoded) == masks  # each mask decoded once: the dry run checks the dataset once
+    assert sorted(decoded) == files  # each mask decoded once: the dry run checks the dataset once
     assert not (data.parent / "cache").exists()  # a dry run writes nothing
     decoded.clear()
     assert _check(data, capsys, *BATCH) == (0, [])
     assert decoded == []  # the next dry run of this process remembers the first one's verdicts
 
-    folder.MaskCache._memory.clear()
+    masks.MaskCache._memory.clear()
     _fit_scan(data)
-    assert sorted(decoded) == masks
-    assert sorted(_saved(data)) == [p.relative_to(data).as_posix() for p in masks]
+    assert sorted(decoded) == files
+    assert sorted(_saved(data)) == [p.relative_to(data).as_posix() for p in files]
     decoded.clear()
     _fit_scan(data)
     assert decoded == []  # the next fit reads the cache
-    folder.MaskCache._memory.clear()
+    masks.MaskCache._memory.clear()
     assert _check(data, capsys, *BATCH) == (0, [])
     assert decoded == []  # and so does a dry run
 
@@ -183,24 +183,24 @@ def test_a_healthy_dataset_passes_and_its_scan_is_cached(data, decoded, capsys):
     classes = data / "classes.yaml"
     classes.write_text(classes.read_text().replace("ignore_index: 0", "ignore_index: 1"))
     code, lines = _check(data, capsys, *BATCH)
-    assert sorted(decoded) == masks  # another class table: every mask again (value 0 is no class now)
+    assert sorted(decoded) == files  # another class table: every mask again (value 0 is no class now)
     assert code == 2 and len(lines) == 2 and all("holds value 0," in line for line in lines), lines
 
 
 def test_a_mask_changed_within_a_tick_of_its_scan_is_not_recorded_clean(data, monkeypatch):
-    monkeypatch.setattr(folder, "RECENT_NS", 2_000_000_000)
-    masks = sorted((data / "masks/train").glob("*.png"))
+    monkeypatch.setattr(masks, "RECENT_NS", 2_000_000_000)
+    files = sorted((data / "masks/train").glob("*.png"))
     time.sleep(0.05)  # past the coarse clock's tick that file times take: the others changed before this one
-    os.utime(masks[0], ns=(1, 1))  # its times set far back, its change time now
+    os.utime(files[0], ns=(1, 1))  # its times set far back, its change time now
     classes = folder.ClassTable.read(data / "classes.yaml")
-    cache = folder.MaskCache(data, classes)
-    pixels = {mask: folder.unknown_in(mask, classes).pixels for mask in masks}
-    cache.add(pixels, masks[0].stat().st_ctime_ns + folder.RECENT_NS, save=False)  # scanned within its tick
-    assert [mask for mask in masks if cache.pixels(mask) is not None] == masks[1:]
+    cache = masks.MaskCache(data, classes)
+    pixels = {mask: masks.unknown_in(mask, classes).pixels for mask in files}
+    cache.add(pixels, files[0].stat().st_ctime_ns + masks.RECENT_NS, save=False)  # scanned within its tick
+    assert [mask for mask in files if cache.pixels(mask) is not None] == files[1:]
 
 
 def test_many_masks_are_decoded_in_worker_processes_with_progress(data, capsys, monkeypatch):
-    monkeypatch.setattr(folder, "SCAN_PARALLEL", 2)
+    monkeypatch.setattr(masks, "SCAN_PARALLEL", 2)
     _set_value(data / "masks/train/scene002.png", 99)
     code, _, err = run_mabn(["segment", "--data", str(data), "--backbone", "none", "--dry-run", "--", *BATCH], capsys)
     assert code == 2 and "checking mask values: 3/3 masks" in err and "checking mask values: 2/2 masks" in err

@@ -164,7 +164,10 @@ def test_import_mabn_leaves_the_model_libraries_and_lightning_unloaded():
 
 
 # The modules of the datasets: what no task imports, and what the dataset-neutral data modules do not import either.
-DATASET_MODULES = ("mabn.data.cityscapes", "mabn.data.folder", "mabn.data.imagenet", "mabn.data.synthetic")
+DATASET_MODULES = (
+    "mabn.data.augment", "mabn.data.check", "mabn.data.cityscapes", "mabn.data.folder", "mabn.data.imagenet",
+    "mabn.data.masks", "mabn.data.pairs", "mabn.data.synthetic",
+)  # fmt: skip
 NEUTRAL_DATA_MODULES = ("mabn.data.classes", "mabn.data.errors", "mabn.data.images", "mabn.data.loading")
 
 

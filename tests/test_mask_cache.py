@@ -1,4 +1,4 @@
-"""The mask check's cache (``mabn.data.folder.MaskCache``): it lives in the user's cache folder, never in the data
+"""The mask check's cache (``mabn.data.masks.MaskCache``): it lives in the user's cache folder, never in the data
 folder; a mask replaced with its times kept loses its verdict; any file of the cache's name that is not the cache,
 and a write that fails, is one warning line and the check goes on decoding; every spelling of ``--data`` shares
 one entry; only a launch's first process writes it, and no write leaves a temporary file. A mask of no class
@@ -16,7 +16,7 @@ import pytest
 from PIL import Image
 
 from helpers.commands import run_mabn
-from mabn.data import folder
+from mabn.data import folder, masks
 from mabn.data.synthetic import segment as demo_segment
 from mabn.run.files import write_atomic
 
@@ -31,15 +31,15 @@ def data(tmp_path, monkeypatch) -> Path:
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("MABN_CACHE_DIR", raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-    monkeypatch.setattr(folder.MaskCache, "_memory", {})  # each check reads what the disk holds, as a new process
+    monkeypatch.setattr(masks.MaskCache, "_memory", {})  # each check reads what the disk holds, as a new process
     # A file's change time cannot be set back: masks written just before a scan are cached here all the same.
-    monkeypatch.setattr(folder, "RECENT_NS", 0)
+    monkeypatch.setattr(masks, "RECENT_NS", 0)
     return demo_segment.generate(tmp_path / "d", n_train=3, n_val=2, size=(32, 64))
 
 
 def _dry_run(root: Path | str, capsys) -> tuple[int, list[str], str]:
     """(exit code, ``error:`` lines, stderr) of the dry run on ``root``, in a fresh process's memory."""
-    folder.MaskCache._memory.clear()
+    masks.MaskCache._memory.clear()
     argv = ["segment", "--data", str(root), "--backbone", "none", "--dry-run", "--", *BATCH]
     code, _, err = run_mabn(argv, capsys)
     return code, [line.removeprefix("error: ") for line in err.splitlines() if line.startswith("error: ")], err
@@ -47,14 +47,14 @@ def _dry_run(root: Path | str, capsys) -> tuple[int, list[str], str]:
 
 def _fit_scan(root: Path | str) -> None:
     """What a fit checks of the data before its first step (``FolderDataModule.setup``), in a fresh process."""
-    folder.MaskCache._memory.clear()
+    masks.MaskCache._memory.clear()
     module = folder.FolderDataModule(str(root), crop_size=32, num_workers=0)
     for split, train in (("train", True), ("val", False)):
         module.make_dataset(split, train)
 
 
-def _cache(root: Path) -> folder.MaskCache:
-    return folder.MaskCache(root, folder.ClassTable.read(root / "classes.yaml"))
+def _cache(root: Path) -> masks.MaskCache:
+    return masks.MaskCache(root, folder.ClassTable.read(root / "classes.yaml"))
 
 
 def _files(root: Path) -> dict[str, bytes | None]:
@@ -130,8 +130,8 @@ def test_a_cache_that_cannot_be_written_is_one_line_and_no_temporary_file(data, 
         tmp.write_text("{")
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-    write_text_atomic = folder.write_text_atomic
-    monkeypatch.setattr(folder, "write_text_atomic", lambda target, text: write_atomic(target, full_disk))
+    write_text_atomic = masks.write_text_atomic
+    monkeypatch.setattr(masks, "write_text_atomic", lambda target, text: write_atomic(target, full_disk))
     capsys.readouterr()
     _fit_scan(data)
     assert _warnings(capsys.readouterr().err) == [
@@ -140,7 +140,7 @@ def test_a_cache_that_cannot_be_written_is_one_line_and_no_temporary_file(data, 
     assert os.listdir(path.parent) == []  # the temporary file removed with the failed write
 
     # An error of no kind the write names (a network filesystem's, a cache folder below a file): the same line.
-    monkeypatch.setattr(folder, "write_text_atomic", write_text_atomic)
+    monkeypatch.setattr(masks, "write_text_atomic", write_text_atomic)
     monkeypatch.setenv("XDG_CACHE_HOME", str(data / "classes.yaml"))
     _fit_scan(data)
     (line,) = _warnings(capsys.readouterr().err)
@@ -193,7 +193,7 @@ def test_a_mask_of_no_class_read_in_the_fit_names_the_file_and_value_whatever_th
     _save_mask(mask, 99)
     _cache(data).add({mask: pixels}, started_ns=mask.stat().st_ctime_ns + 1, save=True)
     dataset = folder.FolderDataset(data, "train", folder.ClassTable.read(data / "classes.yaml"))
-    folder.MaskCache._memory.clear()
+    masks.MaskCache._memory.clear()
     with pytest.raises(folder.DatasetError) as info:
         dataset.read_pair(1)
     assert str(info.value) == (

@@ -23,7 +23,8 @@ from mabn.cli.commands import test as evaluate
 from mabn.data import cityscapes
 from mabn.data.classes import ClassTable, voc_palette
 from mabn.data.errors import DatasetError
-from mabn.data.folder import FolderDataset, find_pairs
+from mabn.data.folder import FolderDataset
+from mabn.data.pairs import find_pairs
 from mabn.data.synthetic import segment as demo_segment
 from mabn.inference import predict
 from mabn.tasks import SegmentationTask

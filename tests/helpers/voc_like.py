@@ -12,7 +12,8 @@ from PIL import Image
 
 from mabn.data.classes import ClassTable
 from mabn.data.errors import DatasetError
-from mabn.data.folder import FolderDataModule, FolderDataset, Sample
+from mabn.data.folder import FolderDataModule, FolderDataset
+from mabn.data.pairs import Sample
 
 VOC_NAMES = (
     "background", "aeroplane", "bicycle", "bird", "boat", "bottle", "bus", "car", "cat", "chair", "cow",

@@ -18,8 +18,9 @@ from torchvision.datasets import Cityscapes
 
 from .classes import IGNORE_INDEX, ClassTable
 from .errors import DatasetError, require_pairs
-from .folder import FolderDataModule, FolderDataset, Sample
+from .folder import FolderDataModule, FolderDataset
 from .loading import DataLayout, DataPlan
+from .pairs import Sample
 
 __all__ = [
     "CLASSES",

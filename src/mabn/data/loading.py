@@ -22,7 +22,7 @@ from ..distributed import rank, world_size
 class DataPlan(NamedTuple):
     """What a data module's ``plan(args)`` says of its data set for ``--dry-run``, from one check of it: the
     training samples, the lines to print, the training crop where the data decides it (the memory estimate's), and
-    the training pixels per class where the check counts them (a ``mabn.data.folder.ClassPixels``: what
+    the training pixels per class where the check counts them (a ``mabn.data.masks.ClassPixels``: what
     ``class_weights: counts`` weighs the classes by)."""
 
     train_samples: int

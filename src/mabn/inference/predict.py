@@ -21,8 +21,9 @@ from torch.utils.data import Dataset
 
 from ..data.classes import ClassTable
 from ..data.errors import DatasetError
-from ..data.folder import IMAGE_TYPES, FolderDataset
+from ..data.folder import FolderDataset
 from ..data.images import imagenet_normalize, read_image, to_rgb
+from ..data.pairs import IMAGE_TYPES
 from ..errors import ConfigError
 from ..run import atomic_path, write_text_atomic
 from .stage2 import Stage2Checkpoint, configure, load_stage2

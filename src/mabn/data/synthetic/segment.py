@@ -20,9 +20,9 @@ from PIL import Image
 
 from ..cityscapes import LABEL_IDS
 from ..classes import CLASSES_FILE, COLOR, INDEX
-from ..folder import IMAGES, MASKS
 from ..once import MARKER as MARKER  # the marker launch waits for on other nodes
 from ..once import write_marked
+from ..pairs import IMAGES, MASKS
 from .cityscapes import render
 
 GENERATOR = "mabn.data.synthetic.segment/1"  # bump when the files change, so old sets are rewritten
