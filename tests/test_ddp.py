@@ -70,13 +70,15 @@ def _fresh_port(monkeypatch):
 def test_agree_combines_host_flags_over_a_gloo_group_beside_an_nccl_default_group(tmp_path):
     """LastCheckpoint's per-batch agreement never goes through the device: under a default group that is NCCL (a GPU
     run's), the flags are a CPU tensor all-reduced over a gloo group of the same processes, made once; every rank
-    gets each flag set on any rank."""
+    gets each flag set on any rank. The process lets go of that group at its exit while Python is whole: freed as
+    the interpreter tears down, a gloo group's pending work can abort the process after a successful run."""
     mp.spawn(agree_worker, args=(str(tmp_path),), nprocs=WORLD)
     expected = [any(flags) for flags in zip(*AGREE_FLAGS)]
     for r in range(WORLD):
         saved = torch.load(tmp_path / f"agree{r}.pt")
         assert saved["results"] == [expected, expected]
         assert saved["seen"] == [("cpu", "gloo"), ("cpu", "gloo")]
+        assert saved["held"] == [True, False]
 
 
 # ----------------------------------------------------------------------------------- layers, synced

@@ -70,13 +70,16 @@ def sync_group() -> bool:
 def _end_process_group() -> None:
     if has_process_group():
         dist.destroy_process_group()
+    _HOST_GROUP.clear()  # the last reference to ``agree``'s gloo group
 
 
 @functools.cache  # once per process
 def end_process_group_at_exit() -> None:
-    """End this process's process group before interpreter shutdown. Lightning leaves it alive after fit;
-    destroyed only while Python tears down, a gloo group can abort a finished worker ("terminate called
-    without an active exception"), turning a successful run into a failed exit code. Not a collective."""
+    """End this process's process groups (the default one and ``agree``'s) before interpreter shutdown. Lightning
+    leaves the default group alive after fit, and a destroyed group this module holds lives on; freed only while
+    Python tears down, a gloo group's pending work takes the GIL being torn down and aborts a finished worker
+    ("terminate called without an active exception"), turning a successful run into a failed exit code. Not a
+    collective."""
     atexit.register(_end_process_group)
 
 
@@ -155,6 +158,7 @@ def _host_group() -> dist.ProcessGroup | None:
     if "gloo" in dist.get_backend(world):
         return None
     if _HOST_GROUP.get("world") is not world:
+        end_process_group_at_exit()  # this group too: held here, it would be freed only as Python tears down
         _HOST_GROUP.update(world=world, group=dist.new_group(backend="gloo"))
     return _HOST_GROUP["group"]
 

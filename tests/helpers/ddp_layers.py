@@ -68,7 +68,9 @@ AGREE_FLAGS = ([True, False, False], [False, False, True])
 
 def agree_worker(rank: int, path: str) -> None:
     """``agree`` under a default group that says it is NCCL, as a GPU run's is: each all-reduce's tensor device and
-    group backend are saved with the results, in ``agree<rank>.pt``."""
+    group backend are saved with the results, in ``agree<rank>.pt``, with whether the process still holds the
+    host group before and after the hook it runs at exit."""
+    from mabn import distributed
     from mabn.distributed import agree
 
     dist.init_process_group("gloo", init_method=f"file://{path}/pg", rank=rank, world_size=WORLD)
@@ -86,7 +88,10 @@ def agree_worker(rank: int, path: str) -> None:
     dist.get_backend, dist.all_reduce = nccl_default, recording
     try:
         results = [agree(AGREE_FLAGS[rank]) for _ in range(2)]
-        torch.save({"results": results, "seen": seen}, f"{path}/agree{rank}.pt")
+        dist.barrier()
     finally:
         dist.get_backend, dist.all_reduce = get_backend, all_reduce
-        dist.destroy_process_group()
+    held = [bool(distributed._HOST_GROUP)]
+    distributed._end_process_group()  # what the process runs at exit (end_process_group_at_exit)
+    held.append(bool(distributed._HOST_GROUP))
+    torch.save({"results": results, "seen": seen, "held": held}, f"{path}/agree{rank}.pt")
