@@ -59,11 +59,15 @@ class PerDeviceStreams(PerDeviceState):
         """Whether the devices' streams can differ: several devices and a layer without sync_stats."""
         return world_size() > 1 and bool(self._layers)
 
-    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def _use_mean_ema(self) -> None:
+        """The devices' mean EMA into the live buffers, this device's own kept aside (``_own_ema``)."""
         if self._several():
             live = self._ema_tensors()
             self._own_ema = {key: t.clone() for key, t in live.items()}
             _copy_into(live, device_mean(live))
+
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._use_mean_ema()
 
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # Training goes on with each device's own EMA, as an uninterrupted per-device stream.
@@ -75,10 +79,7 @@ class PerDeviceStreams(PerDeviceState):
         # The model left after fit (tested, exported) is the one the checkpoints hold: the mean EMA everywhere. The
         # fit's last save (mabn.run.LastCheckpoint, at the fit's end) may come after this: it keeps each device's
         # own EMA in the streams, which a resume continues.
-        if self._several():
-            live = self._ema_tensors()
-            self._own_ema = {key: t.clone() for key, t in live.items()}
-            _copy_into(live, device_mean(live))
+        self._use_mean_ema()
 
     def on_save_checkpoint(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
