@@ -221,28 +221,6 @@ def test_syncs_batchnorm_follows_the_trainers_sync_batchnorm():
     assert compat.syncs_batchnorm(pl.Trainer(accelerator="cpu", devices=1, logger=False).strategy) is False
 
 
-def test_lightning_cli_calls_its_two_private_steps_in_order(tmp_path):
-    from pytorch_lightning.demos.boring_classes import BoringDataModule, BoringModel
-
-    calls = []
-
-    class CLI(compat.lightning_cli()):
-        def parse_ckpt_path(self) -> None:
-            calls.append(("parse_ckpt_path", self.config.get("subcommand"), hasattr(self, "model")))
-            super().parse_ckpt_path()
-
-        def run_subcommand(self, subcommand: str) -> None:
-            calls.append(("run_subcommand", subcommand, isinstance(self.trainer, pl.Trainer)))
-
-    args = ["fit", "--trainer.logger=false", f"--trainer.default_root_dir={tmp_path}", "--trainer.max_steps=1"]
-    cli = CLI(BoringModel, BoringDataModule, args=args)
-    # After parsing and before anything is built; after the classes are built.
-    assert calls == [("parse_ckpt_path", "fit", False), ("run_subcommand", "fit", True)]
-    parsers = compat.subcommand_parsers(cli)
-    assert set(parsers) == {"fit", "validate", "test", "predict"}
-    assert "--trainer.max_steps" in compat.option_strings(parsers["fit"])
-
-
 # -- jsonargparse ------------------------------------------------------------------------------------------------
 class _Task:
     def __init__(self, lr: float = 0.1) -> None:

@@ -107,7 +107,7 @@ def test_a_resume_reads_a_checkpoints_keys_as_the_same_steps(stage1_args, tmp_pa
     hparams = {"_class_path": "mabn.tasks.ClassificationTask", "norm": "mabn", "norm_policy": OLD_POLICY}
     torch.save({"state_dict": {}, "hyper_parameters": hparams, "epoch": 0, "global_step": 3}, "old.ckpt")
     parsed = cli.run_cli([*stage1_args, "--ckpt_path", "old.ckpt"], dry_run=True)  # parsed, checked, nothing built
-    (rule,) = parsed.config.fit.model.init_args.norm_policy.groups.values()
+    (rule,) = parsed.config.model.init_args.norm_policy.groups.values()
     assert (rule.moving_stats_first_step, rule.renorm_first_step) == (2, 100)
 
 

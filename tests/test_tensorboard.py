@@ -12,7 +12,8 @@ import pytest
 from helpers.cli_tiny import CONFIG
 from helpers.wandb_reader import wandb_session
 from mabn.cli import launch
-from mabn.cli.lightning import place_run, run_cli
+from mabn.cli.config import place_run
+from mabn.cli.lightning import run_cli
 from mabn.run import loggers
 
 TENSORBOARD = "mabn.run.loggers.TensorBoardLogger"
@@ -43,7 +44,7 @@ def test_a_stage_launch_places_the_tensorboard_logger_in_its_run_folder(tmp_path
     monkeypatch.setattr(loggers, "TENSORBOARD_INSTALLED", True)  # the dry run's check; nothing is built
     monkeypatch.chdir(tmp_path)
     args = launch.build_args("cityscapes", None, "mabn", 0, 1, ADD_TENSORBOARD, dry_run=True)
-    config = run_cli(args, dry_run=True).config.fit
+    config = run_cli(args, dry_run=True).config
     folder = tmp_path / "runs" / "cityscapes" / "mabn"
     place_run(config, folder)
     entries = {entry.class_path: entry.init_args for entry in config.trainer.logger}

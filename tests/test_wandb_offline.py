@@ -189,13 +189,14 @@ def test_the_wandb_identity_of_a_segmentation_run(tmp_path, request, monkeypatch
     """A stage-2 run's name, group and tags from the stage launch's configuration as parsed (the norm and decoder
     from the task's arguments, the dataset from the data's folder); a name or group given wins."""
     from mabn.cli import launch
-    from mabn.cli.lightning import name_wandb_runs, run_cli
+    from mabn.cli.config import name_wandb_runs
+    from mabn.cli.lightning import run_cli
     from mabn.run.loggers import WandbLogger
 
     wandb_session(request, monkeypatch, "disabled")
     monkeypatch.chdir(tmp_path)
     args = launch.build_args("cityscapes", None, "mabn", 0, 1, [], dry_run=True)
-    config = run_cli([*args, "--trainer.logger.init_args.dataset", "null"], dry_run=True).config.fit
+    config = run_cli([*args, "--trainer.logger.init_args.dataset", "null"], dry_run=True).config
     (folder := tmp_path / "runs" / "cityscapes" / "mabn").mkdir(parents=True)
     for entry in config.trainer.logger:
         entry.init_args.save_dir = str(folder)
@@ -217,7 +218,7 @@ def test_the_stage_launch_passes_stage_and_dataset_to_the_wandb_logger(tmp_path,
 
     monkeypatch.chdir(tmp_path)
     args = launch.build_args("cityscapes", None, "mabn", 0, 1, [], dry_run=True)
-    loggers = run_cli(args, dry_run=True).config.fit.trainer.logger
+    loggers = run_cli(args, dry_run=True).config.trainer.logger
     wandb_args = [lg.init_args for lg in loggers if lg.class_path == "mabn.run.loggers.WandbLogger"]
     assert [(a.stage, a.dataset) for a in wandb_args] == [("cityscapes", "demo-cityscapes")]
     assert all("stage" not in lg.init_args for lg in loggers if lg.class_path != "mabn.run.loggers.WandbLogger")

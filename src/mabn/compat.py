@@ -181,37 +181,6 @@ def syncs_batchnorm(strategy: Any) -> bool:
     return getattr(strategy, "_layer_sync", None) is not None
 
 
-@functools.cache
-def lightning_cli() -> type:
-    """``LightningCLI`` with its two private steps as public methods a subclass overrides:
-    ``parse_ckpt_path()`` (Lightning's ``_parse_ckpt_path``: merges an explicit checkpoint's hyperparameters into
-    the config, between parsing and instantiation) and ``run_subcommand(subcommand)`` (``_run_subcommand``: runs
-    the trainer's method). ``MabnCLI`` checks and plans the run in the first and skips the second in a dry run.
-    If either is renamed, a wrong checkpoint is a traceback and a dry run builds the trainer and trains."""
-    from pytorch_lightning.cli import LightningCLI
-
-    class HookedLightningCLI(LightningCLI):
-        def _parse_ckpt_path(self) -> None:
-            self.parse_ckpt_path()
-
-        def parse_ckpt_path(self) -> None:
-            super()._parse_ckpt_path()
-
-        def _run_subcommand(self, subcommand: str) -> None:
-            self.run_subcommand(subcommand)
-
-        def run_subcommand(self, subcommand: str) -> None:
-            super()._run_subcommand(subcommand)
-
-    return HookedLightningCLI
-
-
-def subcommand_parsers(cli: Any) -> dict[str, Any]:
-    """A ``LightningCLI``'s parser of each subcommand by name (``_subcommand_parsers``; empty with ``run=False``):
-    their help and errors name the command as typed. If renamed, every error names the program only."""
-    return getattr(cli, "_subcommand_parsers", {})
-
-
 # -- jsonargparse and argparse -----------------------------------------------------------------------------------
 
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import os
 import signal
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from functools import partial
 from itertools import islice
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import albumentations as A
 import numpy as np
@@ -29,6 +29,16 @@ class DataPlan(NamedTuple):
     lines: list[str]
     crop: int | None = None
     class_pixels: Any = None
+
+
+@runtime_checkable
+class PlannedData(Protocol):
+    """The contract between a data module class and the dry run: ``plan`` checks the data set of the init arguments
+    ``args`` once and says what it holds (``DataPlan``), reading nothing but file names and its cache. The
+    product's data modules fulfil it; a data module of one's own may."""
+
+    @staticmethod
+    def plan(args: Mapping[str, Any]) -> DataPlan: ...
 
 
 MAX_WORKERS = 8  # the recipes' loader workers per device on a node with the cores for them
