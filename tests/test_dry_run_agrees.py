@@ -1,4 +1,4 @@
-"""The dry run builds what the fit builds and checks what the fit's setup checks (``mabn.cli.lightning.build_task``):
+"""The dry run builds what the fit builds and checks what the fit's setup checks (``mabn.cli.plan.build_task``):
 every pair of encoder family, decoder and norm that docs/models.md offers gets the same verdict from ``--dry-run``
 as from a 1-step fit, through the command a user runs; a choice that cannot train is one ``error:`` line in both.
 The plan's checkpoint size is that of a saved checkpoint, and a checkpoint of the content of the one saved before it

@@ -29,15 +29,14 @@ from mabn.data.folder import FolderDataModule
 from mabn.errors import ConfigError
 from mabn.inference.checkpoint import task_hparams
 from mabn.tasks import SegmentationTask
+from mabn.tasks.class_weights import inverse_log_weights, resolve_class_weights
 from mabn.tasks.losses import (
     LOSSES,
     OhemOptions,
     build_loss,
     check_loss,
     from_checkpoint,
-    inverse_log_weights,
     register_loss,
-    resolve_class_weights,
     unregister_loss,
 )
 

@@ -16,8 +16,8 @@ from mabn.data.classes import IGNORE_INDEX
 from mabn.data.images import IMAGENET_MEAN, IMAGENET_STD
 from mabn.run.loggers import WandbLogger
 from mabn.tasks import SegmentationTask
-from mabn.tasks.segmentation import display_image, prediction_masks
 from mabn.tasks.sliding import sliding_window_logits
+from mabn.tasks.wandb_media import display_image, prediction_masks
 
 ARCH = "resnet18"  # what is logged does not depend on the encoder's depth
 

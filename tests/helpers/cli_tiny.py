@@ -106,7 +106,7 @@ class TinyTask(pl.LightningModule):
 
 
 class SettingTask(TinyTask):
-    """TinyTask whose ``lr`` is a run setting (``mabn.cli.lightning.run_settings``): a resume takes it as given."""
+    """TinyTask whose ``lr`` is a run setting (``mabn.cli.plan.run_settings``): a resume takes it as given."""
 
     run_settings = frozenset({"lr"})
 

@@ -230,7 +230,7 @@ class FolderDataModule(pl.LightningDataModule):
         "segment",
         files=(CLASSES_FILE,),
     )
-    # Init arguments that change how a run reads its data, not what it trains on (mabn.cli.lightning.run_settings).
+    # Init arguments that change how a run reads its data, not what it trains on (mabn.cli.plan.run_settings).
     run_settings = frozenset({"num_workers", "val_batch_size"})
     class_pixels: ClassPixels | None = None
 

@@ -79,7 +79,7 @@ class ImageFolderDataModule(pl.LightningDataModule):
         "imagenet",
         name="imagenet",
     )
-    # Init arguments that change how a run reads its data, not what it trains on (mabn.cli.lightning.run_settings).
+    # Init arguments that change how a run reads its data, not what it trains on (mabn.cli.plan.run_settings).
     run_settings = frozenset({"num_workers"})
 
     def __init__(

@@ -108,7 +108,7 @@ class NormTask(pl.LightningModule):
     model: torch.nn.Module
     _first_step_started: float | None = None  # when the first compiled training step began (host clock)
     # Init arguments that change how a run runs, not what it trains: a resume takes them as given
-    # (mabn.cli.lightning.run_settings).
+    # (mabn.cli.plan.run_settings).
     run_settings: frozenset[str] = frozenset({"cuda_graph", "graph_segments", "compile"})
     _first_step_reported = False
     _centring: list[SGDCentring] = []  # per optimizer, while a fit runs

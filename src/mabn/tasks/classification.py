@@ -229,7 +229,7 @@ class ClassificationTask(NormTask):
         config = {
             "run_dir": str(
                 self.trainer.default_root_dir
-            ),  # whose backbone this is (see mabn.cli.lightning.check_export)
+            ),  # whose backbone this is (see mabn.cli.fit.check_export)
             "model": dict(self.hparams),
             "data": dict(self.trainer.datamodule.hparams),
             "global_batch_size": self.planned.shape.global_batch,

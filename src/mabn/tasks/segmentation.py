@@ -8,15 +8,12 @@ from collections.abc import Mapping, Sequence
 from functools import partial
 from typing import Any
 
-import numpy as np
 import torch
 import torch.nn.functional as F
-from pytorch_lightning.loggers import WandbLogger
 from pytorch_lightning.trainer.states import TrainerFn
 from pytorch_lightning.utilities import rank_zero_info, rank_zero_warn
 
 from ..data.classes import IGNORE_INDEX, ClassTable
-from ..data.images import IMAGENET_MEAN, IMAGENET_STD
 from ..data.loading import DataPlan
 from ..distributed import say
 from ..errors import ConfigError
@@ -32,16 +29,12 @@ from ..models import (
 from ..models.backbone import conversion_line, converts
 from ..norm import norm_entry
 from ..run import RunPlan, RunShape, device_batch, device_batch_reason
-from . import losses, memory, schedules
+from . import class_weights as weighting
+from . import losses, memory, schedules, wandb_media
 from .base import NormTask, require
 from .metrics import SegmentationMetric, format_iou_table
 from .sliding import sliding_window_logits
-
-# Logged images wider than this are subsampled by an integer stride: a full Cityscapes frame (2048 px) and
-# its two masks would add megabytes to the run at every logged validation.
-DISPLAY_WIDTH = 1024
-# wandb stores masks as 8-bit images: the class ids and the "ignore" id after them must fit in 0..255.
-MAX_MASK_CLASSES = 255
+from .wandb_media import MAX_MASK_CLASSES
 
 
 class SegmentationTask(NormTask):
@@ -157,7 +150,7 @@ class SegmentationTask(NormTask):
         else:
             rank_zero_warn("No backbone given (BACKBONE=...): the encoder starts from random weights.")
         # Weights from the data (classes.yaml's, counts) are known at fit's setup, which makes the loss again.
-        weights = None if class_weights is None or class_weights == losses.COUNTS else class_weights
+        weights = None if class_weights is None or class_weights == weighting.COUNTS else class_weights
         self.criterion = self.make_loss(self.hparams, self.class_names(), weights, None)[0]
         self.val_metric = SegmentationMetric(num_classes, IGNORE_INDEX)
         self.test_metric = SegmentationMetric(num_classes, IGNORE_INDEX)
@@ -259,7 +252,7 @@ class SegmentationTask(NormTask):
         """The ``loss:`` line of the plan: the loss, where its class weights come from, and the heads it weighs."""
         text = losses.describe(losses.loss_terms(hp["loss"]))
         weights = hp["class_weights"]
-        if weights == losses.COUNTS:
+        if weights == weighting.COUNTS:
             text += ", class weights from the training pixels per class"
         elif weights is not None:
             text += ", class weights as given"
@@ -279,8 +272,8 @@ class SegmentationTask(NormTask):
         """(the loss of each head at a training crop of ``crop`` px, None where not known; the lines that say its
         class weights and what its terms take of the data). ``class_weights``: the argument, resolved against
         ``classes`` (the dataset's table, whose weights it may give) and ``pixels`` (the training split's per
-        class) for the classes ``names`` (``losses.resolve_class_weights``)."""
-        weights, origin = losses.resolve_class_weights(
+        class) for the classes ``names`` (``mabn.tasks.class_weights.resolve_class_weights``)."""
+        weights, origin = weighting.resolve_class_weights(
             class_weights,
             names,
             None if classes is None else classes.weights,
@@ -297,7 +290,7 @@ class SegmentationTask(NormTask):
         if weights is not None and unweighted:
             origin += f"; {', '.join(unweighted)} takes none"
         data = losses.LossData(None if weights is None else tuple(weights), crop)
-        lines = [] if weights is None else [losses.weights_line(weights, names, origin)]
+        lines = [] if weights is None else [weighting.weights_line(weights, names, origin)]
         return losses.PixelLoss(terms, data), lines + losses.data_lines(terms, data)
 
     @classmethod
@@ -397,7 +390,8 @@ class SegmentationTask(NormTask):
         # forward beyond the evaluation's own.
         self.log("val/loss", probs_loss(probs, labels), sync_dist=True, batch_size=len(images))
         if batch_idx == 0 and self._log_predictions_now():
-            self._log_predictions(images, preds, labels)
+            count = self.hparams.num_logged_predictions  # the batch's first images
+            wandb_media.log_predictions(self, images[:count], preds[:count], labels[:count], self.class_names())
 
     def on_test_epoch_start(self) -> None:
         self.test_metric.reset()
@@ -415,34 +409,11 @@ class SegmentationTask(NormTask):
         """The class ids of a batch of full images; ``batch`` is (images, anything the writer needs)."""
         return self.predict_classes(batch[0]).to(torch.uint8)
 
-    def _wandb_loggers(self) -> list[WandbLogger]:
-        """The trainer's WandbLoggers that take images and tables now: on rank 0 (the process that holds the wandb
-        run) and outside the sanity check (a few batches, no result of the run)."""
-        if self.trainer.sanity_checking or not self.trainer.is_global_zero:
-            return []
-        return [logger for logger in self.loggers if isinstance(logger, WandbLogger)]
-
     def _log_predictions_now(self) -> bool:
         every, count = self.hparams.log_predictions_every_n_epochs, self.hparams.num_logged_predictions
         if not every or not count:
             return False
-        return self.validations_done % every == 0 and bool(self._wandb_loggers())
-
-    def _log_predictions(self, images: torch.Tensor, preds: torch.Tensor, labels: torch.Tensor) -> None:
-        """The first images of the batch with their predicted and true classes as wandb masks."""
-        import wandb  # only reached with a WandbLogger, which has imported it already
-
-        count, names = self.hparams.num_logged_predictions, self.class_names()
-        samples = [
-            wandb.Image(
-                display_image(image),
-                masks=prediction_masks(pred, label, names),
-                caption=f"val image {i}, step {self.global_step}",
-            )
-            for i, (image, pred, label) in enumerate(zip(images[:count], preds[:count], labels[:count]))
-        ]
-        for logger in self._wandb_loggers():
-            logger.log_metrics({"val/predictions": samples}, step=self.global_step)
+        return self.validations_done % every == 0 and bool(wandb_media.wandb_loggers(self))
 
     def _log_result(self, stage: str, result: Mapping[str, torch.Tensor]) -> None:
         """The means of a ``SegmentationMetric`` result as ``<stage>/...`` metrics, and its per-class table to
@@ -450,15 +421,7 @@ class SegmentationTask(NormTask):
         self.log(f"{stage}/miou", result["miou"].float(), prog_bar=stage == "val")
         self.log(f"{stage}/macc", result["macc"].float())
         self.log(f"{stage}/pixel_acc", result["pixel_accuracy"].float())
-        wandb_loggers = self._wandb_loggers()
-        if not wandb_loggers:
-            return
-        import wandb  # only reached with a WandbLogger, which has imported it already
-
-        rows = class_table_rows(self.class_names(), result["per_class_iou"], result["per_class_accuracy"])
-        table = wandb.Table(columns=list(CLASS_TABLE_COLUMNS), data=rows)
-        for logger in wandb_loggers:
-            logger.log_metrics({f"{stage}/per_class": table}, step=self.global_step)
+        wandb_media.log_class_table(self, stage, result, self.class_names())
 
     def on_validation_epoch_end(self) -> None:
         if not self.trainer.sanity_checking:
@@ -530,20 +493,6 @@ class SegmentationTask(NormTask):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
 
-CLASS_TABLE_COLUMNS = ("class", "IoU", "accuracy")
-
-
-def class_table_rows(
-    class_names: Sequence[str], per_class_iou: torch.Tensor, per_class_accuracy: torch.Tensor
-) -> list[list[str | float | None]]:
-    """The rows of the per-class table logged to wandb (``CLASS_TABLE_COLUMNS``): a class's name, IoU and accuracy
-    as fractions, None where undefined (wandb stores tables as JSON, which has no NaN)."""
-    return [
-        [name, *(None if math.isnan(value) else value for value in values)]
-        for name, *values in zip(class_names, per_class_iou.tolist(), per_class_accuracy.tolist())
-    ]
-
-
 # The help's loss names are the registry's (those registered when this module is imported: the built-in ones).
 SegmentationTask.__doc__ = SegmentationTask.__doc__.replace("LOSS_NAMES", ", ".join(losses.LOSSES))
 
@@ -559,45 +508,3 @@ def probs_loss(probs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     that runs of different losses compare."""
     total = F.nll_loss(probs.clamp_min(1e-12).log(), labels, ignore_index=IGNORE_INDEX, reduction="sum")
     return total / (labels != IGNORE_INDEX).sum().clamp(min=1)
-
-
-def _display_stride(width: int) -> int:
-    return max(1, math.ceil(width / DISPLAY_WIDTH))
-
-
-def display_image(image: torch.Tensor) -> np.ndarray:
-    """A normalized 3xHxW image as HxWx3 uint8 RGB for display: the data's ImageNet mean/std undone."""
-    if image.ndim != 3 or image.shape[0] != 3:
-        raise ValueError(f"expected a 3xHxW image, got shape {tuple(image.shape)}")
-    stride = _display_stride(image.shape[-1])
-    mean = torch.tensor(IMAGENET_MEAN, dtype=torch.float32, device=image.device).view(3, 1, 1)
-    std = torch.tensor(IMAGENET_STD, dtype=torch.float32, device=image.device).view(3, 1, 1)
-    pixels = (image[:, ::stride, ::stride].float() * std + mean) * 255.0
-    return pixels.round().clamp(0, 255).to(torch.uint8).permute(1, 2, 0).cpu().numpy()
-
-
-def prediction_masks(
-    prediction: torch.Tensor, label: torch.Tensor, class_names: Sequence[str]
-) -> dict[str, dict[str, Any]]:
-    """The wandb mask layers ``prediction`` and ``ground_truth`` of one HxW image, as uint8 class ids.
-
-    Ignored pixels (``IGNORE_INDEX``, 255) of the label become the id ``len(class_names)``, labelled
-    "ignore", so they stay visible and distinct from every class; both layers share one class-label map,
-    so a class has the same colour in each. Subsampled like ``display_image`` to stay aligned with it.
-    """
-    n = len(class_names)
-    if n > MAX_MASK_CLASSES:
-        raise ValueError(f"{n} classes: prediction masks hold at most {MAX_MASK_CLASSES}")
-    if prediction.shape != label.shape or prediction.ndim != 2:
-        raise ValueError(f"prediction {tuple(prediction.shape)} and label {tuple(label.shape)} must be one HxW")
-    stride = _display_stride(label.shape[-1])
-    truth = label[::stride, ::stride].clone()
-    truth[truth == IGNORE_INDEX] = n
-    class_labels = {i: str(name) for i, name in enumerate(class_names)} | {n: "ignore"}
-    return {
-        "prediction": {
-            "mask_data": prediction[::stride, ::stride].to(torch.uint8).cpu().numpy(),
-            "class_labels": class_labels,
-        },
-        "ground_truth": {"mask_data": truth.to(torch.uint8).cpu().numpy(), "class_labels": class_labels},
-    }
