@@ -1,12 +1,13 @@
 """``mabn.cli.fit.fit``: a fit runs its steps in the order its body lists them (every check, then the run folder's
 lock, then the resume's plan, then the build, then training), a dry run runs the same steps up to the plan and
 stops there, and the two plan the run through one computation (``plan_shape`` and the task's ``run_plan``), called
-once each, with the same inputs."""
+once each, with the same inputs; the planning methods take each default from the task's constructor (``settings``)."""
 
 from __future__ import annotations
 
 import functools
 
+import pytest
 import pytorch_lightning as pl
 
 from helpers.fits import TINY, stage2_args
@@ -15,6 +16,7 @@ from mabn.cli import lightning as cli
 from mabn.cli import plan as plan_module
 from mabn.run import folder as runs
 from mabn.run import lock as runlock
+from mabn.run import plan_shape
 from mabn.tasks import SegmentationTask
 from mabn.tasks import base as task_base
 
@@ -66,3 +68,21 @@ def test_a_fit_runs_its_steps_in_order_and_plans_as_its_dry_run_does(tiny_citysc
     assert steps == ["check", "lock", "resume plan", "build", "train", "shape", "run_plan"]
     assert calls[5][1] == dry_shape  # per device, devices, accumulation, norm batch, samples, epochs, steps, limit
     assert calls[6][1][0] == dry_planned
+
+
+def test_the_planning_methods_take_each_default_from_the_constructor():
+    """A task's planning methods read its arguments through ``settings``: what a mapping leaves out is the
+    constructor's default, so a subclass that changes a default changes the plan, and nothing else holds a copy."""
+
+    class LongWarmup(SegmentationTask):
+        def __init__(self, warmup_epochs: float = 7.0, **rest) -> None:
+            super().__init__(warmup_epochs=warmup_epochs, **rest)
+
+    shape = plan_shape(4, 1, 1, 2, 40, 20, -1)  # 10 iterations an epoch
+    recipe, longer = (task.run_plan({"norm": "mabn"}, shape) for task in (SegmentationTask, LongWarmup))
+    assert (recipe.warmup_steps, longer.warmup_steps) == (30, 70)  # the recipe's 3 epochs, the subclass's 7
+    assert recipe.lr == longer.lr
+    settings = LongWarmup.settings({"norm": "gn"})
+    assert (settings["norm"], settings["warmup_epochs"], settings["norm_batch_size"]) == ("gn", 7.0, 2)
+    with pytest.raises(TypeError):  # read-only: a planning method cannot change what the fit will build
+        settings["norm"] = "bn"

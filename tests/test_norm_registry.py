@@ -39,6 +39,7 @@ from mabn.norm import (
     unregister_norm,
 )
 from mabn.run.memory import ACTIVATION_BYTES
+from mabn.tasks import SegmentationTask
 from mabn.tasks.base import NormTask
 from mabn.tasks.memory import per_pixel
 from mabn.tools.bench import infer, step
@@ -215,7 +216,10 @@ def test_the_launch_checks_read_the_entry(toy):
 def test_the_cost_tables_take_the_registered_norm(toy):
     assert norm_bench.compared() == ("brn", "mabn", "toy") and step.benched() == ("bn", "gn", "brn", "mabn", "toy")
     assert infer.models() == ("bn", "brn", "mabn", "toy", "gn")  # folded first
-    assert per_pixel({"norm": "toy", "arch": "resnet101"}) == ACTIVATION_BYTES[("resnet101", "bn")]
+    assert (
+        per_pixel(SegmentationTask.settings({"norm": "toy", "arch": "resnet101"}))
+        == ACTIVATION_BYTES[("resnet101", "bn")]
+    )
     table = norm_bench.run(torch.device("cpu"), repeats=1, shapes=[("tiny ghost", 4, 8, 6, 6, 2)])
     header, row = (line for line in table.splitlines() if line.startswith("| layer") or line.startswith("| tiny"))
     cells = [c.strip() for c in header.strip("|").split("|")]

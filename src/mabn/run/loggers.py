@@ -235,7 +235,7 @@ class TensorBoardLogger(_TensorBoardLogger):
 
     @staticmethod
     def check_installed() -> None:
-        """A ``ConfigError`` where neither tensorboard nor tensorboardX is installed. ``mabn.cli.lightning`` asks
+        """A ``ConfigError`` where neither tensorboard nor tensorboardX is installed. ``mabn.cli.fit.check_loggers`` asks
         before a fit starts: Lightning's own ModuleNotFoundError comes once the classes are built, and jsonargparse
         reports it inside a traceback."""
         if not TENSORBOARD_INSTALLED:

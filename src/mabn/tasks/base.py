@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import logging
 import math
 import time
 import warnings
 from collections.abc import Callable, Iterator, Mapping
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Literal
 
 import pytorch_lightning as pl
@@ -34,6 +36,18 @@ from .cudagraph import (
     training_call,
     why_not_capturable,
 )
+
+
+@functools.cache
+def _defaults(cls: type) -> dict[str, Any]:
+    """The defaults of the constructors of ``cls`` and its ``NormTask`` bases, a subclass's over its base's."""
+    found: dict[str, Any] = {}
+    for klass in reversed(cls.__mro__):
+        if isinstance(klass, type) and issubclass(klass, NormTask):
+            for name, parameter in inspect.signature(klass.__init__).parameters.items():
+                if parameter.default is not inspect.Parameter.empty:
+                    found[name] = parameter.default
+    return found
 
 
 def require(ok: bool, name: str, value: Any, wanted: str) -> None:
@@ -131,7 +145,7 @@ class NormTask(pl.LightningModule):
         super().__init__()
         # Lightning collects the arguments of every __init__ up the chain: the task's own and these.
         self.save_hyperparameters()
-        policy = self.hparams.get("norm_policy")
+        policy = self.hparams["norm_policy"]
         if policy is not None:
             # Checked here for Python callers (LightningCLI has checked it already), and kept as plain values: a
             # checkpoint's hyperparameters are read weights-only, which refuses a dataclass.
@@ -139,23 +153,33 @@ class NormTask(pl.LightningModule):
         self.check_hparams(self.hparams)
 
     @classmethod
+    def settings(cls, hp: Mapping[str, Any]) -> Mapping[str, Any]:
+        """The init arguments ``hp`` over the task's defaults (its constructor's and those of the ``NormTask``
+        constructors up its chain), read-only: what the planning methods (``check_hparams``, ``run_plan``,
+        ``memory_plan``, ``loss_lines``) read, so that each default lives in one place, a constructor's signature.
+        The parsed configuration and a task's ``hparams`` hold them all; a mapping of Python's may hold a few."""
+        return MappingProxyType({**_defaults(cls), **hp})
+
+    @classmethod
     def check_hparams(cls, hp: Mapping[str, Any]) -> None:
         """Refuse arguments that cannot train, before any data or weights are read (the CLI calls this on the
         parsed config; ``__init__`` on its own arguments). Subclasses add their own."""
-        norm = hp.get("norm")
+        hp = cls.settings(hp)
+        norm = hp["norm"]
         try:
             check_norm(norm)
         except ValueError as err:
             raise ConfigError(f"norm={norm!r}: {err}") from None
-        size = hp.get("norm_batch_size")
+        size = hp["norm_batch_size"]
         require(size is None or (isinstance(size, int) and size >= 1), "norm_batch_size", size, "must be >= 1")
-        require(hp.get("base_lr", 1) > 0, "base_lr", hp.get("base_lr"), "must be > 0")
-        require(0 <= hp.get("momentum", 0) < 1, "momentum", hp.get("momentum"), "must be in [0, 1)")
-        require(hp.get("weight_decay", 0) >= 0, "weight_decay", hp.get("weight_decay"), "must be >= 0")
-        graph = hp.get("cuda_graph", "auto")
+        if "base_lr" in hp:  # each stage's (its lr at the base batch)
+            require(hp["base_lr"] > 0, "base_lr", hp["base_lr"], "must be > 0")
+        require(0 <= hp["momentum"] < 1, "momentum", hp["momentum"], "must be in [0, 1)")
+        require(hp["weight_decay"] >= 0, "weight_decay", hp["weight_decay"], "must be >= 0")
+        graph = hp["cuda_graph"]
         # isinstance, not `in (True, False, "auto")`: 1 == True would let 0 and 1 through.
         require(isinstance(graph, bool) or graph == "auto", "cuda_graph", graph, "choose true, false or auto")
-        segments = hp.get("graph_segments", "whole")
+        segments = hp["graph_segments"]
         require(segments in GRAPH_SEGMENTS, "graph_segments", segments, f"choose {' or '.join(GRAPH_SEGMENTS)}")
 
     @property
@@ -164,18 +188,18 @@ class NormTask(pl.LightningModule):
         ``on_fit_start`` resolved it for this fit. Everything that asks (``training_forward``, MABNCallback) reads
         this, never the hyperparameter, which may be the string "auto". Before any fit only ``true`` captures."""
         if self._graphed_fit is None:
-            return self.hparams.get("cuda_graph", "auto") is True
+            return self.hparams["cuda_graph"] is True
         return self._graphed_fit
 
     @property
     def graph_segments(self) -> str:
         """How ``cuda_graph`` captures the training step: ``whole`` or ``stages`` (``graph_training_forward``)."""
-        return self.hparams.get("graph_segments", "whole")
+        return self.hparams["graph_segments"]
 
     @property
     def compile_mode(self) -> str | None:
         """The ``torch.compile`` mode of the training forward and backward, or None (eager)."""
-        value = self.hparams.get("compile", False)
+        value = self.hparams["compile"]
         return "default" if value is True else value or None
 
     def on_fit_start(self) -> None:
@@ -189,7 +213,7 @@ class NormTask(pl.LightningModule):
         self._graphed_fit = self._resolve_cuda_graph()
 
     def _resolve_cuda_graph(self) -> bool:
-        setting = self.hparams.get("cuda_graph", "auto")
+        setting = self.hparams["cuda_graph"]
         if setting is True:
             # Asked for explicitly: an impossible capture is an error, before any data is loaded.
             if self.compile_mode:
@@ -275,7 +299,7 @@ class NormTask(pl.LightningModule):
 
     def configure_callbacks(self) -> list[pl.Callback]:
         # Models without managed norms get no MABNCallback.
-        return norm_callbacks(self.model, self.hparams.get("norm_policy"), steps_done=True)  # ``_log_step``
+        return norm_callbacks(self.model, self.hparams["norm_policy"], steps_done=True)  # ``_log_step``
 
     def make_optimizer(self, lr: float) -> torch.optim.Optimizer:
         """The fit's optimizer at the encoder's ``lr``: SGD with the task's momentum and weight decay (each stage
@@ -335,9 +359,9 @@ class NormTask(pl.LightningModule):
         the fit runs (``fit_plan``). Each stage has its own."""
         raise NotImplementedError(f"{cls.__name__} plans no lr schedule")
 
-    @staticmethod
+    @classmethod
     def memory_plan(
-        hp: Mapping[str, Any], per_device: int, global_batch: int, cuda: bool, per_node: int, crop: int | None
+        cls, hp: Mapping[str, Any], per_device: int, global_batch: int, cuda: bool, per_node: int, crop: int | None
     ) -> MemoryPlan | None:
         """The dry run's estimate of the memory per device for the arguments ``hp`` and the per-device batch that
         fits it (``mabn.tasks.memory.plan``); None where the task estimates none."""
@@ -364,7 +388,7 @@ class NormTask(pl.LightningModule):
             trainer.datamodule.batch_size,
             trainer.world_size,
             trainer.accumulate_grad_batches,
-            self.hparams.get("norm_batch_size"),
+            self.hparams["norm_batch_size"],
             len(loader.dataset),
             trainer.max_epochs,
             trainer.max_steps,

@@ -105,7 +105,8 @@ class ClassificationTask(NormTask):
     @classmethod
     def check_hparams(cls, hp: Mapping[str, Any]) -> None:
         super().check_hparams(hp)
-        arch = hp.get("arch", DEFAULT_ARCH)
+        hp = cls.settings(hp)
+        arch = hp["arch"]
         require(arch in ARCHS, "arch", arch, f"choose one of {', '.join(ARCHS)}")
         require(
             not norm_entry(hp["norm"]).frozen,
@@ -119,7 +120,7 @@ class ClassificationTask(NormTask):
         warmup = hp["warmup_epochs"]
         require(warmup is None or warmup >= 0, "warmup_epochs", warmup, "must be >= 0 (or null: auto)")
         require(0 <= hp["label_smoothing"] < 1, "label_smoothing", hp["label_smoothing"], "must be in [0, 1)")
-        if hp.get("warm_start"):  # a file that cannot start this network stops before any data is read
+        if hp["warm_start"]:  # a file that cannot start this network stops before any data is read
             check_init(hp["warm_start"], hp["norm"], arch)
         epochs = list(hp["milestones"])
         require(
@@ -150,6 +151,7 @@ class ClassificationTask(NormTask):
     def run_plan(cls, hp: Mapping[str, Any], shape: RunShape) -> RunPlan:
         """The run's lr (``base_lr`` scaled to the global batch), its schedule (``lr_factor``) and the lines that
         say them with the batch: what ``--dry-run`` prints and the fit runs."""
+        hp = cls.settings(hp)
         drops = ", ".join(f"{m:g}" for m in hp["milestones"])
         steps = [shape.iterations(m) for m in hp["milestones"]]
         at = "" if None in steps else f" (iterations {', '.join(map(str, steps))})"
@@ -227,9 +229,7 @@ class ClassificationTask(NormTask):
             model.load_state_dict({k.removeprefix("model."): v for k, v in state.items() if k.startswith("model.")})
             top1 = ckpt.best_model_score
         config = {
-            "run_dir": str(
-                self.trainer.default_root_dir
-            ),  # whose backbone this is (see mabn.cli.fit.check_export)
+            "run_dir": str(self.trainer.default_root_dir),  # whose backbone this is (see mabn.cli.fit.check_export)
             "model": dict(self.hparams),
             "data": dict(self.trainer.datamodule.hparams),
             "global_batch_size": self.planned.shape.global_batch,

@@ -16,7 +16,7 @@ from torch import nn
 
 from ..distributed import gather_objects, say
 from ..errors import ConfigError
-from ..models import DEFAULT_ARCH, DEFAULT_DECODER, build_segmentation_model
+from ..models import DEFAULT_DECODER, build_segmentation_model
 from ..norm import NORM_PRESETS, norm_entry
 from ..run.memory import Budget, activation_bytes, device_budget, estimate, fit_batch, gb
 
@@ -25,13 +25,13 @@ LAYOUT_KEY = "batch_layout"  # in a stage-2 checkpoint: the batch the fit traine
 
 def per_pixel(hp: Mapping[str, Any]) -> int | None:
     """The activations' bytes per pixel and image of the task's network, from the table (PSPNet's alone)."""
-    if hp.get("decoder", DEFAULT_DECODER) != DEFAULT_DECODER or hp.get("norm") not in NORM_PRESETS:
+    if hp["decoder"] != DEFAULT_DECODER or hp["norm"] not in NORM_PRESETS:
         return None
-    return activation_bytes(hp.get("arch") or DEFAULT_ARCH, norm_entry(hp["norm"]).family)
+    return activation_bytes(hp["arch"], norm_entry(hp["norm"]).family)
 
 
 def network(hp: Mapping[str, Any]) -> str:
-    return f"{hp.get('arch') or DEFAULT_ARCH} with {hp.get('norm')}"
+    return f"{hp['arch']} with {hp['norm']}"
 
 
 def sizes(model: nn.Module) -> tuple[int, int]:
@@ -42,17 +42,17 @@ def sizes(model: nn.Module) -> tuple[int, int]:
 
 def planned_sizes(hp: Mapping[str, Any]) -> tuple[int, int]:
     """``sizes`` of the task's network, built on the meta device: shapes without memory or initialization."""
-    options = json.dumps(hp.get("norm_options"), sort_keys=True)
+    options = json.dumps(hp["norm_options"], sort_keys=True)
     return _meta_sizes(
-        hp.get("decoder", DEFAULT_DECODER),
-        hp.get("num_classes") or 19,
+        hp["decoder"],
+        hp["num_classes"],
         hp["norm"],
-        hp.get("norm_batch_size"),
+        hp["norm_batch_size"],
         options,
-        hp.get("arch") or DEFAULT_ARCH,
-        hp.get("dropout", 0.1),
-        hp.get("output_stride"),
-        hp.get("head_norm"),
+        hp["arch"],
+        hp["dropout"],
+        hp["output_stride"],
+        hp["head_norm"],
     )
 
 
@@ -95,7 +95,7 @@ def plan(
     ``global_batch``; a ``ConfigError`` where one normalization batch does not fit."""
     bpp = per_pixel(hp)
     if bpp is None:
-        decoder = hp.get("decoder", DEFAULT_DECODER)
+        decoder = hp["decoder"]
         what = network(hp) if decoder == DEFAULT_DECODER else f"decoder {decoder}"
         line = f"memory: no estimate for {what} (not in mabn.run.memory's table): the per-device batch is the recipe's"
         return MemoryPlan(per_device, 1, [line])
@@ -104,7 +104,7 @@ def plan(
     params, buffers = planned_sizes(hp)
     fit = fit_batch(
         per_device,
-        hp.get("norm_batch_size"),
+        hp["norm_batch_size"],
         lambda n: estimate(params, buffers, bpp, crop, n),
         device_budget(cuda, processes),
         network(hp),
@@ -140,7 +140,7 @@ def fit(task: Any) -> None:
     task.memory_fit = budget, lambda n: estimate(params, buffers, bpp, crop, n)
     found = fit_batch(
         data.batch_size,
-        hp.get("norm_batch_size"),
+        hp["norm_batch_size"],
         lambda n: estimate(params, buffers, bpp, data.crop_size, n),
         budget,
         network(hp),

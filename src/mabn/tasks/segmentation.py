@@ -19,7 +19,6 @@ from ..distributed import say
 from ..errors import ConfigError
 from ..models import (
     DECODERS,
-    DEFAULT_ARCH,
     DEFAULT_DECODER,
     build_segmentation_model,
     check_backbone,
@@ -160,21 +159,22 @@ class SegmentationTask(NormTask):
     @classmethod
     def check_hparams(cls, hp: Mapping[str, Any]) -> None:
         super().check_hparams(hp)
+        hp = cls.settings(hp)
         try:
-            check_encoder(hp.get("arch", DEFAULT_ARCH))
+            check_encoder(hp["arch"])
         except ValueError as err:  # one line naming the value, as every argument's mistake
             raise ConfigError(str(err)) from err
-        head_norm = hp.get("head_norm")
+        head_norm = hp["head_norm"]
         if head_norm is not None:
             try:
                 head = norm_entry(head_norm)
             except ValueError as err:
                 raise ConfigError(f"head_norm={head_norm!r}: {err}") from None
             require(not head.frozen, "head_norm", head_norm, "the heads start untrained: pick a norm that trains")
-        if hp.get("backbone"):  # a backbone that cannot start this norm stops before any data is read
-            backbone = check_backbone(hp["backbone"], hp["norm"], hp.get("arch", DEFAULT_ARCH))
+        if hp["backbone"]:  # a backbone that cannot start this norm stops before any data is read
+            backbone = check_backbone(hp["backbone"], hp["norm"], hp["arch"])
             require(
-                hp.get("centre_encoder") is not True or not converts(backbone, hp["norm"]),
+                hp["centre_encoder"] is not True or not converts(backbone, hp["norm"]),
                 "centre_encoder",
                 True,
                 f"BN weights ({backbone.path}) keep BN's function only in uncentred convs: leave it null, or start "
@@ -187,9 +187,9 @@ class SegmentationTask(NormTask):
         require(hp["aux_weight"] >= 0, "aux_weight", hp["aux_weight"], "must be >= 0")
         require(0 <= hp["dropout"] < 1, "dropout", hp["dropout"], "must be in [0, 1)")
         losses.check_loss(hp["loss"], hp["class_weights"])
-        decoder = hp.get("decoder", DEFAULT_DECODER)
+        decoder = hp["decoder"]
         require(decoder in DECODERS, "decoder", decoder, f"choose one of {', '.join(DECODERS)}")
-        stride = hp.get("output_stride")
+        stride = hp["output_stride"]
         strides = " or ".join(map(str, sorted(DECODERS[decoder].output_strides)))
         require(stride is None or stride in DECODERS[decoder].output_strides, "output_stride", stride,
                 f"decoder {decoder} takes {strides} (or null: its default)")  # fmt: skip
@@ -209,6 +209,7 @@ class SegmentationTask(NormTask):
         """The run's encoder lr (``base_lr`` scaled to the global batch; the heads' is ``head_lr_mult`` times it),
         its warm-up and poly schedule, and the lines that say them with the batch: what ``--dry-run`` prints and the
         fit runs."""
+        hp = cls.settings(hp)
         heads = f" for the encoder, x {hp['head_lr_mult']:g} for the heads"
         end = "" if shape.total_iterations is None else f" to iteration {shape.total_iterations}"
         warmup = shape.epochs_text(hp["warmup_epochs"])
@@ -216,24 +217,22 @@ class SegmentationTask(NormTask):
         factor = partial(
             schedules.warmup_poly, max_steps=shape.total_iterations, warmup_steps=warmup_steps, power=hp["poly_power"]
         )
-        decoder = hp.get("decoder", DEFAULT_DECODER)
+        decoder = hp["decoder"]
         model = []  # the paper's PSPNet says nothing; another decoder says what is built
         if decoder != DEFAULT_DECODER:
             spec = DECODERS[decoder]
-            stride = hp.get("output_stride") or spec.output_strides[0]
+            stride = hp["output_stride"] or spec.output_strides[0]
             aux = "auxiliary head on layer3" if spec.aux else "no auxiliary head (aux_weight unused)"
-            model = [
-                f"model: {spec.title} decoder (smp) on {hp.get('arch', DEFAULT_ARCH)}, output stride {stride}, {aux}"
-            ]
-        heads_norm = hp.get("head_norm") or norm_entry(hp["norm"]).head_norm
+            model = [f"model: {spec.title} decoder (smp) on {hp['arch']}, output stride {stride}, {aux}"]
+        heads_norm = hp["head_norm"] or norm_entry(hp["norm"]).head_norm
         batched = (norm_entry(hp["norm"]).batch, norm_entry(heads_norm or hp["norm"]).batch)
         normalized = {(False, False): None, (False, True): "in the decoder and heads", (True, False): "in the encoder"}
         shape_lines = shape.lines(normalized.get(batched, ""))
         if heads_norm and heads_norm != hp["norm"]:
-            why = "head_norm" if hp.get("head_norm") else f"{hp['norm']} trains nothing; head_norm picks another"
+            why = "head_norm" if hp["head_norm"] else f"{hp['norm']} trains nothing; head_norm picks another"
             model += [f"norms: {hp['norm']} in the encoder, {heads_norm} in the decoder and heads ({why})"]
-        if hp.get("backbone"):  # BN weights for a MABN encoder: say that they are converted, and how
-            backbone = check_backbone(hp["backbone"], hp["norm"], hp.get("arch", DEFAULT_ARCH))
+        if hp["backbone"]:  # BN weights for a MABN encoder: say that they are converted, and how
+            backbone = check_backbone(hp["backbone"], hp["norm"], hp["arch"])
             model += [conversion_line(backbone)] if converts(backbone, hp["norm"]) else []
         lines = (
             *model,
@@ -256,7 +255,7 @@ class SegmentationTask(NormTask):
             text += ", class weights from the training pixels per class"
         elif weights is not None:
             text += ", class weights as given"
-        if DECODERS[hp.get("decoder", DEFAULT_DECODER)].aux:
+        if DECODERS[hp["decoder"]].aux:
             return f"loss: {text}; main head + {hp['aux_weight']:g} x auxiliary head"
         return f"loss: {text}; main head (no auxiliary head)"
 
@@ -299,6 +298,7 @@ class SegmentationTask(NormTask):
         weights, from the data plan's training pixels per class (and the class table they count) where the data
         module counts them, and what the loss's terms take of the data plan's crop; ``ConfigError`` where the
         weights cannot be made."""
+        hp = cls.settings(hp)
         pixels = plan.class_pixels
         classes = None if pixels is None else pixels.classes
         names = default_class_names(hp["num_classes"]) if classes is None else classes.names
@@ -471,11 +471,11 @@ class SegmentationTask(NormTask):
         if fitting:
             memory.keep(self, checkpoint.get(memory.LAYOUT_KEY))
 
-    @staticmethod
-    def memory_plan(*args: Any) -> memory.MemoryPlan:
+    @classmethod
+    def memory_plan(cls, hp: Mapping[str, Any], *args: Any) -> memory.MemoryPlan:
         """The dry run's estimate of the memory per device and the per-device batch that fits
         (``mabn.tasks.memory.plan``)."""
-        return memory.plan(*args)
+        return memory.plan(cls.settings(hp), *args)
 
     def make_optimizer(self, lr: float) -> torch.optim.Optimizer:
         """SGD over the encoder at ``lr`` and the new heads at ``head_lr_mult`` x ``lr``."""
