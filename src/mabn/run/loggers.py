@@ -235,9 +235,9 @@ class TensorBoardLogger(_TensorBoardLogger):
 
     @staticmethod
     def check_installed() -> None:
-        """A ``ConfigError`` where neither tensorboard nor tensorboardX is installed. ``mabn.cli.fit.check_loggers`` asks
-        before a fit starts: Lightning's own ModuleNotFoundError comes once the classes are built, and jsonargparse
-        reports it inside a traceback."""
+        """A ``ConfigError`` where neither tensorboard nor tensorboardX is installed. A fit asks before it starts
+        (``mabn.cli.fit.check_loggers``): Lightning's own ModuleNotFoundError comes once the classes are built, and
+        jsonargparse reports it inside a traceback."""
         if not TENSORBOARD_INSTALLED:
             raise ConfigError(
                 "mabn.run.loggers.TensorBoardLogger needs the tensorboard package, which is not installed: "
