@@ -36,7 +36,7 @@ class ParsedFit(Protocol):
 
     config: Namespace
 
-    def take_hparams(self, ckpt_path: str | Path, resume: bool = False) -> Namespace: ...
+    def take_hparams(self, hparams: dict[str, Any], ckpt_path: str | Path, resume: bool = False) -> Namespace: ...
 
     def build(self, resumed: runs.Checkpoint | None = None) -> tuple[Any, Any, Any]: ...
 
@@ -123,7 +123,7 @@ def fit(cli: ParsedFit, dry_run: bool = False, prepare: Callable[[], object] | N
                 notes.append(line)
             else:
                 runs.say_once(line)
-        config = cli.take_hparams(plan.resume.path, resume=True)
+        config = cli.take_hparams(plan.resume.hparams, plan.resume.path, resume=True)  # as read for the plan
     # 4.
     if dry_run:
         lines = problem.attempt(lambda: plan_lines(config) + checkpoint_line(task), [])

@@ -125,13 +125,11 @@ class MabnCLI(LightningCLI):
         """The Trainer method's arguments as parsed (``ckpt_path`` among them)."""
         return {name: self.config.get(name) for name in self.method_names}
 
-    def take_hparams(self, ckpt_path: str | Path, resume: bool = False) -> Namespace:
-        """The checkpoint's hyperparameters merged into ``config`` under the task's arguments (Lightning's merge, with
-        ``task_hparams`` translating those of older checkpoints), and the merged ``config``. A ``resume`` takes a run
-        setting given on its command line, and says so, not the checkpoint's."""
-        # Memory-mapped: only the hyperparameters are read here.
-        hparams = load_weights_file(Path(ckpt_path), "checkpoint", ConfigError, mmap=True).get("hyper_parameters")
-        hparams = task_hparams(hparams or {})
+    def take_hparams(self, hparams: dict[str, Any], ckpt_path: str | Path, resume: bool = False) -> Namespace:
+        """The hyperparameters of the checkpoint at ``ckpt_path`` merged into ``config`` under the task's arguments
+        (Lightning's merge, with ``task_hparams`` translating those of older checkpoints), and the merged ``config``.
+        A ``resume`` takes a run setting given on its command line, and says so, not the checkpoint's."""
+        hparams = task_hparams(hparams)
         hparams.pop("_instantiator", None)
         if not hparams:
             return self.config
@@ -188,7 +186,9 @@ def evaluate(cli: MabnCLI) -> None:
     if not config.get("ckpt_path"):
         config.ckpt_path = str(run_checkpoint(config, cli.command))
     if Path(config.ckpt_path).is_file():
-        config = cli.take_hparams(config.ckpt_path)
+        # Memory-mapped: only the hyperparameters are read here.
+        ckpt = load_weights_file(Path(config.ckpt_path), "checkpoint", ConfigError, mmap=True)
+        config = cli.take_hparams(ckpt.get("hyper_parameters") or {}, config.ckpt_path)
     name_wandb_runs(config)
     place_evaluation(config, cli.command)
     model, data, trainer = cli.build()
