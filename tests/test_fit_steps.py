@@ -9,6 +9,7 @@ import functools
 
 import pytest
 import pytorch_lightning as pl
+import torch
 
 from helpers.fits import TINY, stage2_args
 from mabn.cli import fit as fit_module
@@ -86,3 +87,13 @@ def test_the_planning_methods_take_each_default_from_the_constructor():
     assert (settings["norm"], settings["warmup_epochs"], settings["norm_batch_size"]) == ("gn", 7.0, 2)
     with pytest.raises(TypeError):  # read-only: a planning method cannot change what the fit will build
         settings["norm"] = "bn"
+
+
+def test_the_checks_build_leaves_the_fits_random_state_as_it_was():
+    """The fit seeds torch's generator before its checks and builds its model after them: the check's build of a
+    model that cannot be built on the meta device (a mix transformer, built on the CPU) must draw nothing from it,
+    or the fit's initial weights would depend on the check."""
+    torch.manual_seed(0)
+    before = torch.random.get_rng_state()
+    SegmentationTask.build_unweighted({"norm": "gn", "arch": "mit_b0", "num_classes": 3})
+    assert torch.equal(torch.random.get_rng_state(), before)

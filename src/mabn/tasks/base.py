@@ -313,7 +313,9 @@ class NormTask(pl.LightningModule):
         setup runs on it (``check_setup``): what a dry run checks and sizes. A model whose construction reads
         tensor values (the drop-path rates of smp's mix transformers, ``mit_b*``) cannot be built there and is
         built on the CPU, the same construction."""
-        with _silent():  # the fit's own build says what it builds and loads, once
+        # The fit's own build says what it builds and loads, once; a CPU build draws its initial values from torch's
+        # generator, which stays the fit's: the fit seeds it before its checks and builds its model after them.
+        with _silent(), torch.random.fork_rng(devices=[]):
             try:
                 with torch.device("meta"):
                     task = cls(**hp)
