@@ -60,9 +60,9 @@ class Problems:
         try:
             return check()
         except UserError as err:
-            self.found += err.messages if isinstance(err, UserErrors) else [str(err)]
             if not self.dry_run:
                 raise
+            self.found += err.messages if isinstance(err, UserErrors) else [str(err)]
             return stand_in
 
     def stop(self) -> None:

@@ -73,7 +73,6 @@ class MabnCLI(LightningCLI):
 
     def __init__(self, command: str, args: list[str]) -> None:
         self.command = command
-        self.resumed: runs.Checkpoint | None = None  # a fit's checkpoint to resume (``build``)
         self.plan_lines: list[str] = []  # a dry run's (``mabn.cli.fit.fit``)
         doc = inspect.getdoc(getattr(pl.Trainer, command)) or ""
         super().__init__(
@@ -108,7 +107,6 @@ class MabnCLI(LightningCLI):
     def build(self, resumed: runs.Checkpoint | None = None) -> tuple[pl.LightningModule, Any, pl.Trainer]:
         """The task, the data module and the Trainer of ``config``, with the product's guards; ``resumed``: the
         checkpoint a fit resumes (its saved config records it)."""
-        self.resumed = resumed
         super().instantiate_classes()
         guard(self.trainer, resumed, cadence=self.config.trainer.get("log_every_n_steps") is None)
         return self.model, self.datamodule, self.trainer
