@@ -12,6 +12,7 @@ from helpers.commands import run_mabn
 from helpers.fits import TINY, copy_run
 from mabn.run.memory import BUDGET_ENV, GB, estimate
 from mabn.tasks import memory
+from mabn.tasks.segmentation import SegmentationTask
 
 
 def test_a_resume_where_its_recorded_batch_does_not_fit_is_refused_in_one_line(
@@ -21,8 +22,9 @@ def test_a_resume_where_its_recorded_batch_does_not_fit_is_refused_in_one_line(
     (folder / ".lock").unlink()  # a link to the shared run's: its own is made at the launch
     saved = torch.load(stage2_run.checkpoint, weights_only=True)
     assert saved[memory.LAYOUT_KEY] == {"per_device": 4, "accumulate": 1, "processes": 1}
-    hp = saved["hyper_parameters"]
-    params, buffers = memory.planned_sizes(hp)
+    hp = {k: v for k, v in saved["hyper_parameters"].items() if not k.startswith("_")}  # the task's arguments
+    sizes = SegmentationTask.planned_sizes(hp)
+    params, buffers = sizes.params, sizes.buffers
     per_pixel = memory.per_pixel(hp)
     four, two = (estimate(params, buffers, per_pixel, 32, n).total for n in (4, 2))
     monkeypatch.setenv(BUDGET_ENV, str((four + two) / 2 / GB))  # 2 crops fit, 4 do not
@@ -45,8 +47,9 @@ def test_a_resume_keeps_its_recorded_batch_where_the_memory_would_take_another(
     """A fit of 2 steps under a budget of 2 crops (2 x 2 accumulated), resumed to 4 steps where 4 crops fit: the
     resume keeps 2 x 2, says so, and its checkpoint records it."""
     saved = torch.load(stage2_run.checkpoint, weights_only=True)
-    hp = saved["hyper_parameters"]
-    params, buffers = memory.planned_sizes(hp)
+    hp = {k: v for k, v in saved["hyper_parameters"].items() if not k.startswith("_")}  # the task's arguments
+    sizes = SegmentationTask.planned_sizes(hp)
+    params, buffers = sizes.params, sizes.buffers
     four, two = (estimate(params, buffers, memory.per_pixel(hp), 32, n).total for n in (4, 2))
     folder = tmp_path / "run"
     monkeypatch.chdir(tmp_path)

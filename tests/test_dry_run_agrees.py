@@ -145,3 +145,30 @@ def test_a_checkpoint_of_the_content_saved_just_before_is_a_hard_link_that_a_lat
     os.utime(last, ns=(0, 0))
     io.save_checkpoint(_checkpoint(5), other)
     assert not os.path.samefile(other, last) and io.load_checkpoint(other)["global_step"] == 5
+
+
+def test_a_network_is_planned_once_a_process_until_a_file_it_names_changes(backbones, tmp_path, monkeypatch):
+    """``NormTask.planned_sizes`` builds a network once per process (a sweep's dry runs, the tests): the same
+    arguments again take the sizes planned, a backbone file rewritten in place is read again, and a check that
+    fails is raised each time (a file that is missing, then written, is then built)."""
+    from mabn.errors import ConfigError
+    from mabn.tasks.segmentation import SegmentationTask
+
+    built = []
+    build = SegmentationTask.build_unweighted.__func__
+    monkeypatch.setattr(
+        SegmentationTask, "build_unweighted", classmethod(lambda c, hp: built.append(1) or build(c, hp))
+    )
+    backbone = tmp_path / "resnet18-bn.pt"
+    hp = {"arch": "resnet18", "norm": "bn", "num_classes": 3, "backbone": str(backbone)}
+    for _ in range(2):
+        with pytest.raises(ConfigError, match=re.escape(str(backbone))):
+            SegmentationTask.planned_sizes(hp)
+    assert len(built) == 2
+    backbone.write_bytes(backbones.stage1("bn", "resnet18").read_bytes())
+    first = SegmentationTask.planned_sizes(hp)
+    assert SegmentationTask.planned_sizes(dict(hp)) == first and len(built) == 3
+    assert first.params > 11_000_000 and first.weights > 4 * first.params  # ResNet-18 in float32, and its head
+    stat = backbone.stat()
+    os.utime(backbone, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))  # rewritten, same size
+    assert SegmentationTask.planned_sizes(hp) == first and len(built) == 4

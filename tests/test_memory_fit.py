@@ -18,7 +18,6 @@ from helpers.trainer import fit_flags
 from mabn.errors import ConfigError
 from mabn.run import memory
 from mabn.tasks import SegmentationTask
-from mabn.tasks.memory import planned_sizes
 
 RECIPE_HP = {"norm": "mabn", "norm_batch_size": 2, "norm_options": {"mabn": {"momentum": 0.98, "buffer_size": 16}}}
 
@@ -50,8 +49,8 @@ def logged():
 
 def _estimate(arch: str, crop: int, images: int) -> int:
     """The product's estimate of a step of ``images`` crops of ``crop`` of PSPNet on ``arch`` with MABN."""
-    params, buffers = planned_sizes(SegmentationTask.settings({**RECIPE_HP, "arch": arch, "num_classes": 3}))
-    return memory.estimate(params, buffers, memory.activation_bytes(arch, "mabn"), crop, images).total
+    sizes = SegmentationTask.planned_sizes(SegmentationTask.settings({**RECIPE_HP, "arch": arch, "num_classes": 3}))
+    return memory.estimate(sizes.params, sizes.buffers, memory.activation_bytes(arch, "mabn"), crop, images).total
 
 
 def _linear(fixed: int, per_image: int):

@@ -24,7 +24,7 @@ from ..recipes import class_at
 from ..run import folder as runs
 from ..run import load_weights_file
 from ..run import lock as runlock
-from ..tasks.base import NormTask
+from ..tasks.base import NetworkSizes, NormTask
 from ..tasks.classification import backbone_path
 from .config import checkpoint_dirs, entries, name_wandb_runs, place_run, plain_args
 from .plan import build_task, check_batch, checkpoint_line, plan_lines, run_settings
@@ -90,7 +90,7 @@ def fit(cli: ParsedFit, dry_run: bool = False, prepare: Callable[[], object] | N
     config, problem = cli.config, Problems(dry_run)
     folder = Path(config.trainer.get("default_root_dir") or ".")
     # 1. A mistake stops before anything, the lock included, is written.
-    task = check_fit_config(config)
+    network = check_fit_config(config)
     dirs = problem.attempt(lambda: checkpoint_dirs(config, folder), [])
     accelerator = accelerator_problem(config)
     if accelerator and not (dry_run and gpus):
@@ -126,7 +126,7 @@ def fit(cli: ParsedFit, dry_run: bool = False, prepare: Callable[[], object] | N
         config = cli.take_hparams(plan.resume.hparams, plan.resume.path, resume=True)  # as read for the plan
     # 4.
     if dry_run:
-        lines = problem.attempt(lambda: plan_lines(config) + checkpoint_line(task), [])
+        lines = problem.attempt(lambda: plan_lines(config, network) + checkpoint_line(network), [])
         problem.stop()
         return lines + notes
     # 5.
@@ -159,10 +159,11 @@ def cut_logged_rows(config: Namespace, folder: Path, resume: runs.Checkpoint | N
         runs.cut_metrics(folder / runs.METRICS, step)
 
 
-def check_fit_config(config: Namespace) -> NormTask | None:
+def check_fit_config(config: Namespace) -> NetworkSizes | None:
     """Every check that needs no data and no weights: the task's arguments, the model the fit builds and the checks
     its setup runs on it (``build_task``), the batch layout, the loggers, the run's folder and its artefacts.
-    Returns a ``NormTask`` built without weights; None for a LightningModule of one's own."""
+    Returns the sizes of the network, built without weights, that the plan takes; None for a LightningModule of
+    one's own."""
     task = class_at(config.model.class_path)
     if not issubclass(task, NormTask):  # a LightningModule of one's own: built and checked by its fit alone
         built = None

@@ -17,7 +17,7 @@ from ..data.loading import DataPlan, PlannedData, workers_line
 from ..errors import ConfigError
 from ..recipes import class_at
 from ..run import RunShape, plan_shape
-from ..tasks.base import NormTask
+from ..tasks.base import NetworkSizes, NormTask
 from ..tasks.memory import MemoryPlan
 from .config import device_batch, devices, init_args, per_node, plain_args
 
@@ -48,10 +48,11 @@ def check_batch(config: Namespace) -> None:
         )
 
 
-def build_task(config: Namespace) -> NormTask:
+def build_task(config: Namespace) -> NetworkSizes:
     """The fit's task built by its own constructor on the meta device and checked as the fit's setup checks it
-    (its ``build_unweighted``), so that a choice of encoder, decoder, norm and norm policy that cannot train stops
-    the dry run and the fit alike, before anything is read or written."""
+    (its ``planned_sizes``), so that a choice of encoder, decoder, norm and norm policy that cannot train stops
+    the dry run and the fit alike, before anything is read or written; the sizes of its network, which the plan
+    takes."""
     hp = plain_args(config.model)
     # The data module decides the model's classes (the link that instantiation applies): the build takes them as
     # the fit's does. A data folder that cannot say them is the data check's to name; the build keeps the config's.
@@ -59,7 +60,7 @@ def build_task(config: Namespace) -> NormTask:
         hp["num_classes"] = class_at(config.data.class_path)(**plain_args(config.data)).num_classes
     except (DatasetError, ConfigError, OSError):
         pass
-    return class_at(config.model.class_path).build_unweighted(hp)
+    return class_at(config.model.class_path).planned_sizes(hp)
 
 
 def data_plan(config: Namespace) -> DataPlan | None:
@@ -95,9 +96,11 @@ def run_shape(config: Namespace, samples: int | None, memory: MemoryPlan | None 
     )
 
 
-def memory_plan(config: Namespace, task: type[NormTask], planned: DataPlan | None) -> MemoryPlan | None:
-    """The task's ``memory_plan`` on the devices the run asks for, at its crop (the data's, else the config's);
-    None without a per-device batch."""
+def memory_plan(
+    config: Namespace, task: type[NormTask], network: NetworkSizes, planned: DataPlan | None
+) -> MemoryPlan | None:
+    """The task's ``memory_plan`` of its ``network`` on the devices the run asks for, at its crop (the data's,
+    else the config's); None without a per-device batch."""
     per_device, trainer = device_batch(config), config.trainer
     if not per_device:
         return None
@@ -105,19 +108,21 @@ def memory_plan(config: Namespace, task: type[NormTask], planned: DataPlan | Non
     cuda = accelerator in ("gpu", "cuda") or (accelerator == "auto" and torch.cuda.is_available())
     global_batch = per_device * (devices(trainer) or 1) * (trainer.get("accumulate_grad_batches") or 1)
     crop = planned.crop if planned and planned.crop else init_args(config, "data").get("crop_size")
-    return task.memory_plan(dict(config.model.init_args), per_device, global_batch, cuda, per_node(trainer), crop)
+    hp = dict(config.model.init_args)
+    return task.memory_plan(hp, network, per_device, global_batch, cuda, per_node(trainer), crop)
 
 
-def plan_lines(config: Namespace) -> list[str]:
+def plan_lines(config: Namespace, network: NetworkSizes | None) -> list[str]:
     """What the run's task says at the start of fit (its ``run_plan``'s batch, lr and schedule, and what its
-    ``memory_plan`` estimates of the memory per device, where it estimates it), computed from ``config``, then what
+    ``memory_plan`` estimates of the memory per device of its ``network``, where it estimates it; None: a
+    LightningModule of one's own), computed from ``config``, then what
     the data module's ``plan`` says of the data set (checked once for both), then what the task's loss takes from it
     (``loss_lines``: the class weights, the crop), then the loader workers."""
     planned = data_plan(config)
     task = class_at(config.model.class_path)
-    if not issubclass(task, NormTask):  # a LightningModule of one's own plans nothing
+    if network is None or not issubclass(task, NormTask):  # a LightningModule of one's own plans nothing
         return planned.lines if planned else []
-    memory = memory_plan(config, task, planned)
+    memory = memory_plan(config, task, network, planned)
     shape = run_shape(config, planned and planned.train_samples, memory)
     hp = dict(config.model.init_args)
     lines = list(task.run_plan(hp, shape).lines) if shape is not None else []
@@ -130,12 +135,12 @@ def plan_lines(config: Namespace) -> list[str]:
     return lines
 
 
-def checkpoint_line(task: NormTask | None) -> list[str]:
-    """The plan's line on the size of a checkpoint of ``task`` (its ``checkpoint_bytes``: weights and buffers, and
-    the optimizer's state that a resume needs); none for a LightningModule of one's own."""
-    if task is None:
+def checkpoint_line(network: NetworkSizes | None) -> list[str]:
+    """The plan's line on the size of a checkpoint of the task's ``network`` (``checkpoint_bytes``: weights and
+    buffers, and the optimizer's state that a resume needs); none for a LightningModule of one's own."""
+    if network is None:
         return []
-    weights, optimizer = task.checkpoint_bytes()
+    weights, optimizer = network.weights, network.optimizer
 
     def mb(size: int) -> str:  # three significant digits, or whole megabytes
         return f"{size / 1e6:.0f}" if size >= 1e8 else f"{size / 1e6:.3g}"

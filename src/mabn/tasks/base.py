@@ -5,8 +5,10 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import json
 import logging
 import math
+import os
 import time
 import warnings
 from collections.abc import Callable, Iterator, Mapping
@@ -24,9 +26,8 @@ from ..norm import check_norm
 from ..norm.cenconv import SGDCentring, keep_centred
 from ..run import RunPlan, RunShape, iterations_per_epoch, plan_shape
 
-if TYPE_CHECKING:  # the planning contract's types; memory imports this module
+if TYPE_CHECKING:  # the planning contract's types
     from ..data.loading import DataPlan
-    from .memory import MemoryPlan
 from .cudagraph import (
     GRAPH_SEGMENTS,
     check_capturable,
@@ -36,6 +37,7 @@ from .cudagraph import (
     training_call,
     why_not_capturable,
 )
+from .memory import MemoryPlan, NetworkSizes, network_sizes
 
 
 @functools.cache
@@ -48,6 +50,21 @@ def _defaults(cls: type) -> dict[str, Any]:
                 if parameter.default is not inspect.Parameter.empty:
                     found[name] = parameter.default
     return found
+
+
+# The networks this process planned, by task class and arguments (``NormTask.planned_sizes``): four integers each.
+_PLANNED: dict[tuple[type, str, tuple], NetworkSizes] = {}
+
+
+def _files_named(hp: Mapping[str, Any]) -> tuple:
+    """(argument, size, modification time) of each file an argument names (a backbone, a warm start): a plan of
+    the same arguments after such a file changed reads it again."""
+    found = []
+    for name, value in sorted(hp.items()):
+        if isinstance(value, str | os.PathLike) and os.path.isfile(value):
+            stat = os.stat(value)
+            found.append((name, str(value), stat.st_size, stat.st_mtime_ns))
+    return tuple(found)
 
 
 def require(ok: bool, name: str, value: Any, wanted: str) -> None:
@@ -326,6 +343,18 @@ class NormTask(pl.LightningModule):
         task.check_setup()
         return task
 
+    @classmethod
+    def planned_sizes(cls, hp: Mapping[str, Any]) -> NetworkSizes:
+        """The task of the init arguments ``hp`` built and checked as ``build_unweighted`` does, and its sizes:
+        what a dry run (and a fit's check) needs of its network. One build per network and process: a process that
+        plans many runs (a sweep, the tests) builds each once, and the files the arguments name are part of the
+        network (``_files_named``). A check that fails is raised each time, never kept."""
+        key = (cls, json.dumps(dict(hp), sort_keys=True, default=repr), _files_named(hp))
+        if key not in _PLANNED:
+            task = cls.build_unweighted(hp)
+            _PLANNED[key] = NetworkSizes(*network_sizes(task.model), *task.checkpoint_bytes())
+        return _PLANNED[key]
+
     def check_setup(self) -> None:
         """The checks a fit's setup runs on the model before any data: the norm callbacks' hold on its layers
         (MABNCallback's groups and logged layers, ``bind``) and the graph segments; a ``ConfigError`` naming the
@@ -363,10 +392,18 @@ class NormTask(pl.LightningModule):
 
     @classmethod
     def memory_plan(
-        cls, hp: Mapping[str, Any], per_device: int, global_batch: int, cuda: bool, per_node: int, crop: int | None
+        cls,
+        hp: Mapping[str, Any],
+        network: NetworkSizes,
+        per_device: int,
+        global_batch: int,
+        cuda: bool,
+        per_node: int,
+        crop: int | None,
     ) -> MemoryPlan | None:
-        """The dry run's estimate of the memory per device for the arguments ``hp`` and the per-device batch that
-        fits it (``mabn.tasks.memory.plan``); None where the task estimates none."""
+        """The dry run's estimate of the memory per device for the arguments ``hp`` (their ``network``'s
+        ``planned_sizes``) and the per-device batch that fits it (``mabn.tasks.memory.plan``); None where the task
+        estimates none."""
         return None
 
     @classmethod

@@ -1,22 +1,18 @@
 """Stage 2's training memory per device (``mabn.run.memory``) from the task's hyperparameters: the estimate and the
-per-device batch a dry run plans (the network built on the meta device for its parameter count), and the one a fit
-takes on the device it runs on (``fit``, from ``SegmentationTask.setup``)."""
+per-device batch a dry run plans (from the sizes of the network built on the meta device, ``planned_sizes``), and
+the one a fit takes on the device it runs on (``fit``, from ``SegmentationTask.setup``)."""
 
 from __future__ import annotations
 
-import functools
-import json
-import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 from torch import nn
 
 from ..distributed import gather_objects, say
 from ..errors import ConfigError
-from ..models import DEFAULT_DECODER, build_segmentation_model
+from ..models import DEFAULT_DECODER
 from ..norm import NORM_PRESETS, norm_entry
 from ..run.memory import Budget, activation_bytes, device_budget, estimate, fit_batch, gb
 
@@ -34,47 +30,22 @@ def network(hp: Mapping[str, Any]) -> str:
     return f"{hp['arch']} with {hp['norm']}"
 
 
-def sizes(model: nn.Module) -> tuple[int, int]:
+def network_sizes(model: nn.Module) -> tuple[int, int]:
     """(the trainable parameters, the bytes of the buffers) of ``model``."""
     params = sum(p.numel() for p in model.parameters() if p.requires_grad)
     return params, sum(b.numel() * b.element_size() for b in model.buffers())
 
 
-def planned_sizes(hp: Mapping[str, Any]) -> tuple[int, int]:
-    """``sizes`` of the task's network, built on the meta device: shapes without memory or initialization."""
-    options = json.dumps(hp["norm_options"], sort_keys=True)
-    return _meta_sizes(
-        hp["decoder"],
-        hp["num_classes"],
-        hp["norm"],
-        hp["norm_batch_size"],
-        options,
-        hp["arch"],
-        hp["dropout"],
-        hp["output_stride"],
-        hp["head_norm"],
-    )
+@dataclass(frozen=True)
+class NetworkSizes:
+    """What a plan needs of a task's network (``NormTask.planned_sizes``): its trainable parameters and the bytes of
+    its buffers (the memory estimate, ``mabn.run.memory``), and the bytes of a checkpoint's weights and buffers and
+    of its optimizer state (``NormTask.checkpoint_bytes``)."""
 
-
-@functools.lru_cache(maxsize=16)  # a process that plans many runs (the tests, a sweep) builds each network once
-def _meta_sizes(
-    decoder: str,
-    classes: int,
-    norm: str,
-    norm_batch: int | None,
-    options: str,
-    arch: str,
-    dropout: float,
-    stride: int | None,
-    head_norm: str | None,
-) -> tuple[int, int]:
-    # Its warnings are the fit's to give, which builds the network for real.
-    with torch.device("meta"), warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        model = build_segmentation_model(
-            decoder, classes, norm, norm_batch, json.loads(options), arch, dropout, stride, head_norm
-        )
-    return sizes(model)
+    params: int
+    buffers: int
+    weights: int
+    optimizer: int
 
 
 @dataclass(frozen=True)
@@ -88,11 +59,18 @@ class MemoryPlan:
 
 
 def plan(
-    hp: Mapping[str, Any], per_device: int, global_batch: int, cuda: bool, processes: int, crop: int | None
+    hp: Mapping[str, Any],
+    sizes: NetworkSizes,
+    per_device: int,
+    global_batch: int,
+    cuda: bool,
+    processes: int,
+    crop: int | None,
 ) -> MemoryPlan:
     """The dry run's plan of the memory of a step of ``per_device`` crops of ``crop`` px (None: the data set does
     not exist yet) on a GPU (``cuda``) or on the CPU shared by ``processes`` of this node, for a run of
-    ``global_batch``; a ``ConfigError`` where one normalization batch does not fit."""
+    ``global_batch``, with the ``sizes`` of the task's network; a ``ConfigError`` where one normalization batch
+    does not fit."""
     bpp = per_pixel(hp)
     if bpp is None:
         decoder = hp["decoder"]
@@ -101,7 +79,7 @@ def plan(
         return MemoryPlan(per_device, 1, [line])
     if crop is None:
         return MemoryPlan(per_device, 1, ["memory: estimated once the data set exists (the crop comes from it)"])
-    params, buffers = planned_sizes(hp)
+    params, buffers = sizes.params, sizes.buffers
     fit = fit_batch(
         per_device,
         hp["norm_batch_size"],
@@ -135,7 +113,7 @@ def fit(task: Any) -> None:
     local = device_budget(device.type == "cuda", trainer.num_devices, device)
     least = min(gather_objects(local.bytes), key=lambda n: float("inf") if n is None else n)
     budget = local if least == local.bytes else Budget(least, f"the least of the processes'; here {local.source}")
-    params, buffers = sizes(task.model)
+    params, buffers = network_sizes(task.model)
     crop = data.crop_size
     task.memory_fit = budget, lambda n: estimate(params, buffers, bpp, crop, n)
     found = fit_batch(
