@@ -247,3 +247,22 @@ def test_cityscapes_is_the_folder_dataset_naming_its_facts():
         "__init__",
         "plan",
     }
+
+
+def test_one_callback_sets_the_batch_a_fit_trains_with():
+    """The fit's batch layout is decided in one place (``mabn.tasks.batch_layout.BatchLayout``): no other module
+    assigns the Trainer's ``accumulate_grad_batches`` or another object's ``batch_size`` (a data module sets its own
+    from its arguments)."""
+    found = []
+    for path in sorted((SRC / "mabn").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.Assign | ast.AugAssign | ast.AnnAssign):
+                continue
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            for target in (t for tuple_or in targets for t in getattr(tuple_or, "elts", [tuple_or])):
+                if not isinstance(target, ast.Attribute):
+                    continue
+                own = isinstance(target.value, ast.Name) and target.value.id == "self"
+                if target.attr == "accumulate_grad_batches" or (target.attr == "batch_size" and not own):
+                    found.append(f"{path.relative_to(SRC)}:{node.lineno}")
+    assert found and all(where.startswith("mabn/tasks/batch_layout.py:") for where in found), found

@@ -1,22 +1,22 @@
 """Stage 2's training memory per device (``mabn.run.memory``) from the task's hyperparameters: the estimate and the
 per-device batch a dry run plans (from the sizes of the network built on the meta device, ``planned_sizes``), and
-the one a fit takes on the device it runs on (``fit``, from ``SegmentationTask.setup``)."""
+the one a fit finds on the device it runs on (``fit``), which ``mabn.tasks.batch_layout.BatchLayout`` hands to the
+data module and the Trainer."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import pytorch_lightning as pl
 from torch import nn
 
 from ..distributed import gather_objects, say
 from ..errors import ConfigError
 from ..models import DEFAULT_DECODER
 from ..norm import NORM_PRESETS, norm_entry
-from ..run.memory import Budget, activation_bytes, device_budget, estimate, fit_batch, gb
-
-LAYOUT_KEY = "batch_layout"  # in a stage-2 checkpoint: the batch the fit trained with (``layout``)
+from ..run.memory import Budget, Estimate, Fit, activation_bytes, device_budget, estimate, fit_batch, gb
 
 
 def per_pixel(hp: Mapping[str, Any]) -> int | None:
@@ -90,62 +90,54 @@ def plan(
     return MemoryPlan(fit.per_device, fit.accumulate, [fit.line(network(hp), global_batch)])
 
 
-def layout(task: Any) -> dict[str, int]:
-    """The batch a fit trains with: the per-device batch, the gradient accumulation and the processes, which a
-    checkpoint records (``LAYOUT_KEY``) and a resume keeps (``fit``)."""
-    trainer = task.trainer
-    per_device = trainer.datamodule.batch_size
-    return {"per_device": per_device, "accumulate": trainer.accumulate_grad_batches, "processes": trainer.world_size}
+@dataclass(frozen=True)
+class Fitted:
+    """A fit's memory at its start (``fit``): the budget of its devices (the least of its processes'), the estimate
+    of a step of any per-device batch, and the per-device batch and accumulation factor found for the data module's
+    batch."""
+
+    budget: Budget
+    estimate_at: Callable[[int], Estimate]
+    found: Fit
 
 
-def fit(task: Any) -> None:
-    """At the start of a fit (``SegmentationTask.setup``, after the data module's): the estimate on the device the
-    run trains on, said in one line, and where the data module's per-device batch does not fit, the largest that
-    does with the Trainer's gradient accumulation multiplied to keep the global batch. Every process takes the
-    smallest budget of all, so that all take one batch; a ``ConfigError`` where one normalization batch does not
-    fit. The budget and the estimate stay with the task for ``keep``."""
-    trainer, hp = task.trainer, task.hparams
+def fit(trainer: pl.Trainer, hp: Mapping[str, Any], model: nn.Module) -> Fitted | None:
+    """At the start of a fit (after the data module's setup): the estimate of the task's ``model`` (arguments
+    ``hp``) on the device the run trains on, said in one line, and where the data module's per-device batch does
+    not fit, the largest that does with the factor on the gradient accumulation that keeps the global batch. Every
+    process takes the smallest budget of all, so that all take one batch; a ``ConfigError`` where one normalization
+    batch does not fit. None where nothing is estimated (a network outside the table, a data module without a
+    per-device batch and a crop)."""
     data = trainer.datamodule
     bpp = per_pixel(hp)
     if bpp is None or not hasattr(data, "batch_size") or not hasattr(data, "crop_size"):
-        return
+        return None
     device = trainer.strategy.root_device
     local = device_budget(device.type == "cuda", trainer.num_devices, device)
     least = min(gather_objects(local.bytes), key=lambda n: float("inf") if n is None else n)
     budget = local if least == local.bytes else Budget(least, f"the least of the processes'; here {local.source}")
-    params, buffers = network_sizes(task.model)
+    params, buffers = network_sizes(model)
     crop = data.crop_size
-    task.memory_fit = budget, lambda n: estimate(params, buffers, bpp, crop, n)
-    found = fit_batch(
-        data.batch_size,
-        hp["norm_batch_size"],
-        lambda n: estimate(params, buffers, bpp, data.crop_size, n),
-        budget,
-        network(hp),
-    )
+
+    def estimate_at(images: int) -> Estimate:
+        return estimate(params, buffers, bpp, crop, images)
+
+    found = fit_batch(data.batch_size, hp["norm_batch_size"], estimate_at, budget, network(hp))
     global_batch = data.batch_size * trainer.world_size * trainer.accumulate_grad_batches
-    data.batch_size = found.per_device
-    trainer.accumulate_grad_batches *= found.accumulate
     say(found.line(network(hp), global_batch))
+    return Fitted(budget, estimate_at, found)
 
 
-def keep(task: Any, recorded: dict[str, int] | None) -> None:
-    """On a resume (``SegmentationTask.on_load_checkpoint``: after ``fit``, before the loaders and the optimizer
-    are made), the layout the checkpoint ``recorded`` (``layout``), where the run has as many processes: another
-    split of the same global batch draws other batches (the loader drops another remainder), so an epoch has
-    other steps and the schedule changes. Where that layout does not fit the budget here, a ``ConfigError``."""
-    trainer, data = task.trainer, task.trainer.datamodule
-    fitted = getattr(task, "memory_fit", None)  # None: no estimate for this network, the recipe's batch as given
-    if recorded is None or fitted is None or recorded["processes"] != trainer.world_size or layout(task) == recorded:
-        return
-    budget, estimate_at = fitted
-    need = estimate_at(recorded["per_device"]).total
+def keeps(trainer: pl.Trainer, fitted: Fitted, recorded: Mapping[str, int]) -> str:
+    """On a resume, the line that says the fit keeps the layout its checkpoint ``recorded`` (its per-device batch
+    and accumulation); a ``ConfigError`` where that batch does not fit the ``fitted`` budget here."""
+    need = fitted.estimate_at(recorded["per_device"]).total
     kept = f"{recorded['per_device']} per device x {recorded['accumulate']} accumulated"
+    budget = fitted.budget
     if budget.bytes is not None and need > budget.bytes:
         raise ConfigError(
             f"{trainer.ckpt_path} was trained with a batch of {kept}, which needs ~{gb(need)} per device, more "
             f"than the {gb(budget.bytes)} here ({budget.source}): resume where it fits (a resume keeps its batch "
             "layout; another changes the steps of an epoch and the schedule)"
         )
-    data.batch_size, trainer.accumulate_grad_batches = recorded["per_device"], recorded["accumulate"]
-    say(f"batch: {kept}, as {trainer.ckpt_path} was trained (~{gb(need)} per device)")
+    return f"batch: {kept}, as {trainer.ckpt_path} was trained (~{gb(need)} per device)"

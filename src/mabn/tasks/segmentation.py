@@ -8,9 +8,9 @@ from collections.abc import Mapping, Sequence
 from functools import partial
 from typing import Any
 
+import pytorch_lightning as pl
 import torch
 import torch.nn.functional as F
-from pytorch_lightning.trainer.states import TrainerFn
 from pytorch_lightning.utilities import rank_zero_info, rank_zero_warn
 
 from ..data.classes import IGNORE_INDEX, ClassTable
@@ -31,6 +31,7 @@ from ..run import RunPlan, RunShape, device_batch, device_batch_reason
 from . import class_weights as weighting
 from . import losses, memory, schedules, wandb_media
 from .base import NormTask, require
+from .batch_layout import BatchLayout
 from .metrics import SegmentationMetric, format_iou_table
 from .sliding import sliding_window_logits
 from .wandb_media import MAX_MASK_CLASSES
@@ -442,8 +443,7 @@ class SegmentationTask(NormTask):
             )
 
     def setup(self, stage: str) -> None:
-        if stage == "fit":  # after the data module's setup, before its loaders: the batch that fits the device
-            memory.fit(self)
+        if stage == "fit":  # after the data module's setup and the batch layout's (BatchLayout), before its loaders
             # The class weights the data gives (classes.yaml's, or the training pixels counted by its check) and
             # the crop the loss sees.
             data = self.trainer.datamodule
@@ -459,17 +459,8 @@ class SegmentationTask(NormTask):
             for line in lines:
                 say(line)
 
-    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        if hasattr(self.trainer.datamodule, "batch_size"):
-            checkpoint[memory.LAYOUT_KEY] = memory.layout(self)  # what a resume keeps (memory.keep)
-
-    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        try:
-            fitting = self.trainer.state.fn == TrainerFn.FITTING
-        except RuntimeError:  # loaded outside a Trainer (load_from_checkpoint): no batch to keep
-            return
-        if fitting:
-            memory.keep(self, checkpoint.get(memory.LAYOUT_KEY))
+    def configure_callbacks(self) -> list[pl.Callback]:
+        return [*super().configure_callbacks(), BatchLayout()]
 
     @classmethod
     def memory_plan(cls, hp: Mapping[str, Any], *args: Any) -> memory.MemoryPlan:
