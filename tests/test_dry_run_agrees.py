@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 import os
 import re
+import shutil
 
 import pytest
 import torch
@@ -149,8 +150,8 @@ def test_a_checkpoint_of_the_content_saved_just_before_is_a_hard_link_that_a_lat
 
 def test_a_network_is_planned_once_a_process_until_a_file_it_names_changes(backbones, tmp_path, monkeypatch):
     """``NormTask.planned_sizes`` builds a network once per process (a sweep's dry runs, the tests): the same
-    arguments again take the sizes planned, a backbone file rewritten in place is read again, and a check that
-    fails is raised each time (a file that is missing, then written, is then built)."""
+    arguments again take the sizes planned, a backbone file rewritten in place or replaced by another is read
+    again, and a check that fails is raised each time (a file that is missing, then written, is then built)."""
     from mabn.errors import ConfigError
     from mabn.tasks.segmentation import SegmentationTask
 
@@ -172,3 +173,6 @@ def test_a_network_is_planned_once_a_process_until_a_file_it_names_changes(backb
     stat = backbone.stat()
     os.utime(backbone, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))  # rewritten, same size
     assert SegmentationTask.planned_sizes(hp) == first and len(built) == 4
+    shutil.copy2(backbone, tmp_path / "new.pt")  # another file of the same size and time, moved over it
+    os.replace(tmp_path / "new.pt", backbone)
+    assert SegmentationTask.planned_sizes(hp) == first and len(built) == 5

@@ -115,9 +115,9 @@ def memory_plan(
 def plan_lines(config: Namespace, network: NetworkSizes | None) -> list[str]:
     """What the run's task says at the start of fit (its ``run_plan``'s batch, lr and schedule, and what its
     ``memory_plan`` estimates of the memory per device of its ``network``, where it estimates it; None: a
-    LightningModule of one's own), computed from ``config``, then what
-    the data module's ``plan`` says of the data set (checked once for both), then what the task's loss takes from it
-    (``loss_lines``: the class weights, the crop), then the loader workers."""
+    LightningModule of one's own), computed from ``config``, then what the data module's ``plan`` says of the data
+    set (checked once for both), then what the task's loss takes from it (``loss_lines``: the class weights, the
+    crop), then the loader workers."""
     planned = data_plan(config)
     task = class_at(config.model.class_path)
     if network is None or not issubclass(task, NormTask):  # a LightningModule of one's own plans nothing

@@ -57,13 +57,14 @@ _PLANNED: dict[tuple[type, str, tuple], NetworkSizes] = {}
 
 
 def _files_named(hp: Mapping[str, Any]) -> tuple:
-    """(argument, size, modification time) of each file an argument names (a backbone, a warm start): a plan of
-    the same arguments after such a file changed reads it again."""
+    """(argument, file, size, modification time) of each file an argument names (a backbone, a warm start): a plan
+    of the same arguments after such a file was rewritten or replaced, or from another folder where a relative path
+    names another file, reads it again."""
     found = []
     for name, value in sorted(hp.items()):
         if isinstance(value, str | os.PathLike) and os.path.isfile(value):
             stat = os.stat(value)
-            found.append((name, str(value), stat.st_size, stat.st_mtime_ns))
+            found.append((name, str(value), stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns))
     return tuple(found)
 
 
