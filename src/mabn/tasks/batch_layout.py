@@ -49,6 +49,8 @@ class BatchLayout(pl.Callback):
         recorded where the run has as many processes: another split of the same global batch draws other batches
         (the loader drops another remainder), so an epoch has other steps and the schedule changes. Where that
         layout does not fit the budget here, a ``ConfigError``."""
+        # Lightning calls this hook for a checkpoint that holds callback states: every fit's does (its
+        # ModelCheckpoint's), and a resume needs a fit's full checkpoint.
         recorded = checkpoint.get(LAYOUT_KEY)
         if trainer.state.fn != TrainerFn.FITTING or recorded is None or self.fitted is None:
             return
