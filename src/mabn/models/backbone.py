@@ -31,7 +31,7 @@ from torch import Tensor, nn
 from ..errors import ConfigError
 from ..norm import NORM_PRESETS, CenConv2d, MABN2d, check_norm, norm_entry
 from ..norm.factory import entry_of, norms_where
-from ..run import load_weights_file, write_atomic
+from ..run import file_identity, load_weights_file, write_atomic
 from .resnet import ARCHS, DEFAULT_ARCH, check_arch
 
 FORMAT = "mabn-backbone"
@@ -121,8 +121,7 @@ def _payload(path: Path) -> Any:
     """``torch.load`` of the backbone file at ``path``, once per unchanged file (``read_backbone``)."""
     if not path.is_file():
         return load_weights_file(path, "backbone file", BackboneError)  # the error that names the missing file
-    stat = path.stat()
-    stamp = (stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns)
+    stamp = file_identity(path)
     if stamp not in _PAYLOADS:
         mapped = zipfile.is_zipfile(path)  # torch.load maps zip archives only
         payload = load_weights_file(path, "backbone file", BackboneError, mmap=mapped)

@@ -149,8 +149,11 @@ def intact(checkpoint: dict[str, Any]) -> bool | None:
     return content_digest({key: value for key, value in checkpoint.items() if key != DIGEST_KEY}) == recorded
 
 
-def _identity(path: Path) -> tuple[int, ...]:
-    stat = path.stat()
+def file_identity(path: str | os.PathLike) -> tuple[int, ...]:
+    """The file at ``path`` as its device, inode, size and modification time: another identity is another file, or
+    the same one rewritten (a write through ``atomic_path`` gives a new inode); another name of it (a link) is the
+    same identity."""
+    stat = os.stat(path)
     return stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns
 
 
@@ -165,7 +168,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     a checkpoint of PSPNet-101 is 551 MB. A later save of either name replaces that name alone (a rename), so the
     other keeps its content; a filesystem without hard links gets the copy."""
 
-    _written: tuple[str, Path, tuple[int, ...]] | None = None  # (digest, path, ``_identity``) of the last file
+    _written: tuple[str, Path, tuple[int, ...]] | None = None  # (digest, path, ``file_identity``) of the last file
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
         if storage_options is not None:
@@ -177,7 +180,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         write_atomic(
             path, lambda tmp: self._write(checkpoint, tmp) if same is None else self._link(same, checkpoint, tmp)
         )
-        self._written = (digest, path, _identity(path))
+        self._written = (digest, path, file_identity(path))
 
     def _same_file(self, digest: str, path: Path) -> Path | None:
         """The file last written, where it holds ``digest``'s content, is unchanged and is not ``path`` itself (a
@@ -188,7 +191,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         if written_digest != digest or written == path:
             return None
         try:
-            return written if _identity(written) == identity else None
+            return written if file_identity(written) == identity else None
         except OSError:  # removed since
             return None
 

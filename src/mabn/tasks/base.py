@@ -24,7 +24,7 @@ from ..errors import ConfigError, UserError
 from ..models import DEFAULT_ARCH
 from ..norm import check_norm
 from ..norm.cenconv import SGDCentring, keep_centred
-from ..run import RunPlan, RunShape, iterations_per_epoch, plan_shape
+from ..run import RunPlan, RunShape, file_identity, iterations_per_epoch, plan_shape
 
 if TYPE_CHECKING:  # the planning contract's types
     from ..data.loading import DataPlan
@@ -57,15 +57,14 @@ _PLANNED: dict[tuple[type, str, tuple], NetworkSizes] = {}
 
 
 def _files_named(hp: Mapping[str, Any]) -> tuple:
-    """(argument, file, size, modification time) of each file an argument names (a backbone, a warm start): a plan
-    of the same arguments after such a file was rewritten or replaced, or from another folder where a relative path
-    names another file, reads it again."""
-    found = []
-    for name, value in sorted(hp.items()):
-        if isinstance(value, str | os.PathLike) and os.path.isfile(value):
-            stat = os.stat(value)
-            found.append((name, str(value), stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns))
-    return tuple(found)
+    """(argument, ``file_identity``) of each file an argument names (a backbone, a warm start): a plan of the same
+    arguments after such a file was rewritten or replaced, or from another folder where a relative path names
+    another file, reads it again."""
+    return tuple(
+        (name, file_identity(value))
+        for name, value in sorted(hp.items())
+        if isinstance(value, str | os.PathLike) and os.path.isfile(value)
+    )
 
 
 def require(ok: bool, name: str, value: Any, wanted: str) -> None:
