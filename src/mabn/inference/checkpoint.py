@@ -11,7 +11,7 @@ from torch import Tensor
 
 from ..callbacks import NormPolicy
 from ..errors import ConfigError
-from ..models import key_differences
+from ..models import Undrawn, key_differences
 from ..run import first_line, load_weights_file
 from ..tasks import losses
 from ..tasks.base import NormTask
@@ -85,8 +85,9 @@ def load_task(path: str | Path, error: type[Exception] = ConfigError) -> Restore
     if name == "ClassificationTask":
         kwargs["warm_start"] = None
     try:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="No backbone given")  # the weights come next
+        # The weights come next: no backbone to read, no initial values to draw.
+        with warnings.catch_warnings(), Undrawn():
+            warnings.filterwarnings("ignore", message="No backbone given")
             task = TASKS[name](**task_hparams(kwargs))
     except (TypeError, ValueError) as err:
         raise error(f"{path}: cannot rebuild {name} from its hyper_parameters: {first_line(err)}") from err

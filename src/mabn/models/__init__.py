@@ -13,6 +13,7 @@ from .backbone import (
 from .decoders import DECODERS, DEFAULT_DECODER, Decoder, DecoderNet, build_segmentation_model, resolve_decoder
 from .pspnet import PSPNet
 from .resnet import ARCHS, DEFAULT_ARCH, check_arch, check_encoder, logged_norms, norm_kwargs_for, resnet, resnet101
+from .undrawn import Undrawn
 
 __all__ = [
     "PSPNet",
@@ -36,4 +37,5 @@ __all__ = [
     "BackboneError",
     "key_differences",
     "logged_norms",
+    "Undrawn",
 ]

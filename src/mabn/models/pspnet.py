@@ -51,11 +51,19 @@ def convert_network_norms(
     convert_norm(net.heads(), heads, **norm_kwargs_for(heads, norm_batch_size, norm_options))
 
 
+def head_conv(cin: int, cout: int, kernel: int, classifier: bool = False) -> nn.Conv2d:
+    """A conv of a head, drawn once as ``init_head`` starts it (not first by the constructor as well): a hidden one
+    without bias, or the ``classifier``, with one."""
+    conv = nn.utils.skip_init(
+        nn.Conv2d, cin, cout, kernel, padding=kernel // 2, bias=classifier, device=torch.get_default_device()
+    )
+    init_head(conv, conv if classifier else None)
+    return conv
+
+
 def conv_norm_relu(cin: int, cout: int, kernel: int) -> nn.Sequential:
     """conv (no bias) -> norm -> ReLU; the norm becomes the requested one through ``convert_norm``."""
-    return nn.Sequential(
-        nn.Conv2d(cin, cout, kernel, padding=kernel // 2, bias=False), nn.BatchNorm2d(cout), nn.ReLU(inplace=True)
-    )
+    return nn.Sequential(head_conv(cin, cout, kernel), nn.BatchNorm2d(cout), nn.ReLU(inplace=True))
 
 
 class PyramidPooling(nn.Module):
@@ -75,10 +83,8 @@ class PyramidPooling(nn.Module):
 
 
 def seg_head(cin: int, mid: int, num_classes: int, dropout: float) -> nn.Sequential:
-    """3x3 conv-norm-ReLU, dropout, 1x1 classifier; initialized by ``init_head``."""
-    head = nn.Sequential(conv_norm_relu(cin, mid, 3), nn.Dropout2d(dropout), nn.Conv2d(mid, num_classes, 1))
-    init_head(head, head[-1])
-    return head
+    """3x3 conv-norm-ReLU, dropout, 1x1 classifier; initialized as ``init_head`` does."""
+    return nn.Sequential(conv_norm_relu(cin, mid, 3), nn.Dropout2d(dropout), head_conv(mid, num_classes, 1, True))
 
 
 CLASSIFIER_STD = 0.01
@@ -127,7 +133,6 @@ class PSPNet(nn.Module):
             raise undilatable(arch, 8, error) from None
         channels = self.encoder.out_channels
         self.ppm = PyramidPooling(channels[-1], bins)
-        init_head(self.ppm)
         self.classifier = seg_head(channels[-1] * 2, 512, num_classes, dropout)
         self.aux = seg_head(channels[-2], 256, num_classes, dropout)
         convert_network_norms(self, norm, norm_batch_size, norm_options, head_norm, centre_encoder)

@@ -238,8 +238,10 @@ def keep_centred(model: nn.Module, optimizer: torch.optim.Optimizer) -> SGDCentr
 
 
 def conv_like(cls: type[nn.Conv2d], conv: nn.Conv2d, bias: bool) -> nn.Conv2d:
-    """A new ``cls`` (fresh parameters) with ``conv``'s configuration, device and dtype."""
-    return cls(
+    """A new ``cls`` with ``conv``'s configuration, device and dtype, its parameters allocated and not drawn: every
+    caller sets them (a ResNet-101's conversion would otherwise draw its 42M weights a second time)."""
+    return nn.utils.skip_init(
+        cls,
         conv.in_channels,
         conv.out_channels,
         conv.kernel_size,
