@@ -21,7 +21,7 @@ from pytorch_lightning.utilities import rank_zero_info
 
 from ..callbacks import NormPolicy, norm_callbacks
 from ..errors import ConfigError, UserError
-from ..models import DEFAULT_ARCH
+from ..models import DEFAULT_ARCH, Undrawn
 from ..norm import check_norm
 from ..norm.cenconv import SGDCentring, keep_centred
 from ..run import RunPlan, RunShape, file_identity, iterations_per_epoch, plan_shape
@@ -330,9 +330,10 @@ class NormTask(pl.LightningModule):
         setup runs on it (``check_setup``): what a dry run checks and sizes. A model whose construction reads
         tensor values (the drop-path rates of smp's mix transformers, ``mit_b*``) cannot be built there and is
         built on the CPU, the same construction."""
-        # The fit's own build says what it builds and loads, once; a CPU build draws its initial values from torch's
-        # generator, which stays the fit's: the fit seeds it before its checks and builds its model after them.
-        with _silent(), torch.random.fork_rng(devices=[]):
+        # The fit's own build says what it builds and loads, once. No initial values are drawn (Undrawn): meta
+        # tensors hold none, yet torch would still run each draw's steps. torch's generator stays the fit's: the fit
+        # seeds it before its checks and builds its model after them.
+        with _silent(), torch.random.fork_rng(devices=[]), Undrawn():
             try:
                 with torch.device("meta"):
                     task = cls(**hp)
