@@ -11,6 +11,7 @@ import math
 import os
 import time
 import warnings
+from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Literal
@@ -371,15 +372,23 @@ class NormTask(pl.LightningModule):
         checkpoint holds them: computed from the tensors (meta ones included) and from the fit's own optimizer
         (``make_optimizer``) stepped once with gradients of every trainable parameter."""
         weights = sum(t.numel() * t.element_size() for t in self.state_dict().values() if isinstance(t, torch.Tensor))
-        optimizer = self.make_optimizer(0.0)  # lr 0: a CPU-built model keeps its values
-        trainable = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
-        for param in trainable:
-            param.grad = torch.zeros_like(param)
+        optimizer = self.make_optimizer(0.0)
+        # A parameter's state after a step depends on its shape, dtype and group alone: the optimizer steps one
+        # stand-in of each kind (on the meta device, with a zero gradient), whose state counts for every parameter
+        # of its kind. A ResNet-101 has a few hundred parameters of a few dozen kinds.
+        kinds = []
+        for group in optimizer.param_groups:
+            kind = Counter((tuple(p.shape), p.dtype) for p in group["params"] if p.requires_grad)
+            group["params"] = [torch.zeros(s, dtype=d, device="meta", requires_grad=True) for s, d in kind]
+            for stand_in in group["params"]:
+                stand_in.grad = torch.zeros_like(stand_in)
+            kinds.append(kind.values())
         optimizer.step()
-        state = optimizer.state_dict()["state"].values()
-        extra = sum(t.numel() * t.element_size() for s in state for t in s.values() if isinstance(t, torch.Tensor))
-        for param in trainable:
-            param.grad = None
+        extra = 0
+        for group, counts in zip(optimizer.param_groups, kinds):
+            for stand_in, count in zip(group["params"], counts):
+                state = optimizer.state.get(stand_in, {}).values()
+                extra += count * sum(t.numel() * t.element_size() for t in state if isinstance(t, torch.Tensor))
         return weights, extra
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
