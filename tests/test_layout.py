@@ -5,6 +5,7 @@ that an import hidden inside a function counts as much as one at the top of a fi
 from __future__ import annotations
 
 import ast
+import functools
 import subprocess
 import sys
 from pathlib import Path
@@ -35,12 +36,18 @@ def _module(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
+@functools.cache
+def _tree(path: Path) -> ast.Module:
+    """``path``'s syntax tree, parsed once for all the tests (none changes it)."""
+    return ast.parse(path.read_text())
+
+
 def _imports(path: Path) -> set[str]:
     """The ``mabn`` modules (or packages) that ``path`` imports, relative imports resolved."""
     module = _module(path)
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
     found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in ast.walk(_tree(path)):
         if isinstance(node, ast.ImportFrom):
             if node.level:
                 base = package.split(".")[: len(package.split(".")) - node.level + 1]
@@ -68,7 +75,9 @@ def _unit(module: str) -> str:
     return parts[1] if len(parts) > 1 else "__init__"
 
 
+@functools.cache
 def _graph() -> nx.DiGraph:
+    """The import graph of the package's modules, made once (no test changes it)."""
     graph = nx.DiGraph()
     for path in (SRC / "mabn").rglob("*.py"):
         graph.add_node(_module(path))
@@ -97,7 +106,7 @@ def test_the_gpu_check_stands_outside_the_package_on_its_public_modules():
     assert {"check", "chain", "devicetests"} <= names
     used = set()
     for path in GPU_CHECK.glob("*.py"):
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in ast.walk(_tree(path)):
             if isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").split(".")[0] == "mabn":
                 used |= {f"{node.module}.{a.name}" if _exists(f"{node.module}.{a.name}") else node.module
                          for a in node.names}  # fmt: skip
@@ -105,7 +114,7 @@ def test_the_gpu_check_stands_outside_the_package_on_its_public_modules():
     assert not [m for m in used if any(part.startswith("_") for part in m.split("."))]
     top_imports = set()
     for path in (SRC / "mabn").rglob("*.py"):
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in ast.walk(_tree(path)):
             if isinstance(node, ast.Import):
                 top_imports |= {a.name.split(".")[0] for a in node.names}
             elif isinstance(node, ast.ImportFrom) and node.level == 0:
@@ -255,7 +264,7 @@ def test_one_callback_sets_the_batch_a_fit_trains_with():
     from its arguments)."""
     found = []
     for path in sorted((SRC / "mabn").rglob("*.py")):
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in ast.walk(_tree(path)):
             if not isinstance(node, ast.Assign | ast.AugAssign | ast.AnnAssign):
                 continue
             targets = node.targets if isinstance(node, ast.Assign) else [node.target]
