@@ -289,7 +289,9 @@ def test_no_backbone_warns_random_encoder(tiny_cityscapes, mabn_backbone, tmp_pa
 
 def test_global_batch_splits_over_devices(tiny_cityscapes, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    parsed = cli.run_cli(_task_args(tiny_cityscapes, "bn", "--data.init_args.global_batch_size", "4"), run=False)
+    parsed = cli.run_cli(
+        _task_args(tiny_cityscapes, "bn", *SHALLOW, "--data.init_args.global_batch_size", "4"), run=False
+    )
     dm = parsed.datamodule
 
     def on(world: int) -> int:
@@ -313,7 +315,7 @@ def test_norm_policy_settings_from_the_config_and_the_command_line_reach_the_cal
 ):
     monkeypatch.chdir(tmp_path)
     parsed = cli.run_cli(
-        _task_args(tiny_cityscapes, "mabn", "--model.init_args.norm_policy.log_every_n_steps", "7"), run=False
+        _task_args(tiny_cityscapes, "mabn", *SHALLOW, "--model.init_args.norm_policy.log_every_n_steps", "7"), run=False
     )
     callback = next(c for c in parsed.model.configure_callbacks() if isinstance(c, MABNCallback))
     assert callback.policy.log_every_n_steps == 7  # the command line's
