@@ -240,7 +240,8 @@ class AtomicSaveConfig(SaveConfigCallback):
             return
         log_dir = trainer.log_dir  # a broadcast: every process takes part
         if trainer.is_global_zero and log_dir is not None:
-            text = self.parser.dump(self.config, skip_none=False)
+            # Validated when parsed; a dump that validates checks every value anew (25 of 40 ms for a stage-2 config).
+            text = self.parser.dump(self.config, skip_none=False, skip_validation=True)
             if self.resumed is not None:
                 text = f"# resumed from {self.resumed}\n{text}"
             write_text_atomic(Path(log_dir) / self.config_filename, text)
