@@ -50,16 +50,21 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m pip install --quiet -c constraints.txt -e ".[dev]"
 	touch $(STAMP)
 
+# The test runs keep Python's bytecode caches (__pycache__, git-ignored) also where the environment sets
+# PYTHONDONTWRITEBYTECODE: every pytest worker would otherwise rewrite and compile each test module again on every
+# run, a quarter of its collection.
+KEEP_BYTECODE := PYTHONDONTWRITEBYTECODE=
+
 # The default suite: lint, then every test not marked slow, one pytest-xdist worker per core (under two minutes
 # on 2 CPU cores); each module runs in one worker, so that its fixtures are built once. CI runs both.
 test: lint
-	$(PY) -m pytest -q -m "not slow" -n auto --dist loadfile
+	$(KEEP_BYTECODE) $(PY) -m pytest -q -m "not slow" -n auto --dist loadfile
 
 # The tests too long for the default suite (variants of its runs, multi-process failure and timing cases, inductor
 # compiles, GPU-sized benchmarks), one worker per core taking the next test as it finishes one: its modules are
 # few tests of very different lengths.
 test-slow: $(STAMP)
-	$(PY) -m pytest -q -m slow -n auto --dist worksteal
+	$(KEEP_BYTECODE) $(PY) -m pytest -q -m slow -n auto --dist worksteal
 
 # The Tritons of the supported torch releases besides the environment's own (3.6.0: torch 2.11's), each in
 # .venv-triton<version>/ (git-ignored, Triton alone), where tests/test_kernels_compile.py (make test-slow) compiles

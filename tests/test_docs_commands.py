@@ -669,7 +669,9 @@ def _make_n(case: Case, stdout: str) -> int:
         if words[:3] == [".venv/bin/python", "-m", "pytest"] or gpu and words[:3] == ["python", "-m", "pytest"]:
             if _gpu_tests(words[3:], env, case) if gpu else 0 if _test_files(words[3:], case) is not None else 1:
                 return 1
-            if not gpu and env or gpu and set(env) - {"MABN_TEST_DEVICE", "PYTHONPATH"}:
+            # make test and test-slow keep the bytecode caches (KEEP_BYTECODE); test-gpu names its device and src/.
+            known = set(env) <= {"MABN_TEST_DEVICE", "PYTHONPATH"} if gpu else env == {"PYTHONDONTWRITEBYTECODE": ""}
+            if not known:
                 case.say(f"unexpected environment of the test line: {env}")
                 return 1
             continue
