@@ -12,7 +12,7 @@ import os
 import time
 import warnings
 from collections import Counter
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -66,6 +66,11 @@ def _files_named(hp: Mapping[str, Any]) -> tuple:
         for name, value in sorted(hp.items())
         if isinstance(value, str | os.PathLike) and os.path.isfile(value)
     )
+
+
+def _bytes(values: Iterable[Any]) -> int:
+    """The bytes of the tensors among ``values`` (a state dict's, an optimizer state's: counts are not tensors)."""
+    return sum(t.numel() * t.element_size() for t in values if isinstance(t, torch.Tensor))
 
 
 def require(ok: bool, name: str, value: Any, wanted: str) -> None:
@@ -370,8 +375,8 @@ class NormTask(pl.LightningModule):
     def checkpoint_bytes(self) -> tuple[int, int]:
         """(the bytes of the model's state dict, those of the optimizer's state after a step), as the fit's
         checkpoint holds them: computed from the tensors (meta ones included) and from the fit's own optimizer
-        (``make_optimizer``) stepped once with gradients of every trainable parameter."""
-        weights = sum(t.numel() * t.element_size() for t in self.state_dict().values() if isinstance(t, torch.Tensor))
+        (``make_optimizer``) stepped once over stand-ins of the trainable parameters."""
+        weights = _bytes(self.state_dict().values())
         optimizer = self.make_optimizer(0.0)
         # A parameter's state after a step depends on its shape, dtype and group alone: the optimizer steps one
         # stand-in of each kind (on the meta device, with a zero gradient), whose state counts for every parameter
@@ -387,8 +392,7 @@ class NormTask(pl.LightningModule):
         extra = 0
         for group, counts in zip(optimizer.param_groups, kinds):
             for stand_in, count in zip(group["params"], counts):
-                state = optimizer.state.get(stand_in, {}).values()
-                extra += count * sum(t.numel() * t.element_size() for t in state if isinstance(t, torch.Tensor))
+                extra += count * _bytes(optimizer.state.get(stand_in, {}).values())
         return weights, extra
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
