@@ -67,6 +67,7 @@ def _fresh_port(monkeypatch):
     monkeypatch.setenv("MASTER_PORT", str(find_free_network_port()))
 
 
+@pytest.mark.slow  # two spawned processes, each importing torch: ~5 s of CPU
 def test_agree_combines_host_flags_over_a_gloo_group_beside_an_nccl_default_group(tmp_path):
     """LastCheckpoint's per-batch agreement never goes through the device: under a default group that is NCCL (a GPU
     run's), the flags are a CPU tensor all-reduced over a gloo group of the same processes, made once; every rank
