@@ -12,14 +12,12 @@ from torch import nn
 
 import mabn.norm.managed
 from helpers.callback_task import POLICY, Tiny, loader
-from helpers.trainer import OWN_LOG_CADENCE, quiet_trainer
+from helpers.trainer import quiet_trainer
 from helpers.wandb_reader import history, offline_run, wandb_session
 from mabn import BatchRenorm2d, MABN2d, convert_norm
 from mabn.callbacks import MABNCallback, PhaseRule, norm_callbacks
 from mabn.errors import ConfigError
 from mabn.run.loggers import WandbLogger
-
-pytestmark = OWN_LOG_CADENCE
 
 # What MABNCallback logs per MABN layer (norm/<layer>/<key>).
 MABN_LOGGED = ("chi2_batch", "chi2_sma", "chi2_ema", "psi_batch", "psi_bar", "r_mean", "r_clipped", "phase")

@@ -24,7 +24,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import mabn.norm.mabn as mabn_module
 import mabn.tasks.cudagraph as cudagraph
 from helpers.precision import ScalingOnly
-from helpers.trainer import OWN_LOG_CADENCE, quiet_trainer
+from helpers.trainer import quiet_trainer
 from mabn import BatchRenorm2d, CenConv2d, MABN2d
 from mabn.callbacks import MABNCallback, NormPolicy
 from mabn.errors import ConfigError, exit_on_user_error, user_error
@@ -32,7 +32,7 @@ from mabn.models import resnet
 from mabn.tasks import ClassificationTask
 from mabn.tasks.base import NormTask
 
-pytestmark = [pytest.mark.gpu, OWN_LOG_CADENCE]
+pytestmark = pytest.mark.gpu
 
 # CUDA graphs have no CPU half.
 needs_gpu = pytest.mark.gpu(cuda_only=True)

@@ -4,19 +4,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
 import pytorch_lightning as pl
 
 QUIET = {"enable_progress_bar": False, "enable_model_summary": False}
 # A fit that leaves nothing behind: no logger, no checkpoints.
 BARE = {**QUIET, "logger": False, "enable_checkpointing": False}
-
-
-# Lightning's hint for a fit of fewer batches than its logging interval, for the fits that keep Lightning's
-# interval at 50 so that the norms' statistics are logged on the norm policy's cadence alone. Ignored where it is
-# raised: under pytest-xdist a recorded warning travels to the controlling process, which imports its category's
-# module (lightning_fabric, and torch with it: seconds) while the worker waits to report its next test.
-OWN_LOG_CADENCE = pytest.mark.filterwarnings("ignore:The number of training batches .* is smaller than the logging")
 
 
 def quiet_trainer(root: Path, **kwargs) -> pl.Trainer:
