@@ -55,6 +55,24 @@ def test_convert_replaces_every_batchnorm_and_keeps_conv_weights(builder, norm):
         assert all(m.num_groups == 32 for m in norms)
 
 
+def _conv_bn_net() -> nn.Sequential:
+    return nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 8, 3), nn.BatchNorm2d(8))
+
+
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+@pytest.mark.parametrize("norm", ["bn", "gn", "mabn"])
+def test_converted_layers_live_where_the_model_does_and_centred_convs_keep_its_weights(norm, device):
+    """New norms are built on the default device (the CPU) and moved to their BatchNorm's where it differs (a
+    model on the meta device); a centred conv takes its conv's own weight tensor."""
+    with torch.device(device):
+        model = _conv_bn_net()
+    weights = [model[0].weight, model[3].weight]
+    convert_norm(model, norm)
+    assert {t.device.type for t in (*model.parameters(), *model.buffers())} == {device}
+    assert model[0].weight is weights[0] and model[3].weight is weights[1]
+    assert type(model[1]) is NORM_TYPES[norm] and (norm == "mabn") == isinstance(model[0], CenConv2d)
+
+
 @pytest.mark.slow  # a training step of smp's PSPNet-101
 def test_mabn_converted_pspnet_trains_a_step():
     model = convert_norm(_pspnet(), "mabn", norm_batch_size=2, warmup_iters=1, renorm_warmup_iters=1)

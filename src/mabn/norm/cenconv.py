@@ -131,7 +131,7 @@ class CenConv2d(nn.Conv2d):
     @classmethod
     def from_conv(cls, conv: nn.Conv2d) -> CenConv2d:
         """A CenConv2d with the same configuration, sharing ``conv``'s weight and bias tensors."""
-        new = conv_like(cls, conv, bias=conv.bias is not None)
+        new = conv_like(cls, conv, bias=conv.bias is not None, allocate=False)
         new.weight = conv.weight
         new.bias = conv.bias
         return new
@@ -237,11 +237,11 @@ def keep_centred(model: nn.Module, optimizer: torch.optim.Optimizer) -> SGDCentr
     return SGDCentring(convs, hook)
 
 
-def conv_like(cls: type[nn.Conv2d], conv: nn.Conv2d, bias: bool) -> nn.Conv2d:
-    """A new ``cls`` with ``conv``'s configuration, device and dtype, its parameters allocated and not drawn: every
-    caller sets them (a ResNet-101's conversion would otherwise draw its 42M weights a second time)."""
-    return nn.utils.skip_init(
-        cls,
+def conv_like(cls: type[nn.Conv2d], conv: nn.Conv2d, bias: bool, allocate: bool = True) -> nn.Conv2d:
+    """A new ``cls`` with ``conv``'s configuration, dtype and device, its parameters not drawn: every caller sets
+    them (a ResNet-101's conversion would otherwise draw its 42M weights a second time). ``allocate=False``: on the
+    meta device, for a caller that gives it tensors of its own (nothing allocated, nothing moved)."""
+    new = cls(
         conv.in_channels,
         conv.out_channels,
         conv.kernel_size,
@@ -251,6 +251,7 @@ def conv_like(cls: type[nn.Conv2d], conv: nn.Conv2d, bias: bool) -> nn.Conv2d:
         groups=conv.groups,
         bias=bias,
         padding_mode=conv.padding_mode,
-        device=conv.weight.device,
+        device="meta",
         dtype=conv.weight.dtype,
     )
+    return new.to_empty(device=conv.weight.device) if allocate else new

@@ -151,7 +151,11 @@ def convert_norm(
                 continue
             channels = child.num_features if isinstance(child, _BATCH_NORMS) else child.normalized_shape[0]
             new = create_norm(norm, channels, **kwargs)
-            new.to(device=child.weight.device if child.weight is not None else None)
+            device = child.weight.device if child.weight is not None else None
+            # Moved only where it was built elsewhere: inside a meta build a move to where it is already costs a
+            # Python call of the build's torch function modes per tensor op.
+            if device is not None and any(t.device != device for t in (*new.parameters(), *new.buffers())):
+                new.to(device=device)
             _copy_state(child, new, entry)
             new.train(child.training)
             if isinstance(child, norm_acts):
