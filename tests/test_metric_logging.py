@@ -1,6 +1,6 @@
 """Stage 2's validation and test results as the loggers get them: mIoU, mAcc and pixel accuracy in the metrics,
 and the per-class IoU and accuracy as a wandb.Table of an offline run, against a numpy reference computed from
-the model's own predictions."""
+the model's own predictions; and what the CSV logger rewrites at the save Lightning makes at every logging step."""
 
 from __future__ import annotations
 
@@ -12,11 +12,13 @@ import numpy as np
 import pytest
 import pytorch_lightning as pl
 import torch
+import yaml
 
 from helpers.trainer import BARE
 from helpers.wandb_reader import history, offline_run, wandb_session
 from mabn.data.cityscapes import CLASS_NAMES, CityscapesDataModule
 from mabn.data.classes import IGNORE_INDEX
+from mabn.run.files import file_identity
 from mabn.run.loggers import CSVLogger, WandbLogger
 from mabn.tasks import SegmentationTask
 from mabn.tasks.sliding import sliding_window_logits
@@ -91,3 +93,19 @@ def test_validation_and_test_log_macc_and_the_per_class_table(tiny_cityscapes, t
             np.testing.assert_allclose(
                 [v for v in logged if v is not None], values[~np.isnan(values)], rtol=1e-12, err_msg=column
             )
+
+
+def test_each_save_rewrites_the_metrics_and_the_hyperparameters_only_once_they_change(tmp_path):
+    logger = CSVLogger(str(tmp_path))
+    logger.log_hyperparams({"lr": 0.01})
+    hparams, metrics = tmp_path / "hparams.yaml", tmp_path / "metrics.csv"
+    written = file_identity(hparams)  # a write is a new file renamed onto the name: a new identity
+    for step in range(3):
+        logger.log_metrics({"loss": 1.0 / (step + 1)}, step=step)
+        logger.save()
+        assert file_identity(hparams) == written, step
+        assert len(list(csv.DictReader(metrics.open()))) == step + 1
+    logger.log_hyperparams({"warmup": 3})
+    logger.save()
+    assert file_identity(hparams) != written
+    assert yaml.safe_load(hparams.read_text()) == {"lr": 0.01, "warmup": 3}
