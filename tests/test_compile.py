@@ -38,7 +38,11 @@ POLICY_LAYER = "layer1.0.bn1"
 
 
 def _model(norm: str) -> nn.Module:
-    model = SmallResNet(3, widths=(4, 8), blocks=(1, 1))
+    # 16 channels into the strided 1x1 downsample conv at least: the inductor gives it channels-last inputs, and
+    # oneDNN's 1x1 weight-gradient kernels write past their workspace there below a channel block (8 input
+    # channels on AVX2, 16 on AVX-512; uxlfoundation/oneDNN#6035), which corrupts the heap of a one-thread process
+    # (torch 2.13 and 2.14 on an AVX2 CPU: the worker aborts in the compiled backward).
+    model = SmallResNet(3, widths=(16, 32), blocks=(1, 1))
     return convert_norm(model, norm, **LAYER_KWARGS[norm]).train()
 
 
