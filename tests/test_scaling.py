@@ -32,8 +32,9 @@ IMAGENET_CLASSES, IMAGENET_PER_CLASS = 16, 300  # enough for one global batch of
 @pytest.fixture(scope="session")
 def layouts(tmp_path_factory) -> dict[str, Path]:
     """Dataset layouts of empty files: a dry run plans from file names and reads no image. Each file is a hard
-    link to one empty file: a new inode costs ~0.6 ms on an ext4 without a journal that has freed many (the suite
-    frees thousands each run), a link to an existing one a fiftieth of that, and a scan sees the same files."""
+    link to one empty file, which a scan sees as a file of its own: on the suite's ext4 disk a new inode costs
+    0.5-0.75 ms (the allocator scans past recently freed inodes, and each suite run frees thousands), a link to an
+    existing one about a twentieth of that."""
     root = tmp_path_factory.mktemp("layouts")
     empty = root / "empty"
     empty.touch()
