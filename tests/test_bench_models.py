@@ -12,6 +12,7 @@ from functools import partial
 import pytest
 import torch
 
+from helpers.marks import default_suite_runs
 from mabn.models import PSPNet
 from mabn.tools.bench import infer, report, step
 from mabn.tools.bench.command import main
@@ -118,7 +119,9 @@ def test_bench_cli_plans_the_segmented_capture(capsys):
     assert "bench-step-graph-stages-cuda.md" in out  # not the whole capture's report
 
 
-@pytest.mark.parametrize(("segments", "graphs"), [("whole", 1), ("stages", 5)])
+@pytest.mark.parametrize(
+    ("segments", "graphs"), default_suite_runs([("whole", 1), ("stages", 5)], keep=[("stages", 5)])
+)
 def test_step_bench_trainer_captures_as_graph_segments_says(graph_stand_in, segments, graphs):
     """The bench's training step hands graph_segments to the capture: stages gives PSPNet's five segments (stem
     with layer1, layer2, layer3, layer4, heads) one graph each, whole one graph (CPU stand-in capture)."""

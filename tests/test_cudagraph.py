@@ -23,6 +23,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import mabn.norm.mabn as mabn_module
 import mabn.tasks.cudagraph as cudagraph
+from helpers.marks import default_suite_runs
 from helpers.precision import ScalingOnly
 from helpers.trainer import quiet_trainer
 from mabn import BatchRenorm2d, CenConv2d, MABN2d
@@ -445,7 +446,7 @@ def _fit_twice(tmp_path: Path, cuda_graph: bool, first: str) -> GraphTask:
     return task
 
 
-@pytest.mark.parametrize("first", ["scaled", "32-true"])
+@pytest.mark.parametrize("first", default_suite_runs(["scaled", "32-true"], keep=["scaled"]))
 def test_second_fit_captures_its_own_graphs(tmp_path, graph_stand_in, first):
     """A second ``fit()`` of a graphed task under a loss scaler: its MABNCallback hands the layers a loss scale of
     its own (the first fit's is freed with its callback, or there was none), which graphs of the first fit would

@@ -852,6 +852,25 @@ def test_placeholders_and_elisions_are_filled():
         dc.fill("make x <unknown>")
 
 
+def test_the_default_suite_replays_the_front_doors_dry_runs_and_the_pages_cheap_commands():
+    def slow(file: str, text: str) -> bool:
+        command = dc.Command(file, 1, text, "bash block")
+        return dc.slow_reason(command, dc.classify(command)) is not None
+
+    for text in (
+        "make cityscapes NORM=gn",
+        "python -m mabn fit --config configs/cityscapes.yaml",
+        'python -c "print(1)"',
+    ):
+        assert not slow("README.md", text) and not slow("pretrain/README.md", text), text
+        assert slow("docs/training.md", text), text
+    for text in ("make test", "make bench", "make export"):
+        assert not slow("docs/training.md", text), text
+    # Every kind the docs show keeps cases in the default suite.
+    kept = {dc.classify(c) for c in COMMANDS if not dc.not_run_reason(c) and not dc.slow_reason(c, dc.classify(c))}
+    assert {dc.STAGE, dc.FIT, dc.PLAN, dc.MAKE_N, dc.USAGE, dc.HELP, dc.SNIPPET} <= kept
+
+
 def test_the_docs_show_commands_of_every_kind():
     kinds = {dc.classify(c) for c in COMMANDS if not dc.not_run_reason(c)}
     assert len(COMMANDS) >= 100

@@ -19,6 +19,7 @@ import torch
 
 import mabn.norm.mabn as mabn_module
 from helpers.kernels import kernels, take
+from helpers.marks import slow_where_interpreted
 from helpers.stream_runs import FLOAT64, check_step, inputs, pair
 from mabn.norm import MABN2d, fused, row_kernels
 
@@ -225,6 +226,7 @@ def test_a_misaligned_buffer_has_its_own_compiled_kernel(device, monkeypatch):
 FLOAT32 = dict(rtol=1e-5, atol=1e-6)
 
 
+@slow_where_interpreted  # the compiled launches it guards exist on a GPU; the interpreter's take ~3 s
 def test_launches_of_both_dtypes_and_alignments_match_reference(device, monkeypatch):
     """The launches above run, step after step in turn on one process's launchers: a float64 layer fed float32 and
     one fed float64, and a layer with misaligned histories, each against the float64 reference."""

@@ -108,17 +108,18 @@ def _run(
     return results
 
 
-# Every configuration in float64 on one program (the default suite: ghost groups, a short buffer, EMA with ghost
-# groups; the slow suite the others); in float32 the default suite runs the timeline MABNCallback drives
-# (on programs of 2 channels, test_fused_matches_reference and the non-finite test run in it).
+# Every configuration in float64 on one program (the default suite: EMA with ghost groups, and on a GPU ghost
+# groups and a short buffer too; the slow suite the others); in float32 the default suite runs the timeline
+# MABNCallback drives (on programs of 2 channels, test_fused_matches_reference and the non-finite test run in it).
 @pytest.mark.parametrize(
     ("name", "dtype", "grid"),
     default_suite_runs(
         [(name, dtype, grid) for grid in GRIDS for dtype in (torch.float64, torch.float32) for name in sorted(CONFIGS)],
         keep=[
-            *((name, torch.float64, "one-program") for name in ("ghost2", "buffer1", "ema-ghost3")),
+            ("ema-ghost3", torch.float64, "one-program"),
             ("policy-switch", torch.float32, "one-program"),
         ],
+        keep_compiled=[(name, torch.float64, "one-program") for name in ("ghost2", "buffer1")],
         ids=[f"{name}-{kind}-{grid}" for grid in GRIDS for kind in ("float64", "float32") for name in sorted(CONFIGS)],
     ),
 )
@@ -166,9 +167,20 @@ def _check_paths_agree(
 
 
 # The statistics' dtype is the input's (float32); the buffers' is the layer's, float64 in the second case: a buffer
-# must come back bit for bit also where it holds more bits than the statistics.
-@pytest.mark.parametrize("layer_dtype", [torch.float32, torch.float64], ids=["float32", "float64-buffers"])
-@pytest.mark.parametrize("grid", GRIDS)
+# must come back bit for bit also where it holds more bits than the statistics. In Triton's interpreter the default
+# suite runs float64 buffers on one program, the slow suite on several too.
+NON_FINITE = [(grid, dtype) for dtype in (torch.float32, torch.float64) for grid in GRIDS]
+
+
+@pytest.mark.parametrize(
+    ("grid", "layer_dtype"),
+    default_suite_runs(
+        NON_FINITE,
+        keep=NON_FINITE[:3],
+        keep_compiled=NON_FINITE[3:],
+        ids=[f"{grid}-{'float32' if dtype == torch.float32 else 'float64-buffers'}" for grid, dtype in NON_FINITE],
+    ),
+)
 def test_fused_non_finite_statistic_leaves_every_buffer(grid, layer_dtype, device, fused, monkeypatch):
     """A non-finite chi^2 (forward) or psi (backward) in one channel leaves every buffer of the layer bit for bit
     as it was and sets that direction's flag; under a loss scale psi's is left unset. On programs of 2 channels
@@ -237,7 +249,15 @@ def test_tickets_move_with_the_layer_and_stay_put_otherwise():
     assert layer._tickets.tolist() == [0, 0] and layer._tickets.dtype == torch.int32
 
 
-@pytest.mark.parametrize("x_dtype", [torch.float16, torch.bfloat16], ids=["float16", "bfloat16"])
+@pytest.mark.parametrize(
+    "x_dtype",
+    default_suite_runs(
+        [torch.float16, torch.bfloat16],
+        keep=[torch.float16],
+        keep_compiled=[torch.bfloat16],
+        ids=["float16", "bfloat16"],
+    ),
+)
 def test_fused_low_precision_input_equals_torch_ops(x_dtype, device, monkeypatch):
     """Half-precision activations with float32 parameters and statistics (what autocast gives a norm layer):
     the kernels write the per-sample coefficients in the input's dtype and keep every statistic in float32."""

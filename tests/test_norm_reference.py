@@ -32,6 +32,7 @@ from helpers.layer_runs import (
     set_affine,
     train_step,
 )  # fmt: skip
+from helpers.marks import default_suite_runs
 from helpers.reference import RefBRN, RefMABN, RefOfficialImageNetMABN, group_slices
 from mabn.callbacks.policy import PhaseRule
 from mabn.norm import BatchRenorm2d, MABN2d
@@ -208,7 +209,11 @@ def stage1_mabn_layer(channels: int) -> tuple[MABN2d, PhaseRule, int]:
     return layer, PhaseRule(**rule), config["data"]["init_args"]["batch_size"]
 
 
-@pytest.mark.parametrize("path", ["torch ops", "fused"])
+# The fused path's case takes 4 s in Triton's interpreter: the default suite runs it on a GPU, the slow suite
+# everywhere.
+@pytest.mark.parametrize(
+    "path", default_suite_runs(["torch ops", "fused"], keep=["torch ops"], keep_compiled=["fused"])
+)
 def test_stage1_mabn_follows_the_official_imagenet_code(path, monkeypatch, device):
     """Stage 1's MABN layer, driven by its phase rule step by step as MABNCallback drives it, equals the official
     ImageNet layer (RefOfficialImageNetMABN) forward by forward: batch statistics at the first forward only, SMA

@@ -104,6 +104,10 @@ EXPECTED = {
 }
 # Cases that cost more than the default suite affords (pytest's slow marker), by command kind or text.
 SLOW_KINDS = {REAL, PYTEST}
+# A stage's dry run, a fit's check or a snippet parses a LightningCLI or runs code (0.3-1 s a case, 35 s over the
+# docs/ pages): the default suite replays those of the front door, the slow suite those of the docs/ pages.
+FRONT_DOOR = ("README.md", "pretrain/README.md")
+PAGE_SLOW_KINDS = {STAGE, FIT, SNIPPET}
 SLOW_TEXT: dict[str, str] = {
     r"\bmabn\.load\(": "loads the session's short stage-2 fit, made for the docs",
     r"from mabn\.inference\.export import export": "exports the session's short stage-2 fit for real, ONNX included",
@@ -388,4 +392,6 @@ def slow_reason(command: Command, kind: str) -> str | None:
             return why
     if kind in SLOW_KINDS and expected(command)[0] == 0:
         return f"{kind}: runs for real"
+    if kind in PAGE_SLOW_KINDS and command.file not in FRONT_DOOR:
+        return f"{kind} of a docs/ page: the default suite replays the front door's"
     return None
