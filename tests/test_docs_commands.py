@@ -3,7 +3,9 @@
 
 What counts as a command, and the kinds, are defined in ``tests/helpers/docs_commands.py``. A command that no rule there
 classifies fails its case, naming what to add; ``NOT_RUN`` lists, with the reason, the few that cannot run in a
-test (a weights download, minutes of torch.compile).
+test (a weights download, minutes of torch.compile). The slow marker goes to the cases that run for real (below) and
+to the docs/ pages' stage dry runs, fit checks and snippets; those of README.md and pretrain/README.md run in the
+default suite (``docs_commands.slow_reason``).
 
 Where the commands run. Each case gets its own sandbox: a temporary folder laid out like a checkout (links to
 the Makefile, pyproject.toml, configs/, scripts/ and tests/), so the command runs exactly as written from "the
