@@ -460,3 +460,32 @@ def test_the_kernel_section_runs_where_smp_albumentations_and_jsonargparse_are_a
     )
     assert collected.returncode == 0, collected.stdout[-3000:] + collected.stderr[-3000:]
     assert re.search(r"\d+ tests? collected", collected.stdout), collected.stdout[-2000:]
+
+
+# Kernel cases that the CPU's default suite leaves to the slow suite where Triton's interpreter runs them
+# (``helpers.marks``: ``keep_compiled``, ``slow_where_interpreted``), which the check's ``-m "gpu and not slow"``
+# sections must still run on a GPU.
+COMPILED_ONLY = (
+    "tests/test_history_shift.py::test_history_shift_matches_reference[stage2-G1-B2-M16]",
+    "tests/test_fused_launch.py::test_launches_of_both_dtypes_and_alignments_match_reference",
+    "tests/test_mabn_kernels.py::test_fused_equals_torch_ops[buffer1-float64-one-program]",
+    "tests/test_mabn_kernels.py::test_fused_low_precision_input_equals_torch_ops[bfloat16]",
+    "tests/test_loss_scale.py::test_scaled_gradients_match_the_unscaled_reference[sma-N6-ghost2-fused]",
+    "tests/test_norm_reference.py::test_stage1_mabn_follows_the_official_imagenet_code[fused]",
+)
+
+
+@pytest.mark.slow  # two pytest processes collecting the kernel tests
+def test_kernel_cases_left_to_the_slow_suite_on_the_cpu_run_by_default_on_a_gpu():
+    files = sorted({case.split("::")[0] for case in COMPILED_ONLY})
+    selected = {}
+    for device in ("cpu", "cuda"):
+        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"MABN_TEST_DEVICE": device}
+        run = subprocess.run(
+            [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", "-m", "gpu and not slow",
+             *files], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+        assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+        selected[device] = set(run.stdout.split())
+    assert not set(COMPILED_ONLY) & selected["cpu"]
+    assert set(COMPILED_ONLY) <= selected["cuda"]
