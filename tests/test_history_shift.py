@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from helpers.kernels import kernels, take
-from helpers.marks import where_interpreted
+from helpers.marks import slow_where_interpreted
 from helpers.reference import group_slices
 from helpers.stream_runs import check_step, inputs, pair
 
@@ -31,7 +31,8 @@ CASES = {
 
 # On a GPU the default suite runs every case; in Triton's interpreter, which cannot show a missing barrier, the slow
 # suite does (the default suite's kernel tests shift histories of more rows than groups, test_mabn_kernels.py).
-@pytest.mark.parametrize("case", [pytest.param(c, marks=where_interpreted(pytest.mark.slow)) for c in sorted(CASES)])
+@slow_where_interpreted
+@pytest.mark.parametrize("case", sorted(CASES))
 def test_history_shift_matches_reference(case, device, monkeypatch):
     n, norm_batch_size, m, channels, steps = CASES[case]
     groups = len(group_slices(n, norm_batch_size))
