@@ -15,6 +15,7 @@ import pytest  # noqa: E402
 # collected it collects itself (gc.collect).
 gc.set_threshold(50_000, 20, 20)
 
+
 # torch is imported by the tests, not here: pytest-xdist's controller loads this file before it starts the workers,
 # and runs no test itself.
 
@@ -26,6 +27,19 @@ DEVICE = os.environ.get("MABN_TEST_DEVICE", "cpu")
 # before Triton is first imported. On a GPU they run compiled.
 if DEVICE == "cpu":
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """The modules imported by collection (torch, Lightning, torchvision, smp: millions of objects that live as long
+    as the process) leave the collector's generations: each full collection of the tests would walk them again."""
+    gc.freeze()
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """At a pytest-xdist worker's exit Python's finalization collects every object still alive, the imported
+    modules' with them: a second or more, which the controller waits out for each worker. Frozen, they are left to
+    the process's end."""
+    gc.freeze()
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
