@@ -15,7 +15,6 @@ import pytest  # noqa: E402
 # collected it collects itself (gc.collect).
 gc.set_threshold(50_000, 20, 20)
 
-
 # torch is imported by the tests, not here: pytest-xdist's controller loads this file before it starts the workers,
 # and runs no test itself.
 
